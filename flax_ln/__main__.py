@@ -1,0 +1,5 @@
+import sys
+
+from flax_ln.cli import main
+
+sys.exit(main())

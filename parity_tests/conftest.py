@@ -1,0 +1,25 @@
+import os
+
+import jax
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Parity is defined at full float32 matmul precision (XLA's GPU/TPU default is lower).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# CI runs every property at least 200 times; a local run may ask for fewer.
+settings.register_profile(
+    "parity",
+    max_examples=int(os.environ.get("FLAX_LN_HYPOTHESIS_EXAMPLES", "200")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+settings.load_profile("parity")
+
+
+@pytest.fixture
+def x64():
+    """Enable float64 in JAX for one test only."""
+    with jax.enable_x64(True):
+        yield
