@@ -1,11 +1,15 @@
-"""The ``flax-ln`` command line."""
+"""The ``flax-ln`` command line: ``flax-ln parity``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
 import flax_ln
+
+MODEL_CHOICES = ["layernorm", "torch-layernorm", "encoder-decoder", "gpt", "gpt2-xl-block", "music"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,8 +19,84 @@ def build_parser() -> argparse.ArgumentParser:
         "with a PyTorch reference and cross-framework parity checks.",
     )
     parser.add_argument("--version", action="version", version=f"flax-ln {flax_ln.__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parity = commands.add_parser(
+        "parity",
+        help="load the same weights into torch_ref and flax_ln and compare outputs and gradients",
+        description="Load the same weights into the PyTorch reference and the Flax port, then compare "
+        "every output and the gradient of every input and parameter. Exit code 0 only if all are "
+        "within tolerance; on failure, name the first submodule whose output diverges.",
+    )
+    parity.add_argument("--model", choices=[*MODEL_CHOICES, "all"], default="all",
+                        help="which model to check (default: all, on small configs; gpt2-xl-block is full width)")
+    parity.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parity.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
+    parity.add_argument("--seq-len", type=int, default=None, help="sequence length (default: per model)")
+    parity.add_argument("--seed", type=int, default=0)
+    parity.add_argument("--train-steps", type=int, default=0, metavar="K",
+                        help="also run K optimizer steps in both frameworks and compare loss and parameters")
+    parity.add_argument("--rtol", type=float, default=None, help="override the relative tolerance of every tensor")
+    parity.add_argument("--atol", type=float, default=None, help="override the absolute tolerance of every tensor")
+    parity.add_argument("--json", metavar="PATH", help="write a machine-readable report with every number")
+    parity.add_argument("--plot", metavar="PATH", help="save a chart of per-module output and gradient errors")
+    parity.add_argument("--quiet", action="store_true", help="print only the summary lines")
+    parity.add_argument("--worst", type=int, default=8, help="rows per table (default 8)")
     return parser
+
+
+def _positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("batch", "seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.train_steps < 0:
+        parser.error(f"--train-steps must be at least 0, got {args.train_steps}")
+
+
+def run_parity(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import jax
+
+    from flax_ln import parity, parity_cases
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    names = MODEL_CHOICES if args.model == "all" else [args.model]
+    progress = sys.stderr
+    reports = []
+    with jax.enable_x64(args.dtype == "float64"):
+        env = parity.environment()
+        print(parity.format_environment(env) + f" | dtype {args.dtype} | x64 {env['x64']}", flush=True)
+        for index, name in enumerate(names, 1):
+            start = time.perf_counter()
+            if name not in parity_cases.BUILDERS:
+                raise SystemExit(f"flax-ln parity: model {name!r} is not available in this version")
+            print(f"[{index}/{len(names)}] {name}: building, compiling and comparing ...", file=progress, flush=True)
+            case = parity_cases.BUILDERS[name](args.dtype, args.batch, args.seq_len, args.seed)
+            tolerances = {
+                kind: dataclasses.replace(
+                    tol,
+                    rtol=tol.rtol if args.rtol is None else args.rtol,
+                    atol=tol.atol if args.atol is None else args.atol,
+                )
+                for kind, tol in parity.TOLERANCES[args.dtype].items()
+            }
+            report = parity.check_case(case, tolerances, capture_modules=bool(args.plot))
+            if args.train_steps:
+                report.train_steps = parity.check_training(case, args.train_steps, tolerances)
+            report.seconds = time.perf_counter() - start
+            reports.append(report)
+            print(parity.format_case(report, worst=args.worst, quiet=args.quiet), flush=True)
+    passed = all(r.passed for r in reports)
+    print(f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
+          f"{'PASS' if passed else 'FAIL'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "dtype": args.dtype, "passed": passed,
+                       "models": [r.to_json() for r in reports]}, f, indent=1)
+    if args.plot:
+        parity.plot_errors(reports, args.plot)
+    return 0 if passed else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    _positive(parser, args)
+    return run_parity(args)
 
 
 if __name__ == "__main__":
