@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_ln.encoder_decoder import PositionalEncoding
 from flax_ln.layernorm import LayerNorm, TorchLayerNorm
 
 
@@ -52,6 +53,9 @@ RULES: dict[type, tuple[Rule, ...]] = {
     nnx.Embed: (Leaf("embedding", "weight"),),
     LayerNorm: (Leaf("a_2", "a_2"), Leaf("b_2", "b_2")),
     TorchLayerNorm: (Leaf("scale", "weight"), Leaf("bias", "bias")),
+    # The sinusoidal table is a stored Buffer, not a DerivedBuffer: torch checkpoints carry
+    # tables whose last bits depend on the sin/cos kernel that wrote them.
+    PositionalEncoding: (Leaf("pe", "pe"),),
 }
 
 
@@ -235,7 +239,10 @@ def load_torch_state_dict(
             for i, arr in layers.items():
                 new[i] = arr
         old = var[...]
-        value = jnp.asarray(new, dtype=old.dtype)
+        # An owned copy: torch's state_dict() shares memory with its parameters, and JAX
+        # on the CPU may alias a NumPy buffer, so a later in-place torch update (an
+        # optimizer step) would otherwise change the flax model behind its back.
+        value = jnp.asarray(np.array(new, dtype=old.dtype, copy=True))
         if isinstance(old, jax.Array) and not old.is_fully_replicated:
             value = jax.device_put(value, old.sharding)
         var.set_value(value)

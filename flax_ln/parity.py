@@ -48,7 +48,7 @@ def relative_error(actual, expected) -> float:
     nonfinite = ~finite_a
     if nonfinite.any() and not np.array_equal(a[nonfinite], b[nonfinite], equal_nan=True):
         return float("inf")
-    diff = np.linalg.norm((a - b)[finite_a])
+    diff = np.linalg.norm(a[finite_a] - b[finite_b])
     scale = np.linalg.norm(b[finite_b])
     return float(diff / scale) if scale > 0 else float(diff)
 
@@ -91,7 +91,11 @@ class TensorResult:
         """How far past its tolerance the tensor is (> 1 fails), for ranking."""
         if self.nonfinite or not math.isfinite(self.relative_error):
             return math.inf
-        return min(self.relative_error / self.tolerance.rtol, self.max_abs_error / self.tolerance.atol)
+
+        def ratio(error: float, tol: float) -> float:
+            return error / tol if tol > 0 else (math.inf if error > 0 else 0.0)
+
+        return min(ratio(self.relative_error, self.tolerance.rtol), ratio(self.max_abs_error, self.tolerance.atol))
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -123,7 +127,7 @@ def compare(name: str, kind: str, actual, expected, tolerance: Tolerance) -> Ten
             f"{kind_} in {label}: {c[k]}" for k, kind_ in enumerate(("NaN", "Inf")) for label, c in counts.items()
         )
     finite = np.isfinite(a) & np.isfinite(b)
-    diff = np.where(finite, np.abs(a - b), 0.0)
+    diff = np.abs(np.where(finite, a, 0.0) - np.where(finite, b, 0.0))
     if diff.size and finite.any():
         flat = int(np.argmax(diff))
         index = tuple(int(i) for i in np.unravel_index(flat, diff.shape))

@@ -11,12 +11,13 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import torch
 from flax import nnx
 
 import flax_ln
 import torch_ref
-from flax_ln.parity import Case
+from flax_ln.parity import Case, TrainSpec
 
 
 def _randomize(module: torch.nn.Module, seed: int, std: float = 1.0) -> None:
@@ -32,6 +33,14 @@ def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, bat
     _randomize(torch_norm, seed)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((batch, seq_len, features)) * 2 + 0.5).astype(dtype)
+    target = rng.standard_normal((batch, seq_len, features)).astype(dtype)
+    # Training a lone norm: regress onto a fixed random target with Adam(1e-2).
+    train = TrainSpec(
+        torch_loss=lambda m, x: ((m(x) - torch.from_numpy(target)) ** 2).mean(),
+        flax_loss=lambda m, x: jnp.mean((m(x) - target) ** 2),
+        torch_optimizer=lambda m: (torch.optim.Adam(m.parameters(), lr=1e-2), None),
+        optax_optimizer=optax.adam(1e-2),
+    )
     return Case(
         name=name,
         torch_model=torch_norm.to(getattr(torch, dtype)),
@@ -41,6 +50,7 @@ def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, bat
         torch_call=lambda m, x: {"y": m(x)},
         flax_call=lambda m, x: {"y": m(x)},
         dtype=dtype,
+        train=train,
     )
 
 

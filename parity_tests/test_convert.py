@@ -111,6 +111,15 @@ def test_every_problem_is_listed_in_one_error_and_nothing_changes():
         np.testing.assert_array_equal(after[path], before[path], err_msg=str(path))
 
 
+def test_loaded_weights_do_not_alias_torch_memory():
+    torch_model = random_torch_toy()
+    flax_model = load_torch_state_dict(FlaxToy(rngs=nnx.Rngs(0)), torch_model.state_dict())
+    before = np.array(flax_model.norm.a_2[...])
+    with torch.no_grad():
+        torch_model.norm.a_2.add_(1.0)  # an in-place update, as torch optimizers do
+    np.testing.assert_array_equal(flax_model.norm.a_2[...], before)
+
+
 def test_non_strict_ignores_missing_and_unexpected_but_not_shapes():
     sd = dict(random_torch_toy().state_dict())
     del sd["emb.weight"]
