@@ -1,0 +1,162 @@
+"""Training pieces, optax-native: the Noam schedule, label smoothing, and a generic jitted train step.
+
+The train step works on NNX's functional split: :func:`init_train_state` calls
+``nnx.split`` once, and the step is one ``jax.jit`` of ``(graphdef, state, batch) ->
+(state, loss)`` that calls ``nnx.merge`` inside, so no Python walks the module tree per
+step. It is generic over the loss and the optax transformation::
+
+    # chapter 10, the encoder-decoder
+    tx = noam_adam(d_model=256)
+    step = make_train_step(encoder_decoder_loss(padding_idx=0), tx)
+    # chapters 12 and 14, a GPT: Adam 1e-4 after clipping the global norm to 1
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-4))
+    step = make_train_step(gpt_loss, tx)
+
+    graphdef, state = init_train_state(model, tx)
+    for batch in batches:
+        state, loss = step(graphdef, state, batch)
+    nnx.update(model, state.params, state.rest)  # back into the module when needed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from flax_ln.encoder_decoder import make_src_mask, make_std_mask
+
+Batch = Any
+LossFn = Callable[[nnx.Module, Batch], jax.Array]
+
+
+def noam_schedule(d_model: int, factor: float = 1.0, warmup: int = 2000) -> optax.Schedule:
+    """The Noam rate ``factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)`` as an optax schedule.
+
+    Linear warm-up for ``warmup`` steps, then decay as ``step^-0.5``. The book's
+    ``NoamOpt`` counts steps from 1 and optax counts updates from 0, so the schedule
+    evaluates the formula at ``count + 1``: the first update uses the book's first rate.
+    """
+
+    def schedule(count):
+        step = jnp.asarray(count, float) + 1.0
+        return factor * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup**-1.5)
+
+    return schedule
+
+
+def noam_adam(d_model: int, factor: float = 1.0, warmup: int = 2000, *, b1: float = 0.9, b2: float = 0.98,
+              eps: float = 1e-9) -> optax.GradientTransformation:
+    """Chapter 10's optimizer: Adam (betas 0.9/0.98, eps 1e-9) under :func:`noam_schedule`.
+
+    Same update as ``torch.optim.Adam`` with the rate set before each step: optax's
+    ``lr * m̂ / (sqrt(v̂) + eps)`` equals torch's ``lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
+    """
+    return optax.adam(noam_schedule(d_model, factor, warmup), b1=b1, b2=b2, eps=eps)
+
+
+def label_smoothing_loss(
+    log_probs: Float[Array, "*N V"], target: Int[Array, "*N"], *, padding_idx: int, smoothing: float = 0.1
+) -> Float[Array, ""]:
+    """Chapter 10's label-smoothed loss: ``KL(true_dist || p)`` summed over every token and class.
+
+    ``true_dist`` gives the target class ``1 - smoothing``, every other class
+    ``smoothing / (V - 2)`` (the target and the padding class are excluded), the padding
+    class 0, and is all 0 on positions whose target is ``padding_idx``, which therefore
+    add nothing. Summed like ``torch.nn.KLDivLoss(reduction="sum")``: ``sum(t log t - t
+    log_probs)`` with ``0 log 0 = 0``; divide by the token count for the book's per-token
+    loss. Unlike ``optax.smooth_labels`` + cross-entropy, the smoothing mass skips the
+    padding class and the constant ``t log t`` (the target's entropy) is included.
+
+    Args:
+      log_probs: log-probabilities, e.g. the :class:`~flax_ln.encoder_decoder.Generator` output.
+      target: class ids, the shape of ``log_probs`` without its last axis.
+      padding_idx: the padding class id.
+      smoothing: mass spread over the non-target classes, 0.1 in the book.
+    """
+    if target.shape != log_probs.shape[:-1] or not jnp.issubdtype(target.dtype, jnp.integer):
+        raise ValueError(
+            f"target: expected integer class ids of shape {log_probs.shape[:-1]} (log_probs without its last "
+            f"axis), got shape {target.shape} dtype {target.dtype}."
+        )
+    size = log_probs.shape[-1]
+    classes = jnp.arange(size)
+    true_dist = jnp.where(target[..., None] == classes, 1.0 - smoothing, smoothing / (size - 2))  # (*N, V)
+    true_dist = jnp.where((classes == padding_idx) | (target[..., None] == padding_idx), 0.0, true_dist)
+    true_dist = true_dist.astype(log_probs.dtype)
+    return jnp.sum(jax.scipy.special.xlogy(true_dist, true_dist) - true_dist * log_probs)
+
+
+def make_batch(src: Int[Array, "B S"], tgt: Int[Array, "B T+1"], pad: int) -> dict[str, jax.Array]:
+    """The book's ``Batch``: decoder input ``tgt[:, :-1]``, labels ``tgt[:, 1:]``, both masks and the token count."""
+    tgt_in, tgt_y = tgt[:, :-1], tgt[:, 1:]
+    return {
+        "src": src,
+        "src_mask": make_src_mask(src, pad),
+        "tgt": tgt_in,
+        "tgt_y": tgt_y,
+        "tgt_mask": make_std_mask(tgt_in, pad),
+        "ntokens": jnp.sum(tgt_y != pad),
+    }
+
+
+def encoder_decoder_loss(padding_idx: int, smoothing: float = 0.1) -> LossFn:
+    """Chapter 10's per-token loss for a :func:`make_batch` batch: label-smoothed KL sum / ``ntokens``."""
+
+    def loss_fn(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+        out = model(batch["src"], batch["tgt"], batch["src_mask"], batch["tgt_mask"])
+        log_probs = model.generator(out)
+        loss = label_smoothing_loss(log_probs, batch["tgt_y"], padding_idx=padding_idx, smoothing=smoothing)
+        return loss / batch["ntokens"]
+
+    return loss_fn
+
+
+class TrainState(NamedTuple):
+    """Everything a step updates: trainable ``params``, the ``rest`` (buffers, dropout RNG counters), ``opt_state``."""
+
+    params: nnx.State
+    rest: nnx.State
+    opt_state: optax.OptState
+
+
+def init_train_state(model: nnx.Module, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
+    """Split ``model`` once into its static graph and a :class:`TrainState`; ``tx`` sees only ``nnx.Param``."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, TrainState(params, rest, tx.init(params))
+
+
+def make_train_step(
+    loss_fn: LossFn, tx: optax.GradientTransformation, *, donate: bool = True
+) -> Callable[[nnx.GraphDef, TrainState, Batch], tuple[TrainState, jax.Array]]:
+    """A jitted ``step(graphdef, state, batch) -> (state, loss)`` for any loss and optax transformation.
+
+    Inside the jit the model is rebuilt with ``nnx.merge``, ``loss_fn(model, batch)`` is
+    differentiated with respect to the parameters, and ``tx`` is applied. Dropout runs
+    as the model was split (``model.train()`` / ``model.eval()`` beforehand); its RNG
+    counters advance and come back in ``state.rest``. ``graphdef`` is static, so the step
+    compiles once per model structure and batch shape.
+
+    Args:
+      loss_fn: ``(model, batch) -> scalar loss``.
+      tx: the optax transformation (e.g. :func:`noam_adam`, or clip + Adam for a GPT).
+      donate: donate the input state's buffers to the output (do not reuse ``state`` after the call).
+    """
+
+    def step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
+        def loss_of(params):
+            # copy=True: fresh Variables at this trace level, so dropout may advance its RNG counters
+            model = nnx.merge(graphdef, params, state.rest, copy=True)
+            loss = loss_fn(model, batch)
+            return loss, nnx.split(model, nnx.Param, ...)[2]
+
+        (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), rest, opt_state), loss
+
+    return jax.jit(step, static_argnums=0, donate_argnums=(1,) if donate else ())
