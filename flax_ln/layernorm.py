@@ -27,6 +27,68 @@ def _check_features(x: jax.Array, features: int, module: str) -> None:
         )
 
 
+def _statistics(x: jax.Array, ddof: int) -> tuple[jax.Array, jax.Array]:
+    """Mean and two-pass variance ``sum((x - mean)**2) / (n - ddof)`` over the last axis."""
+    n = x.shape[-1]
+    mean = jnp.mean(x, axis=-1, keepdims=True)  # (..., 1)
+    centered = x - mean
+    var = jnp.sum(centered * centered, axis=-1, keepdims=True) / (n - ddof)  # (..., 1)
+    return mean, var
+
+
+def _normalize_forward(x, scale, offset, eps, ddof):
+    """The book's formula on ``x`` already in the compute dtype."""
+    mean, var = _statistics(x, ddof)
+    # Same association as the book: (scale * centered) / sqrt(var + eps) + offset.
+    return scale * (x - mean) / jnp.sqrt(var + eps) + offset
+
+
+def _affine_normalize_fwd(x, scale, offset, eps, ddof):
+    # Residuals are only the input (alive anyway) and the scale: the backward
+    # recomputes the row statistics, two row reductions instead of stored temporaries.
+    return _normalize_forward(x, scale, offset, eps, ddof), (x, scale)
+
+
+def _affine_normalize_bwd(eps, ddof, residuals, g):
+    """Hand-written VJP. With ``c = x - mean``, ``r = 1/sqrt(var + eps)``, ``h = g * scale``::
+
+        d_offset = sum_rows(g)        d_scale = sum_rows(g * c * r)
+        d_x = r * (h - mean(h)) - c * r**3 * sum(h * c) / (n - ddof)
+
+    (the variance's derivative is ``2 c / (n - ddof)`` because ``sum(c) = 0``).
+
+    The two ``optimization_barrier`` calls play the part they play in
+    ``jax.checkpoint``: they stop XLA from merging these recomputed statistics with
+    the forward pass's or with each other. Merged, ``x - mean`` and the broadcasts
+    gained several consumers and XLA's CPU backend stored them as full-size
+    temporaries (128 MB for a float32 8192x1024 forward+backward under autodiff);
+    apart, the forward output, ``d_x`` and ``(d_scale, d_offset)`` are each computed
+    with no full-size temporary (benchmarks/RESULTS.md). The backward is itself
+    plain JAX, so it can be differentiated again (``jax.jacrev`` of ``jax.grad``).
+    """
+    n = g.shape[-1]
+    x, scale = jax.lax.optimization_barrier(residuals)
+    mean, var = _statistics(x, ddof)
+    r = jax.lax.rsqrt(var + eps)  # (..., 1)
+    h = g * scale
+    h_sum = jnp.sum(h, axis=-1, keepdims=True)  # (..., 1)
+    hc_sum = jnp.sum(h * (x - mean), axis=-1, keepdims=True)  # (..., 1)
+    dx = h * r + (x - mean) * (-(r**3) * hc_sum / (n - ddof)) - r * h_sum / n
+
+    x, g = jax.lax.optimization_barrier((x, g))
+    mean, var = _statistics(x, ddof)
+    rows = tuple(range(g.ndim - 1))
+    # (g * r) * (x - mean), not g * (x - mean) * r: the same product, but XLA's CPU
+    # backend gives the latter column reduction a full-size scratch buffer.
+    d_scale = jnp.sum((g * jax.lax.rsqrt(var + eps)) * (x - mean), axis=rows)
+    d_offset = jnp.sum(g, axis=rows)
+    return dx, d_scale, d_offset
+
+
+_affine_normalize = jax.custom_vjp(_normalize_forward, nondiff_argnums=(3, 4))
+_affine_normalize.defvjp(_affine_normalize_fwd, _affine_normalize_bwd)
+
+
 def normalize(
     x: jax.Array,
     scale: jax.Array,
@@ -48,18 +110,19 @@ def normalize(
     inside the row's range, held constant for the gradient). The output is
     mathematically unchanged, but the mean and variance are then taken of small
     numbers, which keeps rows whose mean is large relative to their spread accurate.
+
+    Reverse-mode derivatives (``jax.grad``, ``jax.vjp``, ``jax.jacrev``, also nested)
+    use a hand-written VJP that recomputes the statistics instead of storing
+    intermediates. Forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) is not
+    available through it, as for any ``jax.custom_vjp``; use ``jax.jacrev(jax.jacrev(f))``
+    for second derivatives.
     """
     out_dtype = dtype if dtype is not None else jnp.result_type(x, scale, offset)
     compute_dtype = jnp.promote_types(x.dtype, jnp.float32)
     xc = x.astype(compute_dtype)
     if robust:
         xc = xc - jax.lax.stop_gradient(xc[..., :1])
-    n = x.shape[-1]
-    mean = jnp.mean(xc, axis=-1, keepdims=True)
-    centered = xc - mean
-    var = jnp.sum(centered * centered, axis=-1, keepdims=True) / (n - ddof)
-    # Same association as the book: (scale * centered) / sqrt(var + eps) + offset.
-    y = scale.astype(compute_dtype) * centered / jnp.sqrt(var + eps) + offset.astype(compute_dtype)
+    y = _affine_normalize(xc, scale.astype(compute_dtype), offset.astype(compute_dtype), eps, ddof)
     return y.astype(out_dtype)
 
 

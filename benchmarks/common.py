@@ -1,0 +1,115 @@
+"""Shared pieces of the benchmarks: the registry, interleaved timing and the report tables.
+
+A benchmark is a function ``fn(cfg: Config) -> list[Table]`` registered under a name
+with :func:`register`. ``run.py`` imports every ``benchmarks/bench_*.py`` module, so a
+new workload (the GPT training step, compile time, remat memory) is a new module
+with its own ``@register(...)`` function and touches nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What every benchmark is told: ``quick`` asks for small sizes and few repeats."""
+
+    quick: bool
+    repeats: int
+    warmup: int
+    torch_compile: bool
+
+
+@dataclasses.dataclass
+class Timing:
+    """Seconds of one candidate over interleaved rounds."""
+
+    samples: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """The 25th and 75th percentiles, to show how noisy the shared machine was."""
+        q = statistics.quantiles(self.samples, n=4) if len(self.samples) > 1 else [self.samples[0]] * 3
+        return q[0], q[2]
+
+
+@dataclasses.dataclass
+class Table:
+    """One printed table: a title, column names, rows of cells, and free-text notes."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def markdown(self) -> str:
+        def cell(v):
+            if isinstance(v, float):
+                return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+            return str(v)
+
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |"]
+        lines.append("|" + "|".join("---" for _ in self.columns) + "|")
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in self.rows]
+        lines += [""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+BENCHMARKS: dict[str, Callable[[Config], list[Table]]] = {}
+
+
+def register(name: str):
+    """Decorator: add ``fn(cfg) -> list[Table]`` to the registry under ``name``."""
+
+    def deco(fn):
+        if name in BENCHMARKS:
+            raise ValueError(f"benchmark {name!r} is registered twice; pick another name")
+        BENCHMARKS[name] = fn
+        return fn
+
+    return deco
+
+
+def interleaved(candidates: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, Timing]:
+    """Time each zero-argument callable ``repeats`` times, round-robin after ``warmup`` calls.
+
+    Each callable must finish its work before returning (``block_until_ready`` for
+    JAX). Interleaving puts every candidate under the same background load, so the
+    ratios of medians stay meaningful on a shared machine even when absolute times drift.
+    """
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: Timing(s) for name, s in samples.items()}
+
+
+def timing_rows(timings: dict[str, Timing], reference: str | None = None) -> list[list[Any]]:
+    """Rows ``[name, median ms, p25-p75 ms, ratio to reference]`` for a raw-timings table."""
+    ref = timings[reference].median if reference else None
+    rows = []
+    for name, t in timings.items():
+        lo, hi = t.spread
+        rows.append([name, t.median * 1e3, f"{lo * 1e3:.3g}-{hi * 1e3:.3g}", t.median / ref if ref else ""])
+    return rows
+
+
+def ratio_row(workload: str, ours: str, ours_t: Timing, ref: str, ref_t: Timing, target: float | None) -> list[Any]:
+    """Row ``[workload, ours vs ref, ratio, target, met]`` for the summary table."""
+    ratio = ours_t.median / ref_t.median
+    met = "" if target is None else ("yes" if ratio <= target else "no")
+    return [workload, f"{ours} vs {ref}", ratio, "" if target is None else f"<= {target:g}x", met]

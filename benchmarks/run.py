@@ -1,0 +1,79 @@
+"""Print issue 6's benchmark ratios, all measured in this one run.
+
+Usage: python benchmarks/run.py [--quick] [--only NAME ...] [--no-torch-compile] [--repeats N]
+
+Every ``benchmarks/bench_*.py`` module is imported and registers its benchmarks in
+``common.BENCHMARKS``; each returns tables that are printed as Markdown, ready to
+paste into RESULTS.md. ``--quick`` uses small sizes and few repeats (a smoke test for
+CI, a few seconds). Timings are interleaved medians; only their ratios mean anything
+on a shared machine, and nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import pathlib
+import platform
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+
+
+def environment() -> str:
+    import flax
+    import flax_ln
+    import jax
+    import numpy
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
+        if os.path.exists("/proc/cpuinfo") else platform.processor()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
+    return (
+        f"date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
+        f"{cpu}, {os.cpu_count()} logical CPUs, load average {load[0]:.2f} at start; python {platform.python_version()}, "
+        f"jax {jax.__version__} ({jax.default_backend()}), flax {flax.__version__}, torch {torch.__version__}, "
+        f"numpy {numpy.__version__}; flax_ln from {pathlib.Path(flax_ln.__file__).parent}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats: a smoke test")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these registered benchmarks")
+    parser.add_argument("--repeats", type=int, help="timed rounds per candidate (default 30, or 3 with --quick)")
+    parser.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (skipped anyway with --quick)")
+    args = parser.parse_args(argv)
+
+    for path in sorted(HERE.glob("bench_*.py")):
+        importlib.import_module(path.stem)
+    names = args.only or list(common.BENCHMARKS)
+    unknown = [n for n in names if n not in common.BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; registered: {sorted(common.BENCHMARKS)}")
+
+    cfg = common.Config(
+        quick=args.quick,
+        repeats=args.repeats or (3 if args.quick else 30),
+        warmup=1 if args.quick else 3,
+        torch_compile=not (args.quick or args.no_torch_compile),
+    )
+    print(f"# flax-ln benchmarks{' (--quick)' if args.quick else ''}\n")
+    print(f"Command: python benchmarks/run.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    print(f"\nEnvironment: {environment()}\n")
+    for name in names:
+        for table in common.BENCHMARKS[name](cfg):
+            print(table.markdown(), end="\n\n", flush=True)
+    if hasattr(os, "getloadavg"):
+        print(f"Load average at end: {os.getloadavg()[0]:.2f} (the machine is shared; compare ratios, not times)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Smoke tests: the benchmark scripts run and print their tables. No timing is asserted."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(cmd, **env):
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_run_quick_prints_the_ratio_tables():
+    out = run([sys.executable, "benchmarks/run.py", "--quick"])
+    assert "### LayerNorm 256x128 float32: ratios" in out
+    assert "| workload | comparison | ratio | target | met |" in out
+    for row in ("LN forward | flax_ln.LayerNorm (jit) vs torch", "LN forward | flax_ln.LayerNorm (jit) vs numpy copy",
+                "LN forward+backward | flax_ln.LayerNorm (jit) vs torch"):
+        assert row in out, row
+    assert "### LayerNorm forward+backward at other shapes" in out
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="gpu.sh is a bash script")
+def test_gpu_script_dry_run(tmp_path):
+    out = run(["bash", "benchmarks/gpu.sh", "--dry-run"], PYTHON=sys.executable, OUT=str(tmp_path))
+    assert "DRY RUN" in out
+    assert "| shape | dtype | copy_GBps | fwd_GBps | fwd_frac | bwd_GBps | bwd_frac |" in out
+    assert "GPT-2 124M bf16 training step (HOOK" in out
+    assert "passed" in out and "== done (status 0)" in out
+    assert (tmp_path / "gpu_bench.json").exists() and (tmp_path / "parity.xml").exists()
