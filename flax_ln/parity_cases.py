@@ -16,6 +16,7 @@ import torch
 from flax import nnx
 
 import flax_ln
+import flax_ln.train
 import torch_ref
 from flax_ln.parity import Case, TrainSpec
 
@@ -65,7 +66,202 @@ def torch_layernorm(dtype: str, batch: int, seq_len: int | None, seed: int) -> C
                       seq_len or 16, seed, 1600)
 
 
+def _perturb(module: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
+    """Add small noise to every parameter, so ones/zeros initialisations (norm scales,
+    biases) cannot hide a swapped or transposed weight, while keeping activations sane."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+
+
+def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
+    """Chapters 9-10's encoder-decoder on a small config (N=2, d_model 32, 4 heads, d_ff 64, vocab 13),
+    with padding in the source and the pad+causal target mask."""
+    vocab, pad, d_model = 13, 0, 32
+    seq_len = seq_len or 10
+    torch.manual_seed(seed)
+    torch_model = torch_ref.make_model(vocab, vocab, N=2, d_model=d_model, d_ff=64, h=4, dropout=0.1)
+    _perturb(torch_model, seed)
+    torch_model = torch_model.to(getattr(torch, dtype))
+    flax_model = flax_ln.make_model(vocab, vocab, N=2, d_model=d_model, d_ff=64, h=4, dropout=0.1,
+                                    param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    src = rng.integers(1, vocab, (batch, seq_len)).astype(np.int64)
+    tgt = rng.integers(1, vocab, (batch, seq_len + 1)).astype(np.int64)
+    src[0, seq_len // 2:] = pad  # padding: masked keys in self- and source attention
+    tgt[-1, (seq_len + 1) // 2:] = pad
+    tgt_in, tgt_y = tgt[:, :-1], tgt[:, 1:]
+    src_mask = (src != pad)[:, None, :]  # (B, 1, S)
+    tgt_mask = torch_ref.make_std_mask(torch.from_numpy(tgt_in), pad).numpy()  # (B, T, T)
+    ntokens = int((tgt_y != pad).sum())
+
+    def torch_call(m, src, tgt, src_mask, tgt_mask):
+        out = m(src, tgt, src_mask, tgt_mask)
+        return {"decoder output": out, "log probs": m.generator(out)}
+
+    def flax_call(m, src, tgt, src_mask, tgt_mask):
+        out = m(src, tgt, src_mask, tgt_mask)
+        return {"decoder output": out, "log probs": m.generator(out)}
+
+    criterion = torch_ref.LabelSmoothing(vocab, padding_idx=pad, smoothing=0.1)
+
+    def torch_loss(m, src, tgt, src_mask, tgt_mask):
+        log_probs = torch_call(m, src, tgt, src_mask, tgt_mask)["log probs"]
+        return criterion(log_probs.reshape(-1, vocab), torch.from_numpy(tgt_y).reshape(-1)) / ntokens
+
+    def flax_loss(m, src, tgt, src_mask, tgt_mask):
+        log_probs = flax_call(m, src, tgt, src_mask, tgt_mask)["log probs"]
+        return flax_ln.label_smoothing_loss(log_probs, jnp.asarray(tgt_y), padding_idx=pad, smoothing=0.1) / ntokens
+
+    def torch_optimizer(m):  # chapter 10: Adam(0.9, 0.98, 1e-9) with the Noam rate set before each step
+        opt = torch.optim.Adam(m.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: torch_ref.noam_rate(s + 1, d_model, 1.0, 400))
+
+    return Case(
+        name="encoder-decoder",
+        torch_model=torch_model,
+        flax_model=flax_model,
+        inputs=[src, tgt_in, src_mask, tgt_mask],
+        input_names=["src", "tgt", "src_mask", "tgt_mask"],
+        torch_call=torch_call,
+        flax_call=flax_call,
+        dtype=dtype,
+        train=TrainSpec(torch_loss, flax_loss, torch_optimizer, flax_ln.noam_adam(d_model, 1.0, 400)),
+    )
+
+
+def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_len: int, seed: int,
+              pad_targets: bool) -> Case:
+    """A torch_ref.GPT and flax_ln.GPT pair on (idx, targets); the book's Adam(1e-4) + clip 1 for training."""
+    torch.manual_seed(seed)
+    torch_model = torch_ref.GPT(config)
+    _perturb(torch_model, seed, scale=0.02)
+    torch_model = torch_model.to(getattr(torch, dtype))
+    flax_model = flax_ln.GPT(config, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, config.vocab_size, (batch, seq_len)).astype(np.int64)
+    targets = rng.integers(0, config.vocab_size, (batch, seq_len)).astype(np.int64)
+    targets[0, seq_len - max(1, seq_len // 4):] = config.ignore_index  # positions the loss skips
+    if pad_targets:
+        idx[0, seq_len - max(1, seq_len // 4):] = config.ignore_index  # padding is a real token id too
+
+    def call(m, idx, targets):
+        logits, loss = m(idx, targets)
+        return {"logits": logits, "loss": loss}
+
+    return Case(
+        name=name,
+        torch_model=torch_model,
+        flax_model=flax_model,
+        inputs=[idx, targets],
+        input_names=["idx", "targets"],
+        torch_call=call,
+        flax_call=call,
+        dtype=dtype,
+        train=TrainSpec(
+            torch_loss=lambda m, idx, targets: m(idx, targets)[1],
+            flax_loss=lambda m, idx, targets: m(idx, targets)[1],
+            torch_optimizer=lambda m: (torch.optim.Adam(m.parameters(), lr=1e-4), None),
+            optax_optimizer=flax_ln.train.gpt_adam(1e-4, clip_norm=1.0),
+            clip_norm=1.0,
+        ),
+    )
+
+
+def gpt(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
+    """A small GPT (2 layers, 4 heads, width 64, vocab 50, block 32), chapter 11's loss (ignore_index -1)."""
+    config = flax_ln.GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=50, block_size=32)
+    return _gpt_case("gpt", config, dtype, batch, seq_len or 16, seed, pad_targets=False)
+
+
+def music(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
+    """Chapter 14's music Transformer at full width (8 heads, 512, vocab 390, block 2048) with 2 layers,
+    loss ignoring the padding id 389."""
+    config = flax_ln.GPTConfig.music(n_layer=2)
+    return _gpt_case("music", config, dtype, batch, seq_len or 32, seed, pad_targets=True)
+
+
+def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
+    """One full-width GPT-2XL block: n_embd 1600, 25 heads, block_size 1024."""
+    from flax_ln.gpt import Block as FlaxBlock
+    from torch_ref.gpt import Block as TorchBlock
+
+    config = flax_ln.GPTConfig.gpt2_xl()
+    torch.manual_seed(seed)
+    torch_block = TorchBlock(config)
+    _perturb(torch_block, seed, scale=0.02)
+    x = np.random.default_rng(seed).standard_normal((batch, seq_len or 32, config.n_embd)).astype(dtype)
+    return Case(
+        name="gpt2-xl-block",
+        torch_model=torch_block.to(getattr(torch, dtype)),
+        flax_model=FlaxBlock(config, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed)),
+        inputs=[x],
+        input_names=["x"],
+        torch_call=lambda m, x: {"y": m(x)},
+        flax_call=lambda m, x: {"y": m(x)},
+        dtype=dtype,
+    )
+
+
 BUILDERS: dict[str, Callable[[str, int, int | None, int], Case]] = {
     "layernorm": layernorm,
     "torch-layernorm": torch_layernorm,
+    "encoder-decoder": encoder_decoder,
+    "gpt": gpt,
+    "gpt2-xl-block": gpt2_xl_block,
+    "music": music,
 }
+
+
+# ---------------------------------------------------------------------------------------
+# user checkpoints
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read safely or does not describe a model flax-ln knows."""
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file or a ``.pt``/``.pth``/``.bin`` state dict, read without unpickling code.
+
+    ``torch.load`` runs with ``weights_only=True``: a file holding anything but tensors
+    and plain containers is refused rather than executed.
+    """
+    import os
+    import pickle
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--checkpoint {path!r}: no such file")
+    if path.endswith(".safetensors"):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return dict(load_file(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"--checkpoint {path!r} is not a readable safetensors file: {err}") from err
+    if not path.endswith((".pt", ".pth", ".bin")):
+        raise CheckpointError(
+            f"--checkpoint {path!r}: expected a .safetensors file, a .pt/.pth/.bin state dict or a "
+            "Hugging Face model folder"
+        )
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"--checkpoint {path!r} holds objects other than tensors, which flax-ln refuses to unpickle "
+            f"(torch.load weights_only=True said: {str(err).splitlines()[0]}). Save the model's "
+            "state_dict() instead, or convert it to safetensors."
+        ) from err
+    except (RuntimeError, EOFError, OSError) as err:
+        raise CheckpointError(f"--checkpoint {path!r} is not a readable torch file: {err}") from err
+    if isinstance(loaded, dict) and not any(isinstance(v, torch.Tensor) for v in loaded.values()):
+        nested = [v for k, v in loaded.items() if k in ("state_dict", "model") and isinstance(v, dict)]
+        loaded = nested[0] if nested else loaded
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise CheckpointError(
+            f"--checkpoint {path!r}: expected a dict of tensors (a state_dict), got {type(loaded).__name__}"
+            + (" with non-tensor values" if isinstance(loaded, dict) else "")
+        )
+    return loaded

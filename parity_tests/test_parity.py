@@ -11,7 +11,7 @@ from flax_ln import parity, parity_cases
 from flax_ln.cli import main
 from flax_ln.parity import Tolerance, compare
 
-JSON_TENSOR_KEYS = {"name", "kind", "shape", "max_abs_error", "max_error_index", "relative_error", "tolerance",
+JSON_TENSOR_KEYS = {"name", "kind", "shape", "max_abs_error", "max_error_index", "relative_error", "tolerance", "passed_by",
                     "nonfinite", "passed"}
 
 
@@ -80,7 +80,7 @@ def test_cli_passes_writes_json_and_plot(tmp_path):
     assert {t["name"] for t in model["tensors"]} == {"y", "grad x", "a_2", "b_2"}
     for tensor in model["tensors"]:
         assert tensor.keys() == JSON_TENSOR_KEYS
-        assert tensor["tolerance"].keys() == {"rtol", "atol"}
+        assert tensor["tolerance"].keys() == {"rtol", "atol", "gtol"}
     assert picture.stat().st_size > 1000 and picture.read_bytes()[:4] == b"\x89PNG"
 
 
