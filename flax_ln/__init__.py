@@ -4,16 +4,53 @@
 inputs and the parity harness need it.
 """
 
-from flax_ln.convert import ConversionError, load_torch_state_dict, to_torch_state_dict
+from flax_ln.convert import ConversionError, load_hf_gpt2, load_torch_state_dict, to_torch_state_dict
+from flax_ln.encoder_decoder import (
+    Transformer,
+    make_model,
+    make_src_mask,
+    make_std_mask,
+    subsequent_mask,
+)
+from flax_ln.gpt import GPT, GPTConfig, KVCache, generate
 from flax_ln.layernorm import LayerNorm, TorchLayerNorm, normalize
-
-__version__ = "0.1.0"
-
-__all__ = [
+from flax_ln.train import (
+    TrainState,
+    encoder_decoder_loss,
+    init_train_state,
+    label_smoothing_loss,
+    make_batch,
+    make_train_step,
+    gpt_adam,
+    gpt_loss,
+    noam_adam,
+    noam_schedule__all__ = [
     "ConversionError",
+    "encoder_decoder_loss",
+    "generate",
+    "GPT",
+    "gpt_adam",
+    "gpt_loss",
+    "GPTConfig",
+    "init_train_state",
+    "KVCache",
+    "label_smoothing_loss",
     "LayerNorm",
-    "TorchLayerNorm",
+    "load_hf_gpt2",
     "load_torch_state_dict",
+    "make_batch",
+    "make_model",
+    "make_src_mask",
+    "make_std_mask",
+    "make_train_step",
+    "noam_adam",
+    "noam_schedule",
     "normalize",
+    "subsequent_mask",
     "to_torch_state_dict",
+    "TorchLayerNorm",
+    "TrainState",
+    "Transformer",
+]e",
+    "subsequent_mask",
 ]

@@ -399,31 +399,38 @@ def capture_torch(model, call: Callable[[], Any]) -> dict[str, tuple[list, list]
     return records
 
 
+# NNX methods whose call is a module's forward pass. The GPT's blocks and attention run
+# through ``attend(x, cache, pos) -> (y, cache)`` so that generation can share them.
+FORWARD_METHODS = ("__call__", "attend")
+
+
 @contextlib.contextmanager
 def _recording_nnx_calls(model: nnx.Module, records: dict[str, tuple[list, list]]) -> Iterator[None]:
-    """Temporarily wrap ``__call__`` of every NNX class in ``model`` to record (inputs, outputs) by path."""
+    """Temporarily wrap the forward methods of every NNX class in ``model`` to record
+    (inputs, outputs) by path; the first completed call of a module is kept."""
     paths = {id(m): ".".join(map(str, p)) or WHOLE_MODEL for p, m in nnx.iter_modules(model)}
-    patched: dict[type, Callable] = {}
+    patched: dict[tuple[type, str], Callable] = {}
     for _, module in nnx.iter_modules(model):
-        owner = next((c for c in type(module).__mro__ if "__call__" in c.__dict__), None)
-        if owner is None or owner in patched or owner is object:
-            continue
-        original = owner.__dict__["__call__"]
+        for method in FORWARD_METHODS:
+            owner = next((c for c in type(module).__mro__ if method in c.__dict__), None)
+            if owner is None or owner is object or (owner, method) in patched:
+                continue
+            original = owner.__dict__[method]
 
-        def wrapper(self, *args, __original=original, **kwargs):
-            out = __original(self, *args, **kwargs)
-            path = paths.get(id(self))
-            if path is not None:
-                records.setdefault(path, (_leaves(args), _leaves(out)))
-            return out
+            def wrapper(self, *args, __original=original, **kwargs):
+                out = __original(self, *args, **kwargs)
+                path = paths.get(id(self))
+                if path is not None:
+                    records.setdefault(path, (_leaves(args), _leaves(out)))
+                return out
 
-        patched[owner] = original
-        owner.__call__ = wrapper
+            patched[(owner, method)] = original
+            setattr(owner, method, wrapper)
     try:
         yield
     finally:
-        for owner, original in patched.items():
-            owner.__call__ = original
+        for (owner, method), original in patched.items():
+            setattr(owner, method, original)
 
 
 def capture_flax(model: nnx.Module, call: Callable[[], Any]) -> dict[str, tuple[list, list]]:

@@ -29,19 +29,21 @@ def _randomize(module: torch.nn.Module, seed: int, std: float = 1.0) -> None:
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
 
 
+def _regression_training(target: np.ndarray, learning_rate: float) -> TrainSpec:
+    """Training for a lone layer: mean squared error to a fixed random target, Adam, no clipping."""
+    return TrainSpec(
+        torch_loss=lambda m, x: ((m(x) - torch.from_numpy(target)) ** 2).mean(),
+        flax_loss=lambda m, x: jnp.mean((m(x) - target) ** 2),
+        torch_optimizer=lambda m: (torch.optim.Adam(m.parameters(), lr=learning_rate), None),
+        optax_optimizer=optax.adam(learning_rate),
+    )
+
+
 def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, batch: int, seq_len: int, seed: int,
                features: int) -> Case:
     _randomize(torch_norm, seed)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((batch, seq_len, features)) * 2 + 0.5).astype(dtype)
-    target = rng.standard_normal((batch, seq_len, features)).astype(dtype)
-    # Training a lone norm: regress onto a fixed random target with Adam(1e-2).
-    train = TrainSpec(
-        torch_loss=lambda m, x: ((m(x) - torch.from_numpy(target)) ** 2).mean(),
-        flax_loss=lambda m, x: jnp.mean((m(x) - target) ** 2),
-        torch_optimizer=lambda m: (torch.optim.Adam(m.parameters(), lr=1e-2), None),
-        optax_optimizer=optax.adam(1e-2),
-    )
     return Case(
         name=name,
         torch_model=torch_norm.to(getattr(torch, dtype)),
@@ -51,7 +53,7 @@ def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, bat
         torch_call=lambda m, x: {"y": m(x)},
         flax_call=lambda m, x: {"y": m(x)},
         dtype=dtype,
-        train=train,
+        train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-2),
     )
 
 
@@ -191,7 +193,8 @@ def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Cas
     torch.manual_seed(seed)
     torch_block = TorchBlock(config)
     _perturb(torch_block, seed, scale=0.02)
-    x = np.random.default_rng(seed).standard_normal((batch, seq_len or 32, config.n_embd)).astype(dtype)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, seq_len or 32, config.n_embd)).astype(dtype)
     return Case(
         name="gpt2-xl-block",
         torch_model=torch_block.to(getattr(torch, dtype)),
@@ -201,6 +204,7 @@ def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Cas
         torch_call=lambda m, x: {"y": m(x)},
         flax_call=lambda m, x: {"y": m(x)},
         dtype=dtype,
+        train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-4),
     )
 
 

@@ -1,0 +1,536 @@
+"""The book's GPT (chapter 11 GPT-2XL, chapter 12 text GPT, chapter 14 music Transformer) in Flax NNX.
+
+The module tree mirrors :mod:`torch_ref.gpt` (minGPT layout) attribute for attribute,
+so ``flax_ln.to_torch_state_dict`` names every weight as the book's ``state_dict``
+does: ``transformer.wte``, ``transformer.h.{i}.attn.c_attn``, ``lm_head``, ...
+
+:class:`GPTConfig` is torch-free and shared by both packages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from flax_ln.attention import merge_heads, scaled_dot_product_attention, split_heads
+from flax_ln.layernorm import TorchLayerNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Hyper-parameters of the book's GPT, shared by ``flax_ln.GPT`` and ``torch_ref.GPT``.
+
+    Args:
+      n_layer: number of Transformer blocks.
+      n_head: attention heads; must divide ``n_embd``.
+      n_embd: model width.
+      vocab_size: number of token ids.
+      block_size: longest sequence (the positional-embedding table and causal mask size).
+      embd_pdrop, resid_pdrop, attn_pdrop: dropout rates (embeddings, residual branches,
+        attention probabilities); 0.1 each, as in the book.
+      ignore_index: target id the loss skips (chapter 11: -1; chapter 14: 389, the padding id).
+      c_proj_reinit: initialise every ``c_proj.weight`` as normal(0, 0.02/sqrt(2*n_layer)),
+        as chapters 12 and 14 do; otherwise normal(0, 0.02) like every other weight.
+    """
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab_size: int
+    block_size: int
+    embd_pdrop: float = 0.1
+    resid_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    ignore_index: int = -1
+    c_proj_reinit: bool = False
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                "pick n_head among the divisors of n_embd"
+            )
+        for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def gpt2(cls, **overrides) -> GPTConfig:
+        """GPT-2 small: 12 layers, 12 heads, width 768, vocab 50257, block 1024."""
+        return cls(**{**dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024), **overrides})
+
+    @classmethod
+    def gpt2_xl(cls, **overrides) -> GPTConfig:
+        """Chapter 11's GPT-2XL: 48 layers, 25 heads, width 1600, vocab 50257, block 1024."""
+        return cls(**{**dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024), **overrides})
+
+    @classmethod
+    def chapter12(cls, vocab_size: int, **overrides) -> GPTConfig:
+        """Chapter 12's text GPT: 3 layers, 4 heads, width 256, block 128, scaled ``c_proj`` init."""
+        base = dict(n_layer=3, n_head=4, n_embd=256, vocab_size=vocab_size, block_size=128, c_proj_reinit=True)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def music(cls, **overrides) -> GPTConfig:
+        """Chapter 14's music Transformer: 6/8/512, vocab 390, block 2048, loss ignores padding id 389."""
+        base = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=390, block_size=2048, ignore_index=389,
+                    c_proj_reinit=True)
+        return cls(**{**base, **overrides})
+
+
+def causal_mask_buffer(block_size: int) -> np.ndarray:
+    """torch's persistent ``attn.bias`` buffer: ``tril(ones(block, block))`` shaped (1, 1, block, block), float32."""
+    return np.tril(np.ones((block_size, block_size), np.float32))[None, None]  # (1, 1, block, block)
+
+
+def causal_mask(q_len: int, k_len: int, offset=0) -> jax.Array:
+    """(q_len, k_len) bool mask, True where key ``j`` may be attended by query ``i``: ``j <= offset + i``.
+
+    Built from iotas at trace time, so no (block, block) array is stored. ``offset`` is
+    the absolute position of the first query (0 without a KV cache; may be traced).
+    """
+    q_pos = offset + jax.lax.broadcasted_iota(jnp.int32, (q_len, k_len), 0)
+    return jax.lax.broadcasted_iota(jnp.int32, (q_len, k_len), 1) <= q_pos
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """tanh GELU, as the book (and GPT-2's ``gelu_new``): ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * jnp.power(x, 3.0))))
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, preallocated to ``block_size``: each (n_layer, B, nh, block_size, hs)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def _init_fns(config: GPTConfig):
+    """minGPT/book initialisers: weights normal(0, 0.02), biases zero; optionally scaled ``c_proj``."""
+    normal = nnx.initializers.normal(0.02)
+    c_proj_std = 0.02 / math.sqrt(2 * config.n_layer) if config.c_proj_reinit else 0.02
+    return normal, nnx.initializers.normal(c_proj_std)
+
+
+def _linear(n_in, n_out, kernel_init, *, dtype, param_dtype, precision, rngs, use_bias=True):
+    return nnx.Linear(
+        n_in, n_out, use_bias=use_bias, kernel_init=kernel_init, bias_init=nnx.initializers.zeros_init(),
+        dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
+    )
+
+
+class GELU(nnx.Module):
+    """The tanh-form GELU as a module (torch's ``mlp.act``); see :func:`gelu`.
+
+    Differs from ``torch.nn.GELU()`` and ``jax.nn.gelu(approximate=False)``, which use the
+    exact erf form (up to ~1e-3 apart); equals ``jax.nn.gelu(approximate=True)`` in math.
+    Computes in the input dtype.
+    """
+
+    def __call__(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+        return gelu(x)
+
+
+class CausalSelfAttention(nnx.Module):
+    """Masked multi-head self-attention: ``c_proj(softmax(mask(q kᵀ / sqrt(hs), -inf)) v)``, with dropouts.
+
+    ``c_attn`` projects to q, k, v (split in that order along the features); positions
+    above the diagonal get ``-inf`` before the softmax (the encoder-decoder uses -1e9);
+    attention dropout acts on the probabilities and residual dropout after ``c_proj``.
+    Unlike torch's module, the causal mask is computed from iotas rather than stored;
+    the converter still writes and checks torch's persistent ``attn.bias`` buffer.
+
+    Args:
+      config: the :class:`GPTConfig`.
+      dtype: compute dtype (``None``: inferred from inputs and parameters).
+      param_dtype: parameter dtype.
+      precision: matmul precision for the projections and attention.
+      rngs: parameter initialisation and dropout randomness.
+    """
+
+    def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.block_size = config.block_size
+        init, c_proj_init = _init_fns(config)
+        opts = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.c_attn = _linear(config.n_embd, 3 * config.n_embd, init, **opts)
+        self.c_proj = _linear(config.n_embd, config.n_embd, c_proj_init, **opts)
+        self.attn_dropout = nnx.Dropout(config.attn_pdrop, rngs=rngs)
+        self.resid_dropout = nnx.Dropout(config.resid_pdrop, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        return self.attend(x, None, 0)[0]
+
+    def attend(self, x, cache: tuple[jax.Array, jax.Array] | None, pos):
+        """``(y, cache)``: attention of ``x`` at absolute positions ``pos..pos+T-1``.
+
+        With ``cache = (k, v)``, each (B, nh, block_size, hs), the new keys and values are
+        written at ``pos`` and the queries attend to every cached position up to their own;
+        with ``cache=None`` they attend to ``x`` alone (``pos`` must then be 0).
+        """
+        T = x.shape[1]
+        q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)  # 3 x (B, T, C)
+        q, k, v = (split_heads(t, self.n_head) for t in (q, k, v))  # 3 x (B, nh, T, hs)
+        if cache is not None:
+            start = (0, 0, pos, 0)
+            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)  # (B, nh, block, hs)
+            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)  # (B, nh, block, hs)
+            cache = (k, v)
+        y = scaled_dot_product_attention(
+            q, k, v, causal_mask(T, k.shape[2], pos), mask_value=-jnp.inf,
+            dropout=self.attn_dropout, precision=self.precision,
+        )  # (B, nh, T, hs)
+        return self.resid_dropout(self.c_proj(merge_heads(y))), cache  # (B, T, C)
+
+
+class MLP(nnx.Module):
+    """Position-wise feed-forward: ``dropout(c_proj(gelu_tanh(c_fc(x))))``, width 4*n_embd.
+
+    The book's GPT uses the tanh GELU (its encoder-decoder feed-forward has no activation).
+
+    Args:
+      config: the :class:`GPTConfig`.
+      dtype, param_dtype, precision, rngs: as :class:`CausalSelfAttention`.
+    """
+
+    def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        init, c_proj_init = _init_fns(config)
+        opts = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.c_fc = _linear(config.n_embd, 4 * config.n_embd, init, **opts)
+        self.c_proj = _linear(4 * config.n_embd, config.n_embd, c_proj_init, **opts)
+        self.act = GELU()
+        self.dropout = nnx.Dropout(config.resid_pdrop, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class Block(nnx.Module):
+    """Pre-norm Transformer block: ``x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))``.
+
+    ``ln_1``/``ln_2`` are ``torch.nn.LayerNorm`` twins (:class:`TorchLayerNorm`, biased
+    variance, eps 1e-5), not the book's chapter-9 LayerNorm (unbiased, eps 1e-6) that the
+    encoder-decoder uses.
+
+    Args:
+      config: the :class:`GPTConfig`.
+      dtype: compute dtype; norm statistics stay at least float32.
+      param_dtype: parameter dtype.
+      precision: matmul precision.
+      rngs: parameter initialisation and dropout randomness.
+    """
+
+    def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        opts = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.ln_1 = TorchLayerNorm(config.n_embd, dtype=dtype, param_dtype=param_dtype)
+        self.attn = CausalSelfAttention(config, **opts)
+        self.ln_2 = TorchLayerNorm(config.n_embd, dtype=dtype, param_dtype=param_dtype)
+        self.mlp = MLP(config, **opts)
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        return self.attend(x, None, 0)[0]
+
+    def attend(self, x, cache, pos):
+        """``(x, cache)`` with an optional per-layer KV cache; see :meth:`CausalSelfAttention.attend`."""
+        y, cache = self.attn.attend(self.ln_1(x), cache, pos)
+        x = x + y
+        return x + self.mlp(self.ln_2(x)), cache
+
+
+def _check_ids(idx, name: str, block_size: int | None) -> jax.Array:
+    """``idx`` as a JAX array, after checking rank 2, an integer dtype and 1 <= T <= block_size (if given)."""
+    idx = jnp.asarray(idx) if not isinstance(idx, jax.Array) else idx
+    if idx.ndim != 2:
+        raise ValueError(
+            f"GPT: expected {name} of shape (batch, time), got shape {tuple(idx.shape)}; "
+            f"add a batch axis with {name}[None] if it is a single sequence"
+        )
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(
+            f"GPT: expected integer token ids in {name}, got dtype {idx.dtype}; cast with {name}.astype(jnp.int32)"
+        )
+    if idx.shape[1] < 1:
+        raise ValueError(f"GPT: {name} has an empty time axis (shape {tuple(idx.shape)}); pass at least one token")
+    if block_size is not None and idx.shape[1] > block_size:
+        raise ValueError(
+            f"GPT: sequence length {idx.shape[1]} of {name} exceeds block_size {block_size}; "
+            f"crop to the last {block_size} tokens ({name}[:, -{block_size}:])"
+        )
+    return idx
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, ignore_index: int) -> jax.Array:
+    """Mean token cross-entropy over targets != ``ignore_index``, as ``F.cross_entropy``.
+
+    Computed in at least float32. If every target is ignored the mean is 0/0 = NaN, as in
+    torch. Target values outside ``[0, vocab)`` cannot be checked under jit; don't pass them.
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+    valid = targets != ignore_index
+    picked = jnp.take_along_axis(logp, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]  # (B, T)
+    return -jnp.sum(jnp.where(valid, picked, 0.0)) / jnp.sum(valid)
+
+
+def _scan_blocks(h: Block, x, cache, pos):
+    """Run stacked blocks (leading layer axis) with ``jax.lax.scan``; returns ``(x, cache)``.
+
+    Each step merges one layer's slice into a fresh :class:`Block`. Only when some
+    dropout is active is the advanced RNG state written back into ``h``, so in eval mode
+    the module is never mutated, exactly like the unrolled path (NNX forbids mutating
+    Variables from another trace level, e.g. a model closed over inside ``jax.grad``).
+    """
+    graphdef, state = nnx.split(h)
+
+    def step(x, layer):
+        layer_state, layer_cache = layer
+        block = nnx.merge(graphdef, layer_state)
+        x, layer_cache = block.attend(x, layer_cache, pos)
+        return x, (nnx.state(block, nnx.RngState), layer_cache)
+
+    x, (rng_state, cache) = jax.lax.scan(step, x, (state, cache))
+    if any(isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0 for _, m in nnx.iter_modules(h)):
+        nnx.update(h, rng_state)
+    return x, cache
+
+
+class GPT(nnx.Module):
+    """The book's GPT: ``lm_head(ln_f(blocks(drop(wte(idx) + wpe(pos)))))``, plus the loss.
+
+    ``model(idx, targets=None)`` returns ``(logits, loss)`` like chapter 11's model; the
+    loss is the mean cross-entropy ignoring ``config.ignore_index``, ``None`` without
+    targets. ``lm_head`` has no bias and is *not* tied to ``wte`` (as in minGPT and the
+    book; Hugging Face GPT-2 ties them, see :func:`flax_ln.load_hf_gpt2`).
+
+    With ``scan_layers=True`` the blocks' parameters are stacked on a leading
+    ``n_layer`` axis (created with ``nnx.vmap``) and run with ``jax.lax.scan``: one
+    compiled block instead of n_layer copies. The converter maps torch's
+    ``transformer.h.{i}.*`` keys onto either layout. The two layouts draw different
+    random initial weights from the same ``rngs``.
+
+    Call ``model.eval()`` to switch dropout off (``model.train()`` to switch it back).
+
+    Args:
+      config: the :class:`GPTConfig`.
+      scan_layers: stack the blocks and scan over them.
+      dtype: compute dtype, e.g. ``jnp.bfloat16``; norm statistics, attention softmax and
+        the loss stay at least float32. Logits come out in this dtype.
+      param_dtype: parameter dtype.
+      precision: matmul precision.
+      rngs: ``params`` and ``dropout`` randomness.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        scan_layers: bool = False,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        rngs: nnx.Rngs,
+    ):
+        self.config = config
+        self.scan_layers = scan_layers
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        init, _ = _init_fns(config)
+        opts = dict(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        make_block = functools.partial(Block, config, **opts)
+        if scan_layers:
+            h = nnx.vmap(lambda r: make_block(rngs=r))(rngs.split(config.n_layer))
+            h.num_stacked_layers = config.n_layer  # the converter's cue for per-layer torch keys
+        else:
+            h = nnx.List([make_block(rngs=rngs) for _ in range(config.n_layer)])
+        embed = functools.partial(nnx.Embed, embedding_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.transformer = nnx.Dict(
+            wte=embed(config.vocab_size, config.n_embd),
+            wpe=embed(config.block_size, config.n_embd),
+            drop=nnx.Dropout(config.embd_pdrop, rngs=rngs),
+            h=h,
+            ln_f=TorchLayerNorm(config.n_embd, dtype=dtype, param_dtype=param_dtype),
+        )
+        self.lm_head = _linear(config.n_embd, config.vocab_size, init, use_bias=False, rngs=rngs, **opts)
+
+    def __call__(
+        self, idx: Int[Array, "B T"], targets: Int[Array, "B T"] | None = None
+    ) -> tuple[Float[Array, "B T V"], Float[Array, ""] | None]:
+        idx = _check_ids(idx, "idx", self.config.block_size)
+        if targets is not None:
+            targets = _check_ids(targets, "targets", self.config.block_size)
+            if targets.shape != idx.shape:
+                raise ValueError(f"GPT: targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        logits, _ = self._forward(idx, None, 0)
+        loss = None if targets is None else cross_entropy(logits, targets, self.config.ignore_index)
+        return logits, loss
+
+    def init_cache(self, batch_size: int, dtype=None) -> KVCache:
+        """A zeroed :class:`KVCache` for ``batch_size`` sequences of up to ``block_size`` tokens."""
+        c = self.config
+        dtype = dtype or self.dtype or self.param_dtype
+        shape = (c.n_layer, batch_size, c.n_head, c.block_size, c.head_size)  # (L, B, nh, block, hs)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def decode(self, idx: Int[Array, "B T"], cache: KVCache, pos) -> tuple[Float[Array, "B T V"], KVCache]:
+        """Logits of ``idx`` placed at absolute positions ``pos..pos+T-1``, reading and extending ``cache``.
+
+        The cache must hold the keys/values of positions ``0..pos-1`` of the same
+        sequences (e.g. from earlier ``decode`` calls starting at 0). ``pos + T`` must not
+        exceed ``block_size``; that is checked only when ``pos`` is a Python int.
+        """
+        idx = _check_ids(idx, "idx", self.config.block_size)
+        if isinstance(pos, int) and not 0 <= pos <= self.config.block_size - idx.shape[1]:
+            raise ValueError(
+                f"GPT.decode: positions {pos}..{pos + idx.shape[1] - 1} do not fit block_size "
+                f"{self.config.block_size}; recompute on the last block_size tokens instead"
+            )
+        return self._forward(idx, cache, pos)
+
+    def _forward(self, idx, cache: KVCache | None, pos):
+        t = self.transformer
+        x = t.drop(t.wte(idx) + t.wpe(pos + jnp.arange(idx.shape[1])))  # (B, T, C)
+        if self.scan_layers:
+            x, cache = _scan_blocks(t.h, x, cache, pos)
+        else:
+            for i, block in enumerate(t.h):
+                x, kv = block.attend(x, None if cache is None else (cache.k[i], cache.v[i]), pos)
+                if cache is not None:
+                    cache = KVCache(cache.k.at[i].set(kv[0]), cache.v.at[i].set(kv[1]))
+        logits = self.lm_head(t.ln_f(x))  # (B, T, V)
+        return logits, None if cache is None else KVCache(*cache)
+
+
+def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None):
+    """Next token ids (B,) from last-position logits (B, V): argmax, or a top-k/temperature sample."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    if greedy:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (B, 1)
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
+def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k):
+    # The model is merged afresh inside every traced scope (loop bodies get `state` through
+    # their carry), because NNX refuses Variables that hold tracers of an outer trace.
+    def model(state):
+        m = nnx.merge(graphdef, state)
+        m.eval()
+        return m
+
+    bs = model(state).config.block_size
+    B, T0 = idx.shape
+    total = T0 + max_new_tokens
+    keys = jax.random.split(rng, max_new_tokens)  # keys[j] draws token T0 + j
+    out = jnp.zeros((B, total), idx.dtype).at[:, :T0].set(idx)  # (B, T0 + new)
+    pick = functools.partial(_pick, temperature=temperature, greedy=greedy, top_k=top_k)
+
+    def put(out, n, logits):  # write token n, drawn from the logits that follow the first n tokens
+        token = pick(logits[:, -1], keys[n - T0]).astype(out.dtype)  # (B,)
+        return jax.lax.dynamic_update_slice(out, token[:, None], (0, n))
+
+    length = T0  # tokens known so far
+    if T0 <= bs:  # cached phase: prefill, then one token at a time while the context fits
+        m = model(state)
+        logits, cache = m.decode(idx, m.init_cache(B), 0)
+        out = put(out, length, logits)
+        length += 1
+        n_cached = max(0, min(bs, total - 1) - length + 1)
+
+        def cached_step(i, carry):
+            out, cache, state = carry
+            n = length + i
+            token = jax.lax.dynamic_slice(out, (0, n - 1), (B, 1))  # (B, 1)
+            logits, cache = model(state).decode(token, cache, n - 1)
+            return put(out, n, logits), cache, state
+
+        out, _, _ = jax.lax.fori_loop(0, n_cached, cached_step, (out, cache, state))
+        length += n_cached
+
+    def window_step(n, carry):  # the context exceeds block_size: recompute on the last block_size tokens
+        out, state = carry
+        logits, _ = model(state)(jax.lax.dynamic_slice(out, (0, n - bs), (B, bs)))
+        return put(out, n, logits), state
+
+    if length < total:
+        out = jax.lax.fori_loop(length, total, window_step, (out, state))[0]
+    return out
+
+
+def generate(
+    model: GPT,
+    idx: Int[Array, "B T"],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    rng: jax.Array,
+) -> Int[Array, "B T+new"]:
+    """Append ``max_new_tokens`` sampled tokens to ``idx``, as the book's sampling loop does.
+
+    Each new token is drawn from ``softmax(logits[:, -1] / temperature)`` restricted to
+    the ``top_k`` largest logits (ties with the k-th value are kept, as in torch); with
+    ``temperature == 0`` it is the argmax instead (greedy; ``rng`` is then unused). The
+    context is the last ``block_size`` tokens. While the sequence fits in ``block_size``
+    a KV cache preallocated to ``block_size`` gives each step in O(block_size) work;
+    beyond that every position shifts, so each step recomputes the last ``block_size``
+    tokens, exactly like the book. The whole loop is one jitted function with static
+    shapes (compiled once per prompt shape, ``max_new_tokens``, ``top_k`` and greedy or
+    not). Dropout is always off, whatever the model's mode; ``model`` is not modified.
+
+    Args:
+      model: a :class:`GPT`.
+      idx: prompt token ids, (B, T), any length >= 1 (longer than block_size is cropped for context).
+      max_new_tokens: number of tokens to append.
+      temperature: softmax temperature, > 0, or 0 for greedy decoding.
+      top_k: keep only the k largest logits before sampling (1 <= k <= vocab_size).
+      rng: a JAX PRNG key.
+
+    Returns:
+      (B, T + max_new_tokens) token ids, prompt included, in ``idx``'s dtype.
+    """
+    idx = _check_ids(idx, "idx", None)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"generate: temperature must be >= 0 (0 means greedy), got {temperature!r}")
+    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
+        raise ValueError(f"generate: top_k must be in [1, {model.config.vocab_size}] or None, got {top_k!r}")
+    if max_new_tokens == 0:
+        return idx
+    graphdef, state = nnx.split(model)
+    greedy = temperature == 0
+    return _generate(graphdef, state, idx, rng, jnp.float32(1.0 if greedy else temperature),
+                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k)
