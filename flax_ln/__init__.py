@@ -17,14 +17,19 @@ from flax_ln.layernorm import LayerNorm, TorchLayerNorm, normalize
 from flax_ln.train import (
     TrainState,
     encoder_decoder_loss,
+    gpt_adam,
+    gpt_loss,
     init_train_state,
     label_smoothing_loss,
     make_batch,
     make_train_step,
-    gpt_adam,
-    gpt_loss,
     noam_adam,
-    noam_schedule__all__ = [
+    noam_schedule,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
     "ConversionError",
     "encoder_decoder_loss",
     "generate",
@@ -51,6 +56,4 @@ from flax_ln.train import (
     "TorchLayerNorm",
     "TrainState",
     "Transformer",
-]e",
-    "subsequent_mask",
 ]
