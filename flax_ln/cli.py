@@ -41,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--plot", metavar="PATH", help="save a chart of per-module output and gradient errors")
     parity.add_argument("--quiet", action="store_true", help="print only the summary lines")
     parity.add_argument("--worst", type=int, default=8, help="rows per table (default 8)")
+    ckpt = parity.add_argument_group("checking a checkpoint of your own")
+    ckpt.add_argument("--checkpoint", metavar="PATH",
+                      help="a torch_ref GPT, encoder-decoder or LayerNorm state dict (.safetensors, or .pt/.pth/.bin "
+                      "read with weights_only=True) or a Hugging Face GPT-2 folder; replaces --model")
+    ckpt.add_argument("--preset", choices=["gpt2", "gpt2-xl", "chapter12", "music"],
+                      help="GPT preset for what tensor shapes cannot tell (head count, ignore_index)")
+    ckpt.add_argument("--n-head", type=int, help="attention heads (not visible in the weights)")
+    ckpt.add_argument("--ffn-activation", choices=["none", "relu"], default="none",
+                      help="encoder-decoder feed-forward activation (default none, as the book)")
     return parser
 
 
@@ -51,6 +60,10 @@ def _positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.train_steps < 0:
         parser.error(f"--train-steps must be at least 0, got {args.train_steps}")
+    if args.n_head is not None and args.n_head < 1:
+        parser.error(f"--n-head must be at least 1, got {args.n_head}")
+    if args.checkpoint and args.model != "all":
+        parser.error("--checkpoint replaces --model; give one of them")
 
 
 def run_parity(args: argparse.Namespace) -> int:
@@ -61,7 +74,7 @@ def run_parity(args: argparse.Namespace) -> int:
     from flax_ln import parity, parity_cases
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    names = MODEL_CHOICES if args.model == "all" else [args.model]
+    names = [args.checkpoint] if args.checkpoint else MODEL_CHOICES if args.model == "all" else [args.model]
     progress = sys.stderr
     reports = []
     with jax.enable_x64(args.dtype == "float64"):
@@ -69,10 +82,17 @@ def run_parity(args: argparse.Namespace) -> int:
         print(parity.format_environment(env) + f" | dtype {args.dtype} | x64 {env['x64']}", flush=True)
         for index, name in enumerate(names, 1):
             start = time.perf_counter()
-            if name not in parity_cases.BUILDERS:
-                raise SystemExit(f"flax-ln parity: model {name!r} is not available in this version")
             print(f"[{index}/{len(names)}] {name}: building, compiling and comparing ...", file=progress, flush=True)
-            case = parity_cases.BUILDERS[name](args.dtype, args.batch, args.seq_len, args.seed)
+            try:
+                if args.checkpoint:
+                    case = parity_cases.checkpoint_case(
+                        args.checkpoint, args.dtype, args.batch, args.seq_len, args.seed, preset=args.preset,
+                        n_head=args.n_head, ffn_activation=None if args.ffn_activation == "none" else "relu")
+                else:
+                    case = parity_cases.BUILDERS[name](args.dtype, args.batch, args.seq_len, args.seed)
+            except ValueError as err:  # CheckpointError, or sizes the model cannot take
+                print(f"flax-ln parity: error: {err}", file=sys.stderr)
+                return 2
             tolerances = {
                 kind: dataclasses.replace(
                     tol,
@@ -82,7 +102,7 @@ def run_parity(args: argparse.Namespace) -> int:
                 for kind, tol in parity.TOLERANCES[args.dtype].items()
             }
             report = parity.check_case(case, tolerances, capture_modules=bool(args.plot))
-            if args.train_steps:
+            if args.train_steps and case.train is not None:
                 report.train_steps = parity.check_training(case, args.train_steps, tolerances)
             report.seconds = time.perf_counter() - start
             reports.append(report)

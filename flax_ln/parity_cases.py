@@ -7,6 +7,8 @@ torch is imported here; importing :mod:`flax_ln` does not import this module.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -40,8 +42,9 @@ def _regression_training(target: np.ndarray, learning_rate: float) -> TrainSpec:
 
 
 def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, batch: int, seq_len: int, seed: int,
-               features: int) -> Case:
-    _randomize(torch_norm, seed)
+               features: int, randomize: bool = True) -> Case:
+    if randomize:
+        _randomize(torch_norm, seed)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((batch, seq_len, features)) * 2 + 0.5).astype(dtype)
     return Case(
@@ -77,19 +80,24 @@ def _perturb(module: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
 
 
-def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
-    """Chapters 9-10's encoder-decoder on a small config (N=2, d_model 32, 4 heads, d_ff 64, vocab 13),
-    with padding in the source and the pad+causal target mask."""
-    vocab, pad, d_model = 13, 0, 32
+def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, sizes: dict | None = None,
+                    torch_model: torch.nn.Module | None = None, ffn_activation: str | None = None,
+                    name: str = "encoder-decoder") -> Case:
+    """Chapters 9-10's encoder-decoder, by default on a small config (N=2, d_model 32, 4 heads, d_ff 64,
+    vocab 13), with padding in the source and the pad+causal target mask. Pad id 0."""
+    sizes = sizes or dict(src_vocab=13, tgt_vocab=13, N=2, d_model=32, d_ff=64, h=4)
+    pad, d_model = 0, sizes["d_model"]
+    src_vocab, vocab = sizes["src_vocab"], sizes["tgt_vocab"]
     seq_len = seq_len or 10
-    torch.manual_seed(seed)
-    torch_model = torch_ref.make_model(vocab, vocab, N=2, d_model=d_model, d_ff=64, h=4, dropout=0.1)
-    _perturb(torch_model, seed)
+    if torch_model is None:
+        torch.manual_seed(seed)
+        torch_model = torch_ref.make_model(**sizes, dropout=0.1, ffn_activation=ffn_activation)
+        _perturb(torch_model, seed)
     torch_model = torch_model.to(getattr(torch, dtype))
-    flax_model = flax_ln.make_model(vocab, vocab, N=2, d_model=d_model, d_ff=64, h=4, dropout=0.1,
+    flax_model = flax_ln.make_model(**sizes, dropout=0.1, ffn_activation=ffn_activation,
                                     param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
-    src = rng.integers(1, vocab, (batch, seq_len)).astype(np.int64)
+    src = rng.integers(1, src_vocab, (batch, seq_len)).astype(np.int64)
     tgt = rng.integers(1, vocab, (batch, seq_len + 1)).astype(np.int64)
     src[0, seq_len // 2:] = pad  # padding: masked keys in self- and source attention
     tgt[-1, (seq_len + 1) // 2:] = pad
@@ -121,7 +129,7 @@ def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int) -> C
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: torch_ref.noam_rate(s + 1, d_model, 1.0, 400))
 
     return Case(
-        name="encoder-decoder",
+        name=name,
         torch_model=torch_model,
         flax_model=flax_model,
         inputs=[src, tgt_in, src_mask, tgt_mask],
@@ -134,11 +142,15 @@ def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int) -> C
 
 
 def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_len: int, seed: int,
-              pad_targets: bool) -> Case:
-    """A torch_ref.GPT and flax_ln.GPT pair on (idx, targets); the book's Adam(1e-4) + clip 1 for training."""
-    torch.manual_seed(seed)
-    torch_model = torch_ref.GPT(config)
-    _perturb(torch_model, seed, scale=0.02)
+              pad_targets: bool, torch_model: torch.nn.Module | None = None) -> Case:
+    """A torch_ref.GPT (random, or the given one) and a flax_ln.GPT on (idx, targets);
+    the book's Adam(1e-4) + clip 1 for training."""
+    if seq_len > config.block_size:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
+    if torch_model is None:
+        torch.manual_seed(seed)
+        torch_model = torch_ref.GPT(config)
+        _perturb(torch_model, seed, scale=0.02)
     torch_model = torch_model.to(getattr(torch, dtype))
     flax_model = flax_ln.GPT(config, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
@@ -253,10 +265,11 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).split("\n")[0].split(".")[0]  # drop torch's ANSI styling
         raise CheckpointError(
             f"--checkpoint {path!r} holds objects other than tensors, which flax-ln refuses to unpickle "
-            f"(torch.load weights_only=True said: {str(err).splitlines()[0]}). Save the model's "
-            "state_dict() instead, or convert it to safetensors."
+            f"(torch.load with weights_only=True: {reason}). Save the model's state_dict() instead, "
+            "or convert it to safetensors."
         ) from err
     except (RuntimeError, EOFError, OSError) as err:
         raise CheckpointError(f"--checkpoint {path!r} is not a readable torch file: {err}") from err
@@ -269,3 +282,102 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
             + (" with non-tensor values" if isinstance(loaded, dict) else "")
         )
     return loaded
+
+
+GPT_PRESETS = {
+    "gpt2": flax_ln.GPTConfig.gpt2,
+    "gpt2-xl": flax_ln.GPTConfig.gpt2_xl,
+    "chapter12": lambda **kw: flax_ln.GPTConfig.chapter12(**kw),
+    "music": flax_ln.GPTConfig.music,
+}
+
+
+def _count_layers(keys, prefix: str) -> int:
+    indices = {int(k[len(prefix):].split(".")[0]) for k in keys if k.startswith(prefix)}
+    return max(indices) + 1 if indices else 0
+
+
+def _gpt_config_from_shapes(state: dict[str, torch.Tensor], preset: str | None, n_head: int | None,
+                            path: str) -> flax_ln.GPTConfig:
+    """Sizes from the tensor shapes; the head count (and loss settings) from ``--n-head`` or ``--preset``."""
+    vocab_size, n_embd = state["transformer.wte.weight"].shape
+    sizes = dict(n_layer=_count_layers(state, "transformer.h."), n_embd=n_embd, vocab_size=vocab_size,
+                 block_size=state["transformer.wpe.weight"].shape[0])
+    base = {}
+    if preset is not None:
+        preset_config = GPT_PRESETS[preset](**({"vocab_size": vocab_size} if preset == "chapter12" else {}))
+        base = {f.name: getattr(preset_config, f.name) for f in dataclasses.fields(preset_config)}
+    if n_head is not None:
+        base["n_head"] = n_head
+    if "n_head" not in base:
+        raise CheckpointError(
+            f"--checkpoint {path!r}: a GPT of width {n_embd} with {sizes['n_layer']} layers, but the head count "
+            f"cannot be read from tensor shapes; pass --n-head N or --preset {{{','.join(GPT_PRESETS)}}}"
+        )
+    try:
+        return flax_ln.GPTConfig(**{**base, **sizes})
+    except ValueError as err:
+        raise CheckpointError(f"--checkpoint {path!r}: {err}") from err
+
+
+def _load_strict(torch_model: torch.nn.Module, state: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
+    try:
+        torch_model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"--checkpoint {path!r} does not fit the inferred model:\n{err}") from err
+    return torch_model
+
+
+def checkpoint_case(path: str, dtype: str, batch: int, seq_len: int | None, seed: int, *,
+                    preset: str | None = None, n_head: int | None = None,
+                    ffn_activation: str | None = None) -> Case:
+    """A case for a user's checkpoint: a GPT or encoder-decoder state dict, a lone norm, or an HF GPT-2 folder.
+
+    The architecture is recognised from the keys and its sizes from the tensor shapes;
+    the head count cannot be inferred and comes from ``n_head`` or a GPT ``preset``.
+    The encoder-decoder's feed-forward activation is not visible in its weights either:
+    ``ffn_activation`` (default: the book's, none).
+    """
+    import os
+
+    if os.path.isdir(path):
+        try:
+            torch_model = torch_ref.load_hf_gpt2(path)
+        except (ValueError, OSError, RuntimeError) as err:
+            raise CheckpointError(f"--checkpoint {path!r}: not a usable Hugging Face GPT-2 folder: {err}") from err
+        config = torch_model.config
+        return _gpt_case(f"checkpoint {os.path.basename(os.path.normpath(path))}", config, dtype, batch,
+                         min(seq_len or 16, config.block_size), seed, pad_targets=False, torch_model=torch_model)
+    state = read_state_dict(path)
+    name = f"checkpoint {os.path.basename(path)}"
+    keys = set(state)
+    if "transformer.wte.weight" in keys:
+        config = _gpt_config_from_shapes(state, preset, n_head, path)
+        torch_model = _load_strict(torch_ref.GPT(config), state, path)
+        return _gpt_case(name, config, dtype, batch, min(seq_len or 16, config.block_size), seed,
+                         pad_targets=config.ignore_index >= 0, torch_model=torch_model)
+    if "src_embed.0.lut.weight" in keys:
+        if n_head is None:
+            raise CheckpointError(f"--checkpoint {path!r}: an encoder-decoder; its head count cannot be read from "
+                                  "tensor shapes, pass --n-head N")
+        src_vocab, d_model = state["src_embed.0.lut.weight"].shape
+        sizes = dict(src_vocab=src_vocab, tgt_vocab=state["tgt_embed.0.lut.weight"].shape[0],
+                     N=_count_layers(state, "encoder.layers."), d_model=d_model,
+                     d_ff=state["encoder.layers.0.feed_forward.w_1.weight"].shape[0], h=n_head)
+        if d_model % n_head:
+            raise CheckpointError(f"--checkpoint {path!r}: d_model {d_model} is not divisible by --n-head {n_head}")
+        torch_model = _load_strict(torch_ref.make_model(**sizes, ffn_activation=ffn_activation), state, path)
+        return encoder_decoder(dtype, batch, seq_len, seed, sizes=sizes, torch_model=torch_model,
+                               ffn_activation=ffn_activation, name=name)
+    for leaves, flax_cls, torch_cls in ((("a_2", "b_2"), flax_ln.LayerNorm, torch_ref.LayerNorm),
+                                        (("weight", "bias"), flax_ln.TorchLayerNorm, torch.nn.LayerNorm)):
+        if keys == set(leaves) and state[leaves[0]].ndim == 1:
+            features = state[leaves[0]].shape[0]
+            torch_norm = _load_strict(torch_cls(features), state, path)
+            return _norm_case(name, torch_norm, flax_cls, dtype, batch, seq_len or 16, seed, features, randomize=False)
+    shown = ", ".join(sorted(keys)[:6]) + (", ..." if len(keys) > 6 else "")
+    raise CheckpointError(
+        f"--checkpoint {path!r}: not a model flax-ln knows (keys: {shown}). Expected a torch_ref GPT "
+        "('transformer.wte.weight', ...), an encoder-decoder ('src_embed.0.lut.weight', ...), a LayerNorm "
+        "('a_2', 'b_2' or 'weight', 'bias') or a Hugging Face GPT-2 folder."
+    )

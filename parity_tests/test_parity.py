@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -112,3 +113,137 @@ def test_train_steps_report_drift_per_step(x64):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["passed"] for r in records)
     assert records[0]["loss_flax"] != records[-1]["loss_flax"]  # the weights really moved
+
+
+# ---- localisation in the Transformer models ---------------------------------------------------
+
+
+def test_planted_bug_in_one_block_is_named():
+    case = parity_cases.gpt("float32", 2, 8, 0)
+    case.flax_model.transformer.h[1].ln_2.eps = 1e-2  # torch keeps 1e-5
+    report = parity.check_case(case)
+    assert not report.passed
+    assert report.first_divergence.module == "transformer.h.1.ln_2"
+    # its input still agrees: the bug is in this module, not upstream
+    assert all(r.passed for r in report.first_divergence.inputs)
+    # everything before it in execution order is within tolerance
+    names = [r.name for r in report.module_errors]
+    assert all(r.passed for r in report.module_errors[: names.index("transformer.h.1.ln_2")])
+    assert "first divergence: transformer.h.1.ln_2" in parity.format_case(report)
+
+
+def test_planted_bug_in_a_shared_function_is_named_at_its_first_use(monkeypatch, x64):
+    import flax_ln.gpt
+
+    monkeypatch.setattr(flax_ln.gpt, "gelu", lambda x: jax.nn.gelu(x, approximate=False))  # erf, not tanh
+    case = parity_cases.gpt("float64", 2, 8, 0)
+    report = parity.check_case(case)
+    assert report.first_divergence.module == "transformer.h.0.mlp.act"
+
+
+def test_planted_bug_in_the_encoder_decoder_is_named():
+    case = parity_cases.encoder_decoder("float32", 2, 6, 0)
+    case.flax_model.decoder.layers[0].sublayer[2].norm.eps = 1e-1
+    report = parity.check_case(case)
+    assert report.first_divergence.module == "decoder.layers.0.sublayer.2.norm"
+
+
+# ---- --checkpoint ---------------------------------------------------------------------------
+
+
+def save_book_gpt(path, config):
+    import torch
+    from safetensors.torch import save_file
+
+    import torch_ref
+
+    torch.manual_seed(0)
+    model = torch_ref.GPT(config)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return model
+
+
+SMALL_GPT = dict(n_layer=2, n_head=4, n_embd=32, vocab_size=40, block_size=16)
+
+
+def test_checkpoint_book_gpt_safetensors(tmp_path):
+    import flax_ln
+
+    path = tmp_path / "gpt.safetensors"
+    save_book_gpt(path, flax_ln.GPTConfig(**SMALL_GPT))
+    out = tmp_path / "r.json"
+    proc = run_cli("--checkpoint", str(path), "--n-head", "4", "--json", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (model,) = json.loads(out.read_text())["models"]
+    assert model["name"] == "checkpoint gpt.safetensors"
+    assert {t["name"] for t in model["tensors"]} >= {"logits", "loss", "transformer.h.1.mlp.c_proj.weight"}
+    # without the head count, a clear error
+    proc = run_cli("--checkpoint", str(path))
+    assert proc.returncode == 2 and "--n-head" in proc.stderr and "head count" in proc.stderr
+
+
+def test_checkpoint_music_preset(tmp_path):
+    import flax_ln
+
+    path = tmp_path / "music.safetensors"
+    save_book_gpt(path, flax_ln.GPTConfig.music(n_layer=1, block_size=32))
+    case = parity_cases.checkpoint_case(str(path), "float32", 2, 8, 0, preset="music")
+    assert case.flax_model.config.ignore_index == 389 and case.flax_model.config.n_head == 8
+    assert (case.inputs[1] == 389).any()  # padded targets exercise ignore_index
+    assert parity.check_case(case).passed
+
+
+def test_checkpoint_hf_folder(tmp_path):
+    from test_gpt import hf_config, hf_tensors, tied_torch_gpt, write_hf
+
+    import flax_ln
+
+    config = flax_ln.GPTConfig(**SMALL_GPT)
+    folder = write_hf(tmp_path / "hf", hf_tensors(tied_torch_gpt(config)), hf_config(config))
+    proc = run_cli("--checkpoint", str(folder), "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "checkpoint hf (float32)" in proc.stdout
+
+
+@pytest.mark.parametrize("problem", ["corrupt", "wrong-architecture", "wrong-shapes", "pickled-objects", "missing"])
+def test_checkpoint_errors_are_clear(tmp_path, problem):
+    import torch
+
+    path = tmp_path / ("model.pt" if problem == "pickled-objects" else "model.safetensors")
+    marker = tmp_path / "executed"
+    if problem == "corrupt":
+        path.write_bytes(b"\x00" * 5 + b"not a safetensors header")
+        expected = "not a readable safetensors file"
+    elif problem == "wrong-architecture":
+        from safetensors.torch import save_file
+
+        save_file({"encoder.conv.weight": torch.zeros(3, 3)}, str(path))
+        expected = "not a model flax-ln knows"
+    elif problem == "wrong-shapes":
+        import flax_ln
+        from safetensors.torch import load_file, save_file
+
+        save_book_gpt(path, flax_ln.GPTConfig(**SMALL_GPT))
+        state = load_file(str(path))
+        state["transformer.h.0.mlp.c_fc.weight"] = torch.zeros(100, 32)  # not 4 * n_embd
+        save_file(state, str(path))
+        expected = "does not fit"
+    elif problem == "pickled-objects":
+
+        class Payload:  # unpickling this would run code: it must be refused, not executed
+            def __reduce__(self):
+                return (open, (str(marker), "w"))
+
+        torch.save({"weight": torch.zeros(2), "payload": Payload()}, path)
+        expected = "refuses to unpickle"
+    else:
+        expected = "no such file"
+    proc = run_cli("--checkpoint", str(path), "--n-head", "4")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists()
+
+
+def test_checkpoint_and_model_are_exclusive():
+    proc = run_cli("--checkpoint", "x.safetensors", "--model", "gpt")
+    assert proc.returncode == 2 and "replaces --model" in proc.stderr
