@@ -656,13 +656,13 @@ def plot_errors(reports: Sequence[CaseReport], path: str) -> None:
     except ImportError as err:  # pragma: no cover - matplotlib ships with the test extra
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from err
 
-    fig, axes = plt.subplots(len(reports), 1, figsize=(12, 3.2 * len(reports)), squeeze=False)
+    fig, axes = plt.subplots(len(reports), 1, figsize=(14, 3.6 * len(reports)), squeeze=False)
     tiny = 1e-18  # exact zeros are drawn at the bottom of the log scale
     for ax, report in zip(axes[:, 0], reports):
         modules = [r.name for r in report.module_errors]
         grads: dict[str, float] = {}
         for r in report.results:
-            if r.kind == "param grad":
+            if r.kind == "param grad" and r.passed_by != "gtol":  # zero gradients: noise, not error
                 key = _module_of(r.name)
                 grads[key] = max(grads.get(key, 0.0), r.relative_error)
         for name in grads:
@@ -681,7 +681,7 @@ def plot_errors(reports: Sequence[CaseReport], path: str) -> None:
         step = max(1, len(modules) // 40)
         ax.set_xticks(x[::step])
         ax.set_xticklabels(modules[::step], rotation=75, fontsize=6)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
