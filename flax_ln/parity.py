@@ -518,7 +518,10 @@ def format_case(report: CaseReport, *, worst: int = 8, quiet: bool = False) -> s
     """
     results = report.results
     failed = [r for r in results if not r.passed]
-    shown = results if len(results) <= worst else sorted(results, key=lambda r: -r.excess)[:worst]
+    # every output, then the other tensors closest to (or past) their tolerance
+    outputs = [r for r in results if r.kind == "output"]
+    others = sorted((r for r in results if r.kind != "output"), key=lambda r: -r.excess)
+    shown = outputs + others[:worst]
     header = f"{'tensor':<44} {'kind':<11} {'shape':<16} {'max |d|':>9} {'at':<14} {'rel err':>9} {'rtol':>8}  status"
     lines = [f"== {report.name} ({report.dtype}) " + "=" * max(0, 80 - len(report.name)), header]
     for r in shown:
@@ -530,8 +533,8 @@ def format_case(report: CaseReport, *, worst: int = 8, quiet: bool = False) -> s
             f"{at[:14]:<14} {_fmt(r.relative_error):>9} {r.tolerance.rtol:>8.0e}  {status}"
             + (f"  [{r.nonfinite}]" if r.nonfinite else "")
         )
-    if len(results) > worst:
-        lines.append(f"... {len(results) - worst} more tensors, all shown with --json")
+    if len(shown) < len(results):
+        lines.append(f"... {len(results) - len(shown)} more tensors, all shown with --json")
     if any(r.passed_by == "gtol" for r in shown):
         lines.append("(zero grad): exact gradient is 0, only rounding noise differs; its error is within "
                      "gtol of the whole gradient's norm")
