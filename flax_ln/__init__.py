@@ -7,6 +7,7 @@ inputs and the parity harness need it.
 from flax_ln.convert import ConversionError, load_hf_gpt2, load_torch_state_dict, to_torch_state_dict
 from flax_ln.encoder_decoder import (
     Transformer,
+    greedy_decode,
     make_model,
     make_src_mask,
     make_std_mask,
@@ -33,6 +34,7 @@ __all__ = [
     "ConversionError",
     "encoder_decoder_loss",
     "generate",
+    "greedy_decode",
     "GPT",
     "gpt_adam",
     "gpt_loss",

@@ -159,7 +159,8 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation) -> tup
 
 
 def make_train_step(
-    loss_fn: LossFn, tx: optax.GradientTransformation, *, donate: bool = True
+    loss_fn: LossFn, tx: optax.GradientTransformation, *, donate: bool = True, state_sharding: Any = None,
+    batch_sharding: Any = None,
 ) -> Callable[[nnx.GraphDef, TrainState, Batch], tuple[TrainState, jax.Array]]:
     """A jitted ``step(graphdef, state, batch) -> (state, loss)`` for any loss and optax transformation.
 
@@ -173,6 +174,11 @@ def make_train_step(
       loss_fn: ``(model, batch) -> scalar loss``.
       tx: the optax transformation (e.g. :func:`noam_adam`, or clip + Adam for a GPT).
       donate: donate the input state's buffers to the output (do not reuse ``state`` after the call).
+      state_sharding: shardings of the state, a pytree like it (e.g.
+        :func:`flax_ln.sharding.state_shardings`); the step takes and returns the state so
+        placed. ``None``: as the input arrays are placed (NumPy inputs: replicated).
+      batch_sharding: sharding of the batch (a prefix of it, e.g. one ``NamedSharding``
+        for every array); ``None``: as the input arrays are placed.
     """
 
     def step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
@@ -186,4 +192,8 @@ def make_train_step(
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), rest, opt_state), loss
 
-    return jax.jit(step, static_argnums=0, donate_argnums=(1,) if donate else ())
+    donate_argnums = (1,) if donate else ()
+    if state_sharding is None and batch_sharding is None:
+        return jax.jit(step, static_argnums=0, donate_argnums=donate_argnums)
+    return jax.jit(step, static_argnums=0, donate_argnums=donate_argnums,
+                   in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None))

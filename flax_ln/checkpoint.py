@@ -1,0 +1,261 @@
+"""Resumable training: orbax checkpoints of a train state plus metadata, a JSON-lines metrics log, the loss plot.
+
+A checkpoint (``Checkpointer.save``) holds every array of the state (for a
+:class:`~flax_ln.train.TrainState`: parameters, optimizer state and the dropout RNG keys
+and counters in ``rest``) and a JSON ``meta`` dictionary (step, data position, config,
+...). Orbax's ``CheckpointManager`` writes each step into a temporary folder and renames
+it when complete, so a process killed mid-write leaves the previous checkpoints intact,
+and the unfinished folder is ignored (and cleaned up) next time. Arrays are restored
+onto the shardings of the abstract state passed to :meth:`Checkpointer.restore`, so a run
+saved on one device mesh can resume on another.
+
+orbax-checkpoint and matplotlib are imported inside the functions that need them
+(``pip install flax-ln[examples]``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+FORMAT = 1  # bump when the layout of what save() writes changes
+
+
+class CheckpointError(Exception):
+    """A checkpoint folder that cannot be resumed from: missing, empty, unreadable or incompatible."""
+
+
+def _key_name(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def state_names(tree: Any) -> list[str]:
+    """Dotted names of the leaves of ``tree`` in flatten order, e.g. ``params.lm_head.kernel.value``."""
+    return [".".join(_key_name(e) for e in path) for path, _ in jax.tree.flatten_with_path(tree)[0]]
+
+
+def flatten_state(tree: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """``({name: array}, {name: prng impl})``: PRNG key arrays become their raw key data (orbax stores plain arrays)."""
+    flat, impls = {}, {}
+    for name, x in zip(state_names(tree), jax.tree.leaves(tree)):
+        if _is_key(x):
+            impls[name] = str(jax.random.key_impl(x))
+            x = jax.random.key_data(x)
+        flat[name] = x
+    return flat, impls
+
+
+def _mismatches(meta: dict, expect: dict | None) -> list[str]:
+    return [f"{key}: checkpoint has {meta.get(key)!r}, this run has {value!r}"
+            for key, value in (expect or {}).items() if meta.get(key) != value]
+
+
+def _describe(x) -> list:
+    return [list(x.shape), str(x.dtype)]
+
+
+class Checkpointer:
+    """Orbax ``CheckpointManager`` over ``directory`` for one pytree state plus JSON metadata.
+
+    Args:
+      directory: the checkpoint folder (one sub-folder per saved step); a local path, or a
+        URL such as ``gs://bucket/run`` where orbax can write (several hosts must share it).
+      max_to_keep: keep only the newest this many checkpoints.
+      create: create ``directory`` if missing (False to resume, so a typo is an error).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, create: bool = True):
+        import orbax.checkpoint as ocp
+        from etils import epath  # orbax's path type: local paths and gs:// alike
+
+        directory = os.fspath(directory)
+        self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
+        if not create and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: no such folder, so there is no checkpoint to resume from")
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create, cleanup_tmp_directories=True)
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None if there is none."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Start writing ``state`` and ``meta`` as checkpoint ``step`` (asynchronously; see :meth:`wait`).
+
+        The arrays are copied off the devices before this returns, so ``state`` may be
+        donated to the next train step right away.
+        """
+        ocp = self._ocp
+        flat, impls = flatten_state(state)
+        meta = {**meta, "format": FORMAT, "step": step, "prng_impls": impls,
+                "arrays": {name: _describe(x) for name, x in flat.items()}}
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
+                                                         meta=ocp.args.JsonSave(meta)))
+
+    def read_meta(self, step: int | None = None) -> dict:
+        """The metadata of checkpoint ``step`` (default: the latest); :class:`CheckpointError` if there is none."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"{self.directory}: no complete checkpoint in this folder (it is empty or "
+                                  "holds only unfinished writes)")
+        try:
+            meta = self._manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # orbax raises several types for missing or corrupt items
+            raise CheckpointError(f"{self.directory / str(step)}: cannot read the checkpoint metadata "
+                                  f"({type(e).__name__}: {e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CheckpointError(f"{self.directory / str(step)}: not a flax-ln checkpoint of format {FORMAT}")
+        return meta
+
+    def check(self, meta: dict, expect: dict) -> None:
+        """Raise :class:`CheckpointError` listing every ``expect`` entry that differs from ``meta``'s."""
+        problems = _mismatches(meta, expect)
+        if problems:
+            raise CheckpointError(f"{self.directory / str(meta['step'])} is incompatible with this run:\n  "
+                                  + "\n  ".join(problems))
+
+    def restore(self, abstract_state: Any, *, expect: dict | None = None,
+                step: int | None = None) -> tuple[Any, dict]:
+        """``(state, meta)`` of checkpoint ``step`` (default: the latest), placed as ``abstract_state`` says.
+
+        Args:
+          abstract_state: a pytree like the saved state, of ``jax.ShapeDtypeStruct`` (with
+            ``sharding`` set to place the restored arrays) or of arrays.
+          expect: metadata entries that must equal the saved ones (e.g. the model config);
+            every mismatch is listed in one :class:`CheckpointError`.
+          step: which checkpoint.
+        """
+        meta = self.read_meta(step)
+        where = self.directory / str(meta["step"])
+        problems = _mismatches(meta, expect)
+        names, leaves = state_names(abstract_state), jax.tree.leaves(abstract_state)
+        saved = meta["arrays"]
+        wanted = {}
+        for name, x in zip(names, leaves):
+            if _is_key(x):
+                x = jax.ShapeDtypeStruct(jax.eval_shape(jax.random.key_data, x).shape, np.uint32,
+                                         sharding=getattr(x, "sharding", None))
+            wanted[name] = x
+        missing, unexpected = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+        if missing:
+            problems.append(f"arrays this run needs but the checkpoint lacks: {', '.join(missing[:8])}"
+                            + (" ..." if len(missing) > 8 else ""))
+        if unexpected:
+            problems.append(f"arrays in the checkpoint this run does not have: {', '.join(unexpected[:8])}"
+                            + (" ..." if len(unexpected) > 8 else ""))
+        problems += [f"{name}: checkpoint has shape/dtype {saved[name]}, this run {_describe(x)}"
+                     for name, x in wanted.items() if name in saved and saved[name] != _describe(x)]
+        if problems:
+            raise CheckpointError(f"{where} is incompatible with this run:\n  " + "\n  ".join(problems))
+        target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+                  for name, x in wanted.items()}
+        ocp = self._ocp
+        try:
+            flat = self._manager.restore(meta["step"], args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        except Exception as e:
+            raise CheckpointError(f"{where}: cannot read the arrays ({type(e).__name__}: {e})") from None
+        values = []
+        for name in names:
+            x = flat["state"][name]
+            values.append(jax.random.wrap_key_data(x, impl=meta["prng_impls"][name])
+                          if name in meta["prng_impls"] else x)
+        return jax.tree.unflatten(jax.tree.structure(abstract_state), values), meta
+
+    def wait(self) -> None:
+        """Block until every started save is complete on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager's resources; later calls do nothing."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            # Orbax removes unfinished folders of earlier runs in a background thread that only save()
+            # waits for; wait here too, or a run that ends without saving dies with that thread's error.
+            getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+            self._manager.close()
+            self._manager = None
+
+
+# ---------------------------------------------------------------------------------------
+# metrics
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSON-lines metrics file; a truncated last line (a killed writer) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsLog:
+    """A JSON-lines log, one object per step, flushed per line so a killed run keeps what it logged.
+
+    Args:
+      path: the ``.jsonl`` file.
+      keep_through: on resume, the restored step: earlier records (``step <= keep_through``)
+        are kept and later ones, which the resumed run will redo, are dropped (the file is
+        rewritten atomically). ``None`` starts an empty file.
+      enabled: False makes every call a no-op (e.g. on all but the first host).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, keep_through: int | None = None, enabled: bool = True):
+        self.path = Path(path)
+        self._file = None
+        if not enabled:
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_through] if keep_through else []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def plot_loss(records: Iterable[dict], path: str | os.PathLike, *, title: str = "training loss") -> None:
+    """Plot ``loss`` against ``step`` from metrics records into an image at ``path`` (matplotlib, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in records if "loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,108 @@
+"""Data and FSDP parallelism with JAX's own SPMD: a ``(data, fsdp)`` mesh and partition rules.
+
+Nothing here communicates by hand: arrays carry a ``NamedSharding`` and ``jax.jit``
+(with ``in_shardings``/``out_shardings``) lets XLA insert the all-gathers and
+reduce-scatters. The rules:
+
+- the mesh spans every visible device (on every host): ``fsdp`` devices per group,
+  ``data = n_devices // fsdp`` groups; the ``fsdp`` axis is the inner (fastest) one;
+- every array of the train state (parameters, optimizer moments, RNG state) is split
+  along its largest axis whose size the ``fsdp`` size divides (the first such axis on a
+  tie) and replicated over ``data``; arrays with no such axis, and scalars, are replicated;
+- a batch is split along its first (batch) axis over ``data`` and replicated over ``fsdp``.
+
+With ``fsdp=1`` this is plain data parallelism; with ``data=1`` plain FSDP. Typical use::
+
+    mesh = make_mesh(fsdp=2)
+    graphdef, abstract = jax.eval_shape(lambda: init_train_state(make_model(), tx))
+    shardings = state_shardings(abstract, mesh)
+    state = jax.jit(lambda: init_train_state(make_model(), tx)[1], out_shardings=shardings)()
+    step = make_train_step(loss_fn, tx, state_sharding=shardings, batch_sharding=batch_sharding(mesh))
+    state, loss = step(graphdef, state, shard_batch(batch, batch_sharding(mesh)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA, FSDP = "data", "fsdp"
+
+
+def initialize_distributed(**kwargs) -> None:
+    """``jax.distributed.initialize(**kwargs)``: join the other hosts (TPU pod slices detect their peers).
+
+    Call it before anything else touches JAX; afterwards ``jax.devices()`` lists every
+    host's devices and :func:`make_mesh` spans them all.
+    """
+    jax.distributed.initialize(**kwargs)
+
+
+def make_mesh(fsdp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``(data, fsdp)`` mesh over ``devices`` (default: every visible device), ``data = len(devices) // fsdp``.
+
+    Both axes are ``AxisType.Auto``: XLA's sharding propagation places the
+    intermediates, the shardings given to ``jax.jit`` fix inputs and outputs.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not isinstance(fsdp, int) or fsdp < 1 or len(devices) % fsdp:
+        raise ValueError(
+            f"--fsdp: expected a positive divisor of the device count {len(devices)}, got {fsdp!r}; "
+            f"the mesh is (data, fsdp) = ({len(devices)} // fsdp, fsdp)"
+        )
+    return jax.make_mesh((len(devices) // fsdp, fsdp), (DATA, FSDP), axis_types=(AxisType.Auto,) * 2,
+                         devices=devices)
+
+
+def fsdp_spec(shape: Sequence[int], fsdp_size: int) -> P:
+    """The ``PartitionSpec`` of one state array: its largest axis divisible by ``fsdp_size`` over ``fsdp``.
+
+    The first such axis wins a tie; replicated (``P()``) when ``fsdp_size == 1`` or no axis divides.
+    """
+    divisible = [i for i, n in enumerate(shape) if fsdp_size > 1 and n % fsdp_size == 0]
+    if not divisible:
+        return P()
+    axis = max(divisible, key=lambda i: (shape[i], -i))
+    return P(*[FSDP if i == axis else None for i in range(len(shape))])
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+    """A ``NamedSharding`` per array of ``abstract_state`` (arrays or ``ShapeDtypeStruct``), by :func:`fsdp_spec`."""
+    size = mesh.shape[FSDP]
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, size)), abstract_state)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch arrays split along axis 0 over ``data``, replicated over ``fsdp``."""
+    return NamedSharding(mesh, P(DATA))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array."""
+    return NamedSharding(mesh, P())
+
+
+def shard_batch(batch: Any, sharding: NamedSharding) -> Any:
+    """Global NumPy batch arrays -> global ``jax.Array``s with ``sharding``.
+
+    Every process passes the same whole (global) batch and each one places only the
+    slices its own devices hold (``jax.make_array_from_callback``), so this works
+    unchanged on one host and on many. The batch axis must divide evenly over ``data``.
+    """
+    n_data = sharding.mesh.shape[DATA]
+
+    def put(x):
+        x = np.asarray(x)
+        if x.shape[0] % n_data:
+            raise ValueError(
+                f"batch size {x.shape[0]} is not divisible by the mesh's data axis ({n_data} = devices // fsdp); "
+                f"pick a --batch-size that is a multiple of {n_data}"
+            )
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(put, batch)
