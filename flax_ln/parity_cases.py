@@ -23,12 +23,18 @@ import torch_ref
 from flax_ln.parity import Case, TrainSpec
 
 
-def _randomize(module: torch.nn.Module, seed: int, std: float = 1.0) -> None:
-    """Give every parameter random values, so that no ones/zeros initialisation hides a bug."""
+def _perturb(module: torch.nn.Module, seed: int, scale: float = 0.1, *, replace: bool = False) -> None:
+    """Add normal(0, scale) noise to every parameter (or, with ``replace``, set it to such noise),
+    so ones/zeros initialisations (norm scales, biases) cannot hide a swapped or transposed
+    weight, while small noise keeps a deep model's activations sane."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale
+            if replace:
+                p.copy_(noise)
+            else:
+                p.add_(noise)
 
 
 def _regression_training(target: np.ndarray, learning_rate: float) -> TrainSpec:
@@ -44,7 +50,7 @@ def _regression_training(target: np.ndarray, learning_rate: float) -> TrainSpec:
 def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, batch: int, seq_len: int, seed: int,
                features: int, randomize: bool = True) -> Case:
     if randomize:
-        _randomize(torch_norm, seed)
+        _perturb(torch_norm, seed, scale=1.0, replace=True)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((batch, seq_len, features)) * 2 + 0.5).astype(dtype)
     return Case(
@@ -69,15 +75,6 @@ def torch_layernorm(dtype: str, batch: int, seq_len: int | None, seed: int) -> C
     """torch.nn.LayerNorm vs its twin flax_ln.TorchLayerNorm, 1600 features (GPT-2XL width)."""
     return _norm_case("torch-layernorm", torch.nn.LayerNorm(1600), flax_ln.TorchLayerNorm, dtype, batch,
                       seq_len or 16, seed, 1600)
-
-
-def _perturb(module: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
-    """Add small noise to every parameter, so ones/zeros initialisations (norm scales,
-    biases) cannot hide a swapped or transposed weight, while keeping activations sane."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
 
 
 def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, sizes: dict | None = None,
