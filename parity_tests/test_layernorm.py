@@ -303,7 +303,7 @@ def test_second_order_matches_torch(x64, kind):
 
 def test_gradients_under_vmap_and_remat(x64):
     mod = flax_ln.LayerNorm(16)
-    mod.a_2[...] = jnp.linspace(0.5, 2.0, 16)
+    mod.a_2[...] = jnp.linspace(0.5, 2.0, 16, dtype=mod.a_2.dtype)
     x = jnp.asarray(np.random.default_rng(9).normal(size=(6, 16)) + 1.0)
 
     def loss(v):
