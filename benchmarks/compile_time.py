@@ -7,6 +7,9 @@ the model is built with ``nnx.eval_shape`` and the jitted step is lowered from
 
     python benchmarks/compile_time.py                 # 1 and 48 layers scanned, 48 unrolled (6 min cap)
     python benchmarks/compile_time.py --case scan 48  # one measurement, printed as JSON
+
+``run_case`` (one fresh subprocess per measurement) is also what ``benchmarks/bench_gpt.py``
+reports in ``benchmarks/run.py``; ``--tiny`` swaps GPT-2XL for a 64-wide model (smoke tests).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 import time
 
 
-def measure(layout: str, n_layer: int, batch: int, seq_len: int) -> dict:
+def measure(layout: str, n_layer: int, batch: int, seq_len: int, tiny: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -26,6 +29,8 @@ def measure(layout: str, n_layer: int, batch: int, seq_len: int) -> dict:
     import flax_ln
 
     config = flax_ln.GPTConfig.gpt2_xl(n_layer=n_layer)
+    if tiny:  # smoke-test size: same code path, seconds to compile
+        config = flax_ln.GPTConfig(n_layer=n_layer, n_head=4, n_embd=64, vocab_size=256, block_size=max(seq_len, 1))
     model = nnx.eval_shape(lambda: flax_ln.GPT(config, scan_layers=layout == "scan", rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # training mode: dropout on
 
@@ -48,15 +53,28 @@ def measure(layout: str, n_layer: int, batch: int, seq_len: int) -> dict:
     return {"layout": layout, "n_layer": n_layer, "params": n_params, "lower_s": t1 - t0, "compile_s": t2 - t1}
 
 
+def run_case(layout: str, n_layer: int, batch: int = 1, seq_len: int = 1024, *, timeout: float | None = None,
+             tiny: bool = False) -> dict | None:
+    """:func:`measure` in a fresh Python process (no warm caches); ``None`` if it ran past ``timeout`` seconds."""
+    cmd = [sys.executable, __file__, "--case", layout, str(n_layer), "--batch", str(batch), "--seq-len", str(seq_len)]
+    try:
+        out = subprocess.run(cmd + (["--tiny"] if tiny else []), capture_output=True, text=True, timeout=timeout,
+                             check=True).stdout
+    except subprocess.TimeoutExpired:
+        return None
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", nargs=2, metavar=("LAYOUT", "N_LAYER"), help="scan|unrolled and a layer count")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--tiny", action="store_true", help="a 64-wide model instead of GPT-2XL (smoke test)")
     parser.add_argument("--unrolled-timeout", type=float, default=360.0, help="seconds before the unrolled case is cut off")
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(measure(args.case[0], int(args.case[1]), args.batch, args.seq_len)))
+        print(json.dumps(measure(args.case[0], int(args.case[1]), args.batch, args.seq_len, args.tiny)))
         return
 
     import flax
@@ -69,15 +87,11 @@ def main() -> None:
     results = {}
     for layout, n_layer, timeout in [("scan", 1, None), ("scan", 48, None), ("unrolled", 1, None),
                                      ("unrolled", 48, args.unrolled_timeout)]:
-        cmd = [sys.executable, __file__, "--case", layout, str(n_layer), "--batch", str(args.batch),
-               "--seq-len", str(args.seq_len)]
         start = time.perf_counter()
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True).stdout
-        except subprocess.TimeoutExpired:
+        r = run_case(layout, n_layer, args.batch, args.seq_len, timeout=timeout, tiny=args.tiny)
+        if r is None:
             print(f"| {n_layer} | {layout} | | cut off after {time.perf_counter() - start:.0f} s | |", flush=True)
             continue
-        r = json.loads(out.strip().splitlines()[-1])
         results[(layout, n_layer)] = r
         print(f"| {n_layer} | {layout} | {r['lower_s']:.2f} | {r['compile_s']:.2f} | "
               f"{r['lower_s'] + r['compile_s']:.2f} |", flush=True)

@@ -5,9 +5,10 @@
 #   benchmarks/gpu.sh             # on the GPU machine
 #   benchmarks/gpu.sh --dry-run   # anywhere: CPU, tiny sizes, a LayerNorm parity subset
 #
-# Steps: 1. environment; 2. LayerNorm bandwidth vs a device copy and the GPT-2
-# hook (benchmarks/gpu_bench.py); 3. the parity suite with JAX on the GPU at
-# matmul precision "highest" (parity_tests/conftest.py sets it). The measurements
+# Steps: 1. environment; 2. LayerNorm bandwidth vs a device copy, and the GPT-2
+# 124M bf16 training step's tokens/s and MFU (benchmarks/gpu_bench.py); 3. the
+# parity suite with JAX on the GPU at matmul precision "highest"
+# (parity_tests/conftest.py sets it). The measurements
 # come first so that a slow parity run cannot cost them. If $OUT is set (the device
 # tool's output folder), the JSON rows and the logs are written there as well.
 # Environment: PYTHON (default python), PARITY_TIMEOUT seconds (default 420),
@@ -36,7 +37,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 "$PY" -c "import jax, flax, torch; print('jax', jax.__version__, jax.devices(), '| flax', flax.__version__, '| torch', torch.__version__)" \
   || { echo "cannot import jax/flax/torch" >&2; exit 1; }
 
-echo "== 2. LayerNorm bandwidth and the GPT-2 124M hook"
+echo "== 2. LayerNorm bandwidth and the GPT-2 124M bf16 training step (tokens/s, MFU)"
 "$PY" benchmarks/gpu_bench.py $DRY_RUN ${OUT_DIR:+--json "$OUT_DIR/gpu_bench.json"} || status=1
 
 echo "== 3. parity suite, JAX on $( [[ -n "$DRY_RUN" ]] && echo "the CPU (dry run: LayerNorm float32/float64 subset)" || echo "the GPU" ), matmul precision highest"

@@ -5,8 +5,8 @@ Usage: python benchmarks/gpu_bench.py [--dry-run] [--json PATH]
 1. LayerNorm bandwidth: bytes moved / time for flax_ln's forward and backward, as a
    fraction of a measured device-to-device copy of the same bytes (targets: forward
    >= 90 %, backward >= 75 %).
-2. HOOK for the GPT-2 124M bf16 training step (tokens/s and MFU), to be filled in
-   once flax_ln/gpt.py lands; see ``gpt2_train_step`` below.
+2. GPT-2 124M training step in bfloat16 (float32 parameters): tokens/s and MFU
+   against the H200's dense bf16 peak (target: MFU >= 0.5); see ``gpt2_train_step``.
 
 ``--dry-run`` runs everything on the CPU on tiny sizes, so the script can be checked
 on a machine without an accelerator; its numbers mean nothing.
@@ -94,18 +94,72 @@ def layernorm_bandwidth(shapes, dtypes, calls: int, repeats: int) -> list[dict]:
     return rows
 
 
-# ==== HOOK: GPT-2 124M bf16 training step (tokens/s, MFU) ==========================
-# To be filled in by the GPT work of issue 6 once flax_ln/gpt.py lands. Contract:
-# build GPT-2 124M (12 layers, 12 heads, 768 wide, vocab 50257, block 1024) with
-# dtype=bfloat16 compute and float32 params, jit the functional-split train step
-# (fwd + bwd + Adam + clip, donated state), time it like ``time_per_call`` and return
-# rows of dict(config=..., batch=..., seq_len=..., tokens_per_s=..., mfu=...), with
-# mfu = tokens_per_s * flops_per_token / H200_PEAK_BF16_FLOPS, where flops_per_token
-# is 6 * n_params + 12 * n_layer * n_embd * seq_len (the usual PaLM/nanoGPT count).
-# Target: mfu >= 0.5. With --dry-run it must use a tiny config on the CPU.
+# ==== GPT-2 124M bf16 training step (tokens/s, MFU) ===================================
+def gpt2_flops_per_token(n_matmul_params: int, n_layer: int, n_embd: int, seq_len: int) -> int:
+    """Training FLOPs per token, the PaLM/nanoGPT count: ``6 N + 12 L C T``.
+
+    ``6 N``: forward (2 N) and backward (4 N) multiply-adds of every matmul weight;
+    ``12 L C T``: the attention scores and the weighted sum (``q kᵀ`` and ``p v``, 2 L C T
+    each forward, twice that backward), counted without the causal half-skip, as nanoGPT
+    does. ``N`` excludes the embedding tables (look-ups, not matmuls) and includes the
+    book's untied ``lm_head`` (a matmul).
+    """
+    return 6 * n_matmul_params + 12 * n_layer * n_embd * seq_len
+
+
 def gpt2_train_step(dry_run: bool) -> list[dict]:
-    return []  # not implemented yet: waits for flax_ln/gpt.py (the GPT part of issue 6)
-# ==== end of HOOK ====================================================================
+    """GPT-2 124M training steps in bfloat16 compute (float32 parameters and Adam state): tokens/s and MFU.
+
+    The step is ``flax_ln.make_train_step(gpt_loss, gpt_adam())``: forward, backward,
+    torch-style clip to norm 1 and Adam, jitted on the functional split with the state
+    donated, launched back to back (the host never waits between steps, as in a training
+    loop) and synchronised once per sample. Rows: dropout 0 (the usual MFU setting) and
+    the book's dropout 0.1. ``mfu = tokens/s * gpt2_flops_per_token / H200_PEAK_BF16_FLOPS``.
+    """
+    import dataclasses
+
+    import numpy as np
+
+    if dry_run:
+        base = flax_ln.GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=64)
+        batch, seq_len, calls, repeats, name = 2, 64, 2, 2, "tiny (dry run)"
+    else:
+        base = flax_ln.GPTConfig.gpt2()
+        batch, seq_len, calls, repeats, name = 16, 1024, 10, 5, "GPT-2 124M"
+    rng = np.random.default_rng(0)
+    tokens = {k: jnp.asarray(rng.integers(0, base.vocab_size, (batch, seq_len)), jnp.int32) for k in ("idx", "targets")}
+    rows = []
+    for dropout in (0.0, 0.1):
+        config = dataclasses.replace(base, embd_pdrop=dropout, resid_pdrop=dropout, attn_pdrop=dropout)
+        model = flax_ln.GPT(config, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        n_matmul = n_params - model.transformer.wte.embedding.size - model.transformer.wpe.embedding.size
+        tx = flax_ln.gpt_adam()
+        step = flax_ln.make_train_step(flax_ln.gpt_loss, tx)
+        graphdef, state = flax_ln.init_train_state(model, tx)
+        del model
+        t0 = time.perf_counter()
+        state, loss = step(graphdef, state, tokens)
+        jax.block_until_ready(loss)
+        compile_s = time.perf_counter() - t0
+        state, loss = step(graphdef, state, tokens)  # one more warm-up
+        jax.block_until_ready(loss)
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                state, loss = step(graphdef, state, tokens)
+            jax.block_until_ready(loss)
+            samples.append((time.perf_counter() - t0) / calls)
+        step_s = statistics.median(samples)
+        tokens_per_s = batch * seq_len / step_s
+        flops = gpt2_flops_per_token(n_matmul, config.n_layer, config.n_embd, seq_len)
+        rows.append(dict(config=name, dropout=dropout, batch=batch, seq_len=seq_len, params=n_params,
+                         step_ms=step_s * 1e3, tokens_per_s=tokens_per_s, mfu=tokens_per_s * flops / H200_PEAK_BF16_FLOPS,
+                         first_step_s=compile_s, loss=float(loss)))
+        del state
+    return rows
+# ==== end of GPT-2 ===================================================================
 
 
 def print_table(title: str, rows: list[dict]) -> None:
@@ -141,7 +195,7 @@ def main(argv=None) -> int:
     ln_rows = layernorm_bandwidth(shapes, dtypes, calls, repeats)
     print_table("LayerNorm bandwidth vs device copy (targets: fwd_frac >= 0.90, bwd_frac >= 0.75)", ln_rows)
     gpt_rows = gpt2_train_step(args.dry_run)
-    print_table("GPT-2 124M bf16 training step (HOOK, target mfu >= 0.5)", gpt_rows)
+    print_table("GPT-2 124M bf16 training step (target mfu >= 0.5)", gpt_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"devices": str(jax.devices()), "layernorm": ln_rows, "gpt2": gpt_rows,

@@ -21,6 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from flax_ln.attention import merge_heads, scaled_dot_product_attention, split_heads
+from flax_ln.dropout import Dropout
 from flax_ln.layernorm import TorchLayerNorm
 
 
@@ -176,8 +177,8 @@ class CausalSelfAttention(nnx.Module):
         opts = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.c_attn = _linear(config.n_embd, 3 * config.n_embd, init, **opts)
         self.c_proj = _linear(config.n_embd, config.n_embd, c_proj_init, **opts)
-        self.attn_dropout = nnx.Dropout(config.attn_pdrop, rngs=rngs)
-        self.resid_dropout = nnx.Dropout(config.resid_pdrop, rngs=rngs)
+        self.attn_dropout = Dropout(config.attn_pdrop, rngs=rngs)
+        self.resid_dropout = Dropout(config.resid_pdrop, rngs=rngs)
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         return self.attend(x, None, 0)[0]
@@ -224,7 +225,7 @@ class MLP(nnx.Module):
         self.c_fc = _linear(config.n_embd, 4 * config.n_embd, init, **opts)
         self.c_proj = _linear(4 * config.n_embd, config.n_embd, c_proj_init, **opts)
         self.act = GELU()
-        self.dropout = nnx.Dropout(config.resid_pdrop, rngs=rngs)
+        self.dropout = Dropout(config.resid_pdrop, rngs=rngs)
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))
@@ -300,24 +301,108 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, ignore_index: int) -> j
     return -jnp.sum(jnp.where(valid, picked, 0.0)) / jnp.sum(valid)
 
 
-def _scan_blocks(h: Block, x, cache, pos):
+def _remat_policy(remat):
+    """The ``jax.checkpoint`` policy :class:`GPT` wraps each block in: ``None`` (no remat) or a policy.
+
+    ``False`` -> ``None``; ``True`` -> ``jax.checkpoint_policies.nothing_saveable`` (keep
+    only each block's input, recompute the rest in the backward pass); a callable is
+    taken as a policy, e.g. ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``.
+    """
+    if remat is False or remat is None:
+        return None
+    if remat is True:
+        return jax.checkpoint_policies.nothing_saveable
+    if callable(remat):
+        return remat
+    raise ValueError(
+        f"GPT: remat must be False, True or a jax.checkpoint policy (e.g. "
+        f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable), got {remat!r}"
+    )
+
+
+def _dropout_active(module: nnx.Module) -> bool:
+    return any(isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0 for _, m in nnx.iter_modules(module))
+
+
+def checkpoint(fun, policy):
+    """``jax.checkpoint(fun, policy=policy)`` whose recomputation stays in the backward pass on every backend.
+
+    The backward pass keeps only the values ``policy`` saves (just the inputs with
+    ``nothing_saveable``) and recomputes the rest of ``fun`` before differentiating it,
+    so the gradients are those of ``fun``. Plain ``jax.checkpoint`` relies on
+    ``optimization_barrier``s to keep XLA from merging the recomputation back into the
+    forward pass; XLA's CPU pipeline removes them (``cse_barrier_expander``) before its
+    last CSE pass, which then does exactly that, and no memory is saved (RESULTS.md).
+    Here the residuals pass through ``where(isnan(sum(cotangent)), nan, r)`` first: a data
+    dependency on the incoming cotangent that no compiler pass removes, costing one
+    element-wise pass over the residuals. It changes nothing unless the cotangent holds a
+    NaN, and then the gradients would be NaN anyway.
+    """
+    remat_fun = jax.checkpoint(fun, policy=policy, prevent_cse=False)
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fun(*args)
+
+    def fwd(*args):
+        return jax.vjp(remat_fun, *args)  # (outputs, residuals as a pytree: the vjp function)
+
+    def bwd(vjp_fn, cotangents):
+        floats = [c for c in jax.tree.leaves(cotangents) if jnp.issubdtype(c.dtype, jnp.inexact)]
+        poisoned = jnp.isnan(sum(jnp.sum(c, dtype=jnp.float32) for c in floats))
+        vjp_fn = jax.tree.map(
+            lambda r: jnp.where(poisoned, jnp.asarray(jnp.nan, r.dtype), r) if jnp.issubdtype(r.dtype, jnp.inexact) else r,
+            vjp_fn,
+        )
+        return vjp_fn(cotangents)
+
+    wrapped.defvjp(fwd, bwd)
+    return wrapped
+
+
+def _pure_block(graphdef, pos, policy):
+    """``(block_state, x, cache) -> (x, cache, rng_state)``: one block on the functional split, rematerialised
+    with :func:`checkpoint` unless ``policy`` is ``None``.
+
+    Dropout masks are recomputed from the same keys, so the gradients are unchanged.
+    """
+
+    def run(block_state, x, cache):
+        block = nnx.merge(graphdef, block_state)
+        x, cache = block.attend(x, cache, pos)
+        return x, cache, nnx.state(block, nnx.RngState)
+
+    return run if policy is None else checkpoint(run, policy)
+
+
+def _remat_block(block: Block, x, pos, policy):
+    """``block(x)`` rematerialised with ``policy``; dropout RNG counters written back."""
+    graphdef, state = nnx.split(block)
+    x, _, rng_state = _pure_block(graphdef, pos, policy)(state, x, None)
+    if _dropout_active(block):
+        nnx.update(block, rng_state)
+    return x
+
+
+def _scan_blocks(h: Block, x, cache, pos, policy=None):
     """Run stacked blocks (leading layer axis) with ``jax.lax.scan``; returns ``(x, cache)``.
 
-    Each step merges one layer's slice into a fresh :class:`Block`. Only when some
-    dropout is active is the advanced RNG state written back into ``h``, so in eval mode
-    the module is never mutated, exactly like the unrolled path (NNX forbids mutating
-    Variables from another trace level, e.g. a model closed over inside ``jax.grad``).
+    Each step merges one layer's slice into a fresh :class:`Block`, rematerialised with
+    ``policy`` unless it is ``None``. Only when some dropout is active is the advanced
+    RNG state written back into ``h``, so in eval mode the module is never mutated,
+    exactly like the unrolled path (NNX forbids mutating Variables from another trace
+    level, e.g. a model closed over inside ``jax.grad``).
     """
     graphdef, state = nnx.split(h)
+    block = _pure_block(graphdef, pos, None if cache is not None else policy)  # decoding takes no gradients
 
     def step(x, layer):
         layer_state, layer_cache = layer
-        block = nnx.merge(graphdef, layer_state)
-        x, layer_cache = block.attend(x, layer_cache, pos)
-        return x, (nnx.state(block, nnx.RngState), layer_cache)
+        x, layer_cache, rng_state = block(layer_state, x, layer_cache)
+        return x, (rng_state, layer_cache)
 
     x, (rng_state, cache) = jax.lax.scan(step, x, (state, cache))
-    if any(isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0 for _, m in nnx.iter_modules(h)):
+    if _dropout_active(h):
         nnx.update(h, rng_state)
     return x, cache
 
@@ -336,11 +421,18 @@ class GPT(nnx.Module):
     ``transformer.h.{i}.*`` keys onto either layout. The two layouts draw different
     random initial weights from the same ``rngs``.
 
+    With ``remat`` each block runs under ``jax.checkpoint``: the backward pass keeps only
+    what the policy saves (with ``remat=True``, each block's input) and recomputes the
+    rest, trading about one more forward pass of the blocks for most of their activation
+    memory (benchmarks/RESULTS.md). Outputs and gradients are unchanged.
+
     Call ``model.eval()`` to switch dropout off (``model.train()`` to switch it back).
 
     Args:
       config: the :class:`GPTConfig`.
       scan_layers: stack the blocks and scan over them.
+      remat: rematerialise each block in the backward pass: ``False`` (off), ``True``
+        (``jax.checkpoint_policies.nothing_saveable``) or any ``jax.checkpoint`` policy.
       dtype: compute dtype, e.g. ``jnp.bfloat16``; norm statistics, attention softmax and
         the loss stay at least float32. Logits come out in this dtype.
       param_dtype: parameter dtype.
@@ -353,13 +445,16 @@ class GPT(nnx.Module):
         config: GPTConfig,
         *,
         scan_layers: bool = False,
+        remat=False,
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
         rngs: nnx.Rngs,
     ):
+        _remat_policy(remat)  # validate early
         self.config = config
         self.scan_layers = scan_layers
+        self.remat = remat
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -375,7 +470,7 @@ class GPT(nnx.Module):
         self.transformer = nnx.Dict(
             wte=embed(config.vocab_size, config.n_embd),
             wpe=embed(config.block_size, config.n_embd),
-            drop=nnx.Dropout(config.embd_pdrop, rngs=rngs),
+            drop=Dropout(config.embd_pdrop, rngs=rngs),
             h=h,
             ln_f=TorchLayerNorm(config.n_embd, dtype=dtype, param_dtype=param_dtype),
         )
@@ -418,10 +513,14 @@ class GPT(nnx.Module):
     def _forward(self, idx, cache: KVCache | None, pos):
         t = self.transformer
         x = t.drop(t.wte(idx) + t.wpe(pos + jnp.arange(idx.shape[1])))  # (B, T, C)
+        policy = _remat_policy(self.remat)
         if self.scan_layers:
-            x, cache = _scan_blocks(t.h, x, cache, pos)
+            x, cache = _scan_blocks(t.h, x, cache, pos, policy)
         else:
             for i, block in enumerate(t.h):
+                if cache is None and policy is not None:
+                    x = _remat_block(block, x, pos, policy)
+                    continue
                 x, kv = block.attend(x, None if cache is None else (cache.k[i], cache.v[i]), pos)
                 if cache is not None:
                     cache = KVCache(cache.k.at[i].set(kv[0]), cache.v.at[i].set(kv[1]))

@@ -25,6 +25,9 @@ def test_run_quick_prints_the_ratio_tables():
                 "LN forward+backward | flax_ln.LayerNorm (jit) vs torch"):
         assert row in out, row
     assert "### LayerNorm forward+backward at other shapes" in out
+    for title in ("### GPT training step (fwd+bwd+clip+Adam): ratios", "forward+backward compile time, scan_layers",
+                  "training step: per-block rematerialisation"):
+        assert title in out, title
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="gpu.sh is a bash script")
@@ -32,6 +35,7 @@ def test_gpu_script_dry_run(tmp_path):
     out = run(["bash", "benchmarks/gpu.sh", "--dry-run"], PYTHON=sys.executable, OUT=str(tmp_path))
     assert "DRY RUN" in out
     assert "| shape | dtype | copy_GBps | fwd_GBps | fwd_frac | bwd_GBps | bwd_frac |" in out
-    assert "GPT-2 124M bf16 training step (HOOK" in out
+    assert "GPT-2 124M bf16 training step (target mfu >= 0.5)" in out
+    assert "| config | dropout | batch | seq_len | params | step_ms | tokens_per_s | mfu |" in out
     assert "passed" in out and "== done (status 0)" in out
     assert (tmp_path / "gpu_bench.json").exists() and (tmp_path / "parity.xml").exists()

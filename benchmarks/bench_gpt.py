@@ -1,0 +1,363 @@
+"""GPT benchmarks of issue 6: the training step against PyTorch, compile time, and rematerialisation memory.
+
+Rows (float32, this CPU; ``--quick`` shrinks every model to a 64-wide toy):
+
+* ``gpt-train-step``: one training step (forward, backward, clip to norm 1, Adam 1e-4) of
+  the music-width GPT (n_embd 512, 8 heads, vocab 390), 2 layers, B=8, T=256, **dropout
+  on (0.1 everywhere) in both frameworks**, as in real training. flax_ln is
+  ``make_train_step(gpt_loss, gpt_adam())`` (jitted on the functional split, state
+  donated); torch is ``torch_ref.GPT`` with ``torch.optim.Adam(lr=1e-4)`` and
+  ``clip_grad_norm_(params, 1)``, eager and with ``torch.compile(model)`` (the
+  optimizer step stays eager, as in the book's loop). Targets: <= 0.9x eager, <= 1.0x compile.
+* ``gpt-compile-time``: XLA compile time of a GPT-2XL forward+backward, 48 scanned
+  layers vs 1 (``compile_time.run_case``, a fresh process each). Target: <= 3x.
+* ``gpt-remat``: a GPT-2 124M training step (``GPTConfig.gpt2()``, B=4, T=1024, dropout
+  on) with and without per-block rematerialisation (``GPT(remat=True)``), for both layer
+  layouts: XLA's ``memory_analysis()`` temporary bytes of the compiled step and the peak
+  RSS growth during a step (a fresh process per case; peak VmHWM minus the RSS with the
+  parameters, the Adam state and the compiled step in memory), and the step-time ratio
+  measured round-robin in one process. Target: activation memory (the XLA temporaries)
+  cut >= 3x at <= 1.35x the step time.
+
+Run one case of the memory row by hand with
+``python benchmarks/bench_gpt.py --memory-case full unrolled [--batch 4 --seq-len 1024] [--tiny]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import Config, Table, interleaved, ratio_row, register, timing_rows
+from flax import nnx
+
+import flax_ln
+from flax_ln import GPTConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REMAT = {"off": False, "full": True}
+
+
+def tiny_config(n_layer: int = 2, block_size: int = 64, **overrides) -> GPTConfig:
+    """The 64-wide toy every GPT row falls back to under ``--quick``."""
+    return GPTConfig(n_layer=n_layer, n_head=4, n_embd=64, vocab_size=256, block_size=block_size, **overrides)
+
+
+def token_batch(config: GPTConfig, batch: int, seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, config.vocab_size, (batch, seq_len)), rng.integers(0, config.vocab_size, (batch, seq_len)))
+
+
+class FlaxStep:
+    """A flax_ln training step with its state threaded through donated calls: ``run()`` does one step."""
+
+    def __init__(self, model: flax_ln.GPT, idx: np.ndarray, targets: np.ndarray, state=None):
+        tx = flax_ln.gpt_adam()
+        self.step = flax_ln.make_train_step(flax_ln.gpt_loss, tx)
+        self.graphdef, state0 = flax_ln.init_train_state(model, tx)
+        self.state = state0 if state is None else state
+        self.batch = {"idx": jnp.asarray(idx, jnp.int32), "targets": jnp.asarray(targets, jnp.int32)}
+
+    def run(self) -> float:
+        self.state, loss = self.step(self.graphdef, self.state, self.batch)
+        return float(loss)  # waits for the step
+
+
+# ---- (a) training step vs PyTorch ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def nnx_dropout_masks():
+    """Build GPTs with plain ``nnx.Dropout`` (the code before issue 6): a side-by-side before/after column.
+
+    Same masks (``flax_ln.dropout`` is bit-identical), only JAX's own mask kernel.
+    """
+    import flax_ln.gpt as gpt_module
+
+    fused = gpt_module.Dropout
+    gpt_module.Dropout = nnx.Dropout
+    try:
+        yield
+    finally:
+        gpt_module.Dropout = fused
+
+
+def torch_step(model, idx, targets):
+    """The book's training step: Adam(1e-4) after clipping the gradient norm to 1."""
+    import torch
+
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=1e-4)
+    idx_t, targets_t = torch.as_tensor(idx), torch.as_tensor(targets)
+
+    def run(forward=model):
+        opt.zero_grad(set_to_none=True)
+        _, loss = forward(idx_t, targets_t)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.item()
+
+    return run
+
+
+@register("gpt-train-step")
+def gpt_train_step(cfg: Config) -> list[Table]:
+    import torch
+
+    import torch_ref
+
+    if cfg.quick:
+        config, batch, seq_len = tiny_config(block_size=32), 2, 32
+    else:
+        config, batch, seq_len = GPTConfig.music(n_layer=2, block_size=256), 8, 256
+    idx, targets = token_batch(config, batch, seq_len)
+    torch.manual_seed(0)
+    reference = torch_ref.GPT(config).train()
+
+    def torch_twin():
+        model = torch_ref.GPT(config).train()
+        model.load_state_dict(reference.state_dict())
+        return model
+
+    def flax_twin(**kwargs):
+        model = flax_ln.GPT(config, rngs=nnx.Rngs(0), **kwargs)
+        flax_ln.load_torch_state_dict(model, reference.state_dict())
+        return FlaxStep(model, idx, targets)
+
+    ours, scanned = flax_twin(), flax_twin(scan_layers=True)
+    with nnx_dropout_masks():
+        before = flax_twin()
+    t0 = time.perf_counter()
+    ours.run()
+    notes = [f"flax_ln first step (trace + XLA compile + run): {time.perf_counter() - t0:.1f} s"]
+    scanned.run()
+    before.run()
+    eager = torch_step(torch_twin(), idx, targets)
+    threads = torch.get_num_threads()
+
+    def eager_one_thread():  # on a loaded 2-core machine torch's spinning OpenMP threads can lose to one thread
+        torch.set_num_threads(1)
+        try:
+            return eager()
+        finally:
+            torch.set_num_threads(threads)
+
+    candidates = {"flax_ln (jit, unrolled layers)": ours.run, "flax_ln (jit, scan_layers)": scanned.run,
+                  "flax_ln with nnx.Dropout masks (before)": before.run,
+                  "torch_ref eager": eager, "torch_ref eager, 1 thread": eager_one_thread}
+    if cfg.torch_compile:
+        compiled_model = torch_twin()
+        compiled = torch_step(compiled_model, idx, targets)
+        forward = torch.compile(compiled_model)
+        try:
+            t0 = time.perf_counter()
+            compiled(forward)
+            notes.append(f"torch.compile(model): first step {time.perf_counter() - t0:.1f} s")
+            candidates["torch.compile(torch_ref)"] = lambda: compiled(forward)
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            notes.append(f"torch.compile FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    else:
+        notes.append("torch.compile skipped (--quick or --no-torch-compile)")
+    t = interleaved(candidates, cfg.repeats, cfg.warmup)
+    notes.insert(0, (
+        f"{config.n_layer} layers, n_embd {config.n_embd}, {config.n_head} heads, vocab {config.vocab_size}, "
+        f"B={batch}, T={seq_len}, float32, dropout {config.attn_pdrop} on in both frameworks; median of "
+        f"{cfg.repeats} interleaved steps after {cfg.warmup} warm-up; torch threads {torch.get_num_threads()}"
+    ))
+    name = "flax_ln (jit, unrolled layers)"
+    best_eager = min(("torch_ref eager", "torch_ref eager, 1 thread"), key=lambda k: t[k].median)
+    notes.append("the eager target is taken against the faster of torch's default thread count and 1 thread")
+    rows = [ratio_row("GPT train step", name, t[name], best_eager, t[best_eager], 0.9)]
+    if "torch.compile(torch_ref)" in t:
+        rows.append(ratio_row("GPT train step", name, t[name], "torch.compile(torch_ref)",
+                              t["torch.compile(torch_ref)"], 1.0))
+    rows.append(ratio_row("GPT train step", "flax_ln (jit, scan_layers)", t["flax_ln (jit, scan_layers)"],
+                          best_eager, t[best_eager], None))
+    before_name = "flax_ln with nnx.Dropout masks (before)"
+    rows.append(ratio_row("GPT train step (before)", before_name, t[before_name], best_eager, t[best_eager], None))
+    if "torch.compile(torch_ref)" in t:
+        rows.append(ratio_row("GPT train step (before)", before_name, t[before_name], "torch.compile(torch_ref)",
+                              t["torch.compile(torch_ref)"], None))
+    rows.append(ratio_row("GPT train step", name, t[name], before_name, t[before_name], None))
+    return [
+        Table("GPT training step (fwd+bwd+clip+Adam): ratios (lower is better)",
+              ["workload", "comparison", "ratio", "target", "met"], rows, notes),
+        Table("GPT training step: raw timings", ["candidate", "median ms", "p25-p75 ms", "ratio to flax_ln"],
+              timing_rows(t, name)),
+    ]
+
+
+# ---- (b) compile time ----------------------------------------------------------------------------
+
+
+@register("gpt-compile-time")
+def gpt_compile_time(cfg: Config) -> list[Table]:
+    import compile_time
+
+    deep = 4 if cfg.quick else 48
+    kwargs = dict(batch=1, seq_len=32 if cfg.quick else 1024, tiny=cfg.quick)
+    if cfg.quick:  # smoke test: in this process (fresh jit functions, so no cache hits), no subprocess start-up
+        one, many = (compile_time.measure("scan", n, kwargs["batch"], kwargs["seq_len"], tiny=True) for n in (1, deep))
+    else:
+        one, many = compile_time.run_case("scan", 1, **kwargs), compile_time.run_case("scan", deep, **kwargs)
+    total = {k: r["lower_s"] + r["compile_s"] for k, r in (("one", one), ("many", many))}
+    ratio = total["many"] / total["one"]
+    model = "64-wide toy (--quick)" if cfg.quick else "GPT-2XL"
+    return [Table(
+        f"{model} forward+backward compile time, scan_layers, {deep} layers vs 1",
+        ["layers", "params", "lower s", "XLA compile s", "total s", "ratio to 1 layer", "target", "met"],
+        [[1, one["params"], one["lower_s"], one["compile_s"], total["one"], 1.0, "", ""],
+         [deep, many["params"], many["lower_s"], many["compile_s"], total["many"], ratio, "<= 3x",
+          "yes" if ratio <= 3 else "no"]],
+        ["batch 1, loss + gradients w.r.t. every parameter, dropout on, lowered from abstract inputs; "
+         "a fresh Python process per row (benchmarks/compile_time.py)" if not cfg.quick else
+         "--quick: both rows in this process"],
+    )]
+
+
+# ---- (c) rematerialisation: memory and time ------------------------------------------------------
+
+
+def _rss_gib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20  # kB -> GiB
+    raise KeyError(field)
+
+
+def remat_config(tiny: bool) -> GPTConfig:
+    return tiny_config(block_size=128) if tiny else GPTConfig.gpt2()
+
+
+def memory_case(remat: str, layout: str, batch: int, seq_len: int, tiny: bool) -> dict:
+    """One GPT training step in this (fresh) process: XLA's temporary bytes and the peak RSS growth."""
+    config = remat_config(tiny)
+    model = flax_ln.GPT(config, scan_layers=layout == "scan", remat=REMAT[remat], rngs=nnx.Rngs(0))
+    runner = FlaxStep(model, *token_batch(config, batch, seq_len))
+    del model
+    jax.block_until_ready(runner.state)
+    rss_state = _rss_gib("VmRSS")
+    compiled = runner.step.lower(runner.graphdef, runner.state, runner.batch).compile()
+    memory = compiled.memory_analysis()
+    rss_before = _rss_gib("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS: the peak below is the step's own
+        hwm_reset = True
+    except OSError:
+        hwm_reset = False
+    times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(2):
+        t0 = time.perf_counter()
+        runner.state, loss = compiled(runner.state, runner.batch)
+        loss = float(loss)
+        times.append(time.perf_counter() - t0)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 2
+    rss_peak = _rss_gib("VmHWM")
+    return dict(remat=remat, layout=layout, temp_gib=memory.temp_size_in_bytes / 2**30,
+                args_gib=memory.argument_size_in_bytes / 2**30, rss_state_gib=rss_state, rss_before_gib=rss_before,
+                rss_peak_gib=rss_peak, rss_growth_gib=rss_peak - rss_before if hwm_reset else float("nan"),
+                step_s=min(times), minor_faults_per_step=faults, loss=loss)
+
+
+def run_memory_case(remat: str, layout: str, batch: int, seq_len: int, tiny: bool) -> dict:
+    """:func:`memory_case` in a fresh Python process, so each peak RSS is its own."""
+    cmd = [sys.executable, os.path.join(HERE, "bench_gpt.py"), "--memory-case", remat, layout,
+           "--batch", str(batch), "--seq-len", str(seq_len)] + (["--tiny"] if tiny else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@register("gpt-remat")
+def gpt_remat(cfg: Config) -> list[Table]:
+    tiny = cfg.quick
+    batch, seq_len = (2, 128) if tiny else (4, 1024)
+    config = remat_config(tiny)
+    layouts = ("unrolled",) if tiny else ("unrolled", "scan")  # --quick: one layout keeps the smoke test short
+    mem = {(r, lay): run_memory_case(r, lay, batch, seq_len, tiny) for lay in layouts for r in REMAT}
+
+    repeats = cfg.repeats if cfg.quick else max(3, min(cfg.repeats, 5))
+    timings = {}
+    for layout in layouts:
+        # One parameter/Adam state, stepped alternately by both variants (remat does not change
+        # the state's structure), so both run on the same numbers and memory holds one state.
+        idx, targets = token_batch(config, batch, seq_len)
+        off = FlaxStep(flax_ln.GPT(config, scan_layers=layout == "scan", rngs=nnx.Rngs(0)), idx, targets)
+        on = FlaxStep(flax_ln.GPT(config, scan_layers=layout == "scan", remat=True, rngs=nnx.Rngs(0)), idx, targets,
+                      state=off.state)
+
+        def step_off(off=off, on=on):
+            off.state = on.state
+            off.run()
+            on.state = off.state
+
+        def step_on(off=off, on=on):
+            on.state = off.state
+            on.run()
+            off.state = on.state
+
+        timings[layout] = interleaved({"off": step_off, "remat": step_on}, repeats, 1)
+        del off, on
+
+    model = "64-wide toy (--quick)" if tiny else "GPT-2 124M"
+    rows, raw = [], []
+    for layout in layouts:
+        m_off, m_on = mem[("off", layout)], mem[("full", layout)]
+        t = timings[layout]
+        mem_ratio = m_off["temp_gib"] / m_on["temp_gib"]
+        rss_ratio = m_off["rss_growth_gib"] / m_on["rss_growth_gib"]
+        time_ratio = t["remat"].median / t["off"].median
+        met = "yes" if mem_ratio >= 3 and time_ratio <= 1.35 else "no"
+        rows.append([f"{model} train step, {layout}", mem_ratio, rss_ratio, time_ratio, ">= 3x, <= 1.35x", met])
+        for r, m in (("off", m_off), ("remat=True", m_on)):
+            key = "off" if r == "off" else "remat"
+            raw.append([layout, r, m["temp_gib"], m["rss_growth_gib"], m["rss_state_gib"], m["rss_peak_gib"],
+                        m["minor_faults_per_step"], t[key].median, f"{t[key].spread[0]:.3g}-{t[key].spread[1]:.3g}"])
+    notes = [
+        (f"{model}, B={batch}, T={seq_len}, float32, dropout 0.1 on, clip + Adam; remat=True wraps each block in "
+         "jax.checkpoint(policy=nothing_saveable) (flax_ln.gpt.checkpoint)"),
+        ("memory ratios are 'off / remat': XLA temp = compiled.memory_analysis().temp_size_in_bytes (the target's "
+         "measure: every buffer of the step besides its donated parameters/optimizer state, batch and outputs); "
+         "RSS growth = peak VmHWM during two steps minus VmRSS before them, with state and executable resident, "
+         "one fresh process per case"),
+        f"time ratio: median of {repeats} interleaved steps per variant in one process, 1 warm-up each",
+    ]
+    return [
+        Table(f"{model} training step: per-block rematerialisation",
+              ["workload", "XLA temp off/remat", "RSS growth off/remat", "step time remat/off", "target", "met"],
+              rows, notes),
+        Table(f"{model} rematerialisation: raw numbers",
+              ["layout", "remat", "XLA temp GiB", "RSS growth GiB", "RSS with state GiB", "peak RSS GiB",
+               "minor page faults per step", "step s (median)", "p25-p75 s"], raw),
+    ]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="one case of the gpt-remat memory row, printed as JSON")
+    parser.add_argument("--memory-case", nargs=2, metavar=("REMAT", "LAYOUT"), required=True,
+                        help=f"remat in {sorted(REMAT)}, layout in ['scan', 'unrolled']")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--tiny", action="store_true", help="the 64-wide toy model (smoke test)")
+    args = parser.parse_args(argv)
+    remat, layout = args.memory_case
+    if remat not in REMAT or layout not in ("scan", "unrolled"):
+        parser.error(f"--memory-case: expected REMAT in {sorted(REMAT)} and LAYOUT in scan/unrolled, got {remat} {layout}")
+    print(json.dumps(memory_case(remat, layout, args.batch, args.seq_len, args.tiny)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
