@@ -79,9 +79,9 @@ class FlaxStep:
 def nnx_dropout_masks():
     """Build GPTs with plain ``nnx.Dropout`` (the code before issue 6): a side-by-side before/after column.
 
-    Same masks (``flax_ln.dropout`` is bit-identical), only JAX's own mask kernel.
+    Same masks (``flax_ln.models.dropout`` is bit-identical), only JAX's own mask kernel.
     """
-    import flax_ln.gpt as gpt_module
+    import flax_ln.models.gpt as gpt_module
 
     fused = gpt_module.Dropout
     gpt_module.Dropout = nnx.Dropout
@@ -327,7 +327,7 @@ def gpt_remat(cfg: Config) -> list[Table]:
                         m["minor_faults_per_step"], t[key].median, f"{t[key].spread[0]:.3g}-{t[key].spread[1]:.3g}"])
     notes = [
         (f"{model}, B={batch}, T={seq_len}, float32, dropout 0.1 on, clip + Adam; remat=True wraps each block in "
-         "jax.checkpoint(policy=nothing_saveable) (flax_ln.gpt.checkpoint)"),
+         "jax.checkpoint(policy=nothing_saveable) (flax_ln.models.gpt.checkpoint)"),
         ("memory ratios are 'off / remat': XLA temp = compiled.memory_analysis().temp_size_in_bytes (the target's "
          "measure: every buffer of the step besides its donated parameters/optimizer state, batch and outputs); "
          "RSS growth = peak VmHWM during two steps minus VmRSS before them, with state and executable resident, "

@@ -5,7 +5,7 @@ inputs and the parity harness need it.
 """
 
 from flax_ln.convert import ConversionError, load_hf_gpt2, load_torch_state_dict, to_torch_state_dict
-from flax_ln.encoder_decoder import (
+from flax_ln.models.encoder_decoder import (
     Transformer,
     greedy_decode,
     make_model,
@@ -13,8 +13,8 @@ from flax_ln.encoder_decoder import (
     make_std_mask,
     subsequent_mask,
 )
-from flax_ln.gpt import GPT, GPTConfig, KVCache, generate
-from flax_ln.layernorm import LayerNorm, TorchLayerNorm, normalize
+from flax_ln.models.gpt import GPT, GPTConfig, KVCache, generate
+from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm, normalize
 from flax_ln.train import (
     TrainState,
     encoder_decoder_loss,

@@ -1,5 +1,5 @@
 import sys
 
-from flax_ln.cli import main
+from flax_ln.parity.cli import main
 
 sys.exit(main())

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
 
-from flax_ln import encoder_decoder as _ed
-from flax_ln import gpt as _gpt
-from flax_ln import layernorm as _nnx
-from flax_ln.gpt import GPTConfig
+from flax_ln.models import encoder_decoder as _ed
+from flax_ln.models import gpt as _gpt
+from flax_ln.models import layernorm as _nnx
+from flax_ln.models.gpt import GPTConfig
 
 
 def LayerNorm(features: int, eps: float = 1e-6, *, robust: bool = False, dtype=None, param_dtype=jnp.float32, name=None):

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from flax_ln.encoder_decoder import make_src_mask, make_std_mask
+from flax_ln.models.encoder_decoder import make_src_mask, make_std_mask
 
 Batch = Any
 LossFn = Callable[[nnx.Module, Batch], jax.Array]
@@ -96,7 +96,7 @@ def label_smoothing_loss(
     padding class and the constant ``t log t`` (the target's entropy) is included.
 
     Args:
-      log_probs: log-probabilities, e.g. the :class:`~flax_ln.encoder_decoder.Generator` output.
+      log_probs: log-probabilities, e.g. the :class:`~flax_ln.models.encoder_decoder.Generator` output.
       target: class ids, the shape of ``log_probs`` without its last axis.
       padding_idx: the padding class id.
       smoothing: mass spread over the non-target classes, 0.1 in the book.

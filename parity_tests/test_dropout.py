@@ -1,4 +1,4 @@
-"""flax_ln.dropout: the fused-mask Dropout draws exactly nnx.Dropout's masks (same keys, same bits, same state)."""
+"""flax_ln.models.dropout: the fused-mask Dropout draws exactly nnx.Dropout's masks (same keys, same bits, same state)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_ln.dropout import Dropout, bernoulli
+from flax_ln.models.dropout import Dropout, bernoulli
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5, 2), (2, 4, 64, 64)])

@@ -1,4 +1,4 @@
-"""Parity of flax_ln.encoder_decoder and flax_ln.train with the book's torch reference (torch_ref.encoder_decoder).
+"""Parity of flax_ln.models.encoder_decoder and flax_ln.train with the book's torch reference (torch_ref.encoder_decoder).
 
 Each component is tested before the whole model. A torch module gets random weights,
 its flax twin receives them through the converter, both run in eval mode, and we
@@ -18,7 +18,7 @@ from flax import nnx
 
 import flax_ln
 import torch_ref
-from flax_ln import encoder_decoder as fe
+from flax_ln.models import encoder_decoder as fe
 from flax_ln.parity import relative_error
 from torch_ref import encoder_decoder as te
 

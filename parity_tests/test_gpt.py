@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 import flax_ln
 import torch_ref
 from flax_ln import ConversionError, GPTConfig
-from flax_ln import gpt as fg
+from flax_ln.models import gpt as fg
 from flax_ln.parity import relative_error
 from torch_ref import gpt as tg
 

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from flax_ln import parity, parity_cases
-from flax_ln.cli import main
+from flax_ln.parity import engine as parity, cases as parity_cases
+from flax_ln.parity.cli import main
 from flax_ln.parity import Tolerance, compare
 
 JSON_TENSOR_KEYS = {"name", "kind", "shape", "max_abs_error", "max_error_index", "relative_error", "tolerance", "passed_by",
@@ -133,9 +133,9 @@ def test_planted_bug_in_one_block_is_named():
 
 
 def test_planted_bug_in_a_shared_function_is_named_at_its_first_use(monkeypatch, x64):
-    import flax_ln.gpt
+    import flax_ln.models.gpt
 
-    monkeypatch.setattr(flax_ln.gpt, "gelu", lambda x: jax.nn.gelu(x, approximate=False))  # erf, not tanh
+    monkeypatch.setattr(flax_ln.models.gpt, "gelu", lambda x: jax.nn.gelu(x, approximate=False))  # erf, not tanh
     case = parity_cases.gpt("float64", 2, 8, 0)
     report = parity.check_case(case)
     assert report.first_divergence.module == "transformer.h.0.mlp.act"

@@ -1,4 +1,4 @@
-"""The book's GPT (chapters 11, 12 and 14; minGPT layout) in PyTorch: the reference flax_ln.gpt mirrors.
+"""The book's GPT (chapters 11, 12 and 14; minGPT layout) in PyTorch: the reference flax_ln.models.gpt mirrors.
 
 Module tree and ``state_dict`` keys are those of the book's models: ``transformer.wte``,
 ``transformer.wpe``, ``transformer.h.{i}.{ln_1, attn.c_attn, attn.c_proj, attn.bias,
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from flax_ln.gpt import GPTConfig
+from flax_ln.models.gpt import GPTConfig
 
 __all__ = ["GELU", "CausalSelfAttention", "MLP", "Block", "GPT", "GPTConfig", "generate", "load_hf_gpt2"]
 

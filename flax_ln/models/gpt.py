@@ -20,9 +20,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from flax_ln.attention import merge_heads, scaled_dot_product_attention, split_heads
-from flax_ln.dropout import Dropout
-from flax_ln.layernorm import TorchLayerNorm
+from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
+from flax_ln.models.dropout import Dropout
+from flax_ln.models.layernorm import TorchLayerNorm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,7 +71,7 @@ def run_parity(args: argparse.Namespace) -> int:
 
     import jax
 
-    from flax_ln import parity, parity_cases
+    from flax_ln.parity import engine as parity, cases as parity_cases
 
     jax.config.update("jax_default_matmul_precision", "highest")
     names = [args.checkpoint] if args.checkpoint else MODEL_CHOICES if args.model == "all" else [args.model]

@@ -20,7 +20,7 @@ from flax import nnx
 import flax_ln
 import flax_ln.train
 import torch_ref
-from flax_ln.parity import Case, TrainSpec
+from flax_ln.parity.engine import Case, TrainSpec
 
 
 def _perturb(module: torch.nn.Module, seed: int, scale: float = 0.1, *, replace: bool = False) -> None:
@@ -195,7 +195,7 @@ def music(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
 
 def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
     """One full-width GPT-2XL block: n_embd 1600, 25 heads, block_size 1024."""
-    from flax_ln.gpt import Block as FlaxBlock
+    from flax_ln.models.gpt import Block as FlaxBlock
     from torch_ref.gpt import Block as TorchBlock
 
     config = flax_ln.GPTConfig.gpt2_xl()

@@ -6,7 +6,7 @@ torch ``state_dict`` prefix and :mod:`flax_ln.convert` maps weights both ways.
 
 How it differs from its look-alikes: the feed-forward network has no activation by
 default (the book; the Annotated Transformer applies ReLU, ``ffn_activation="relu"``),
-the norms are the book's :class:`~flax_ln.layernorm.LayerNorm` (unbiased variance, eps
+the norms are the book's :class:`~flax_ln.models.layernorm.LayerNorm` (unbiased variance, eps
 inside the root), masked attention scores are filled with -1e9 (not -inf), and every
 sublayer is pre-norm.
 
@@ -31,8 +31,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from flax_ln.attention import merge_heads, scaled_dot_product_attention, split_heads
-from flax_ln.layernorm import LayerNorm
+from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
+from flax_ln.models.layernorm import LayerNorm
 
 MASK_VALUE = -1e9  # the book fills masked scores with -1e9: a fully masked row attends uniformly
 ACTIVATIONS: dict[str | None, Callable[[jax.Array], jax.Array] | None] = {None: None, "relu": jax.nn.relu}

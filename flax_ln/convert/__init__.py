@@ -1,0 +1,28 @@
+"""Weight conversion between torch state dicts and flax_ln NNX modules.
+
+:mod:`flax_ln.convert.rules` holds the one rule table and the strict loader;
+:mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 checkpoints through it.
+"""
+
+from flax_ln.convert.hf import HF_GPT2_KEYS, gpt_config_from_hf, load_hf_gpt2, read_hf_gpt2
+from flax_ln.convert.rules import (
+    RULES,
+    ConversionError,
+    DerivedBuffer,
+    Leaf,
+    load_torch_state_dict,
+    to_torch_state_dict,
+)
+
+__all__ = [
+    "ConversionError",
+    "DerivedBuffer",
+    "HF_GPT2_KEYS",
+    "Leaf",
+    "RULES",
+    "gpt_config_from_hf",
+    "load_hf_gpt2",
+    "load_torch_state_dict",
+    "read_hf_gpt2",
+    "to_torch_state_dict",
+]
