@@ -1,10 +1,18 @@
 """Weight conversion between torch state dicts and flax_ln NNX modules.
 
 :mod:`flax_ln.convert.rules` holds the one rule table and the strict loader;
-:mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 checkpoints through it.
+:mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 checkpoints through it (onto a mesh if
+given) and writes them back.
 """
 
-from flax_ln.convert.hf import HF_GPT2_KEYS, gpt_config_from_hf, load_hf_gpt2, read_hf_gpt2
+from flax_ln.convert.hf import (
+    HF_GPT2_KEYS,
+    gpt_config_from_hf,
+    hf_config_from_gpt,
+    load_hf_gpt2,
+    read_hf_gpt2,
+    save_hf_gpt2,
+)
 from flax_ln.convert.rules import (
     RULES,
     ConversionError,
@@ -21,8 +29,10 @@ __all__ = [
     "Leaf",
     "RULES",
     "gpt_config_from_hf",
+    "hf_config_from_gpt",
     "load_hf_gpt2",
     "load_torch_state_dict",
     "read_hf_gpt2",
+    "save_hf_gpt2",
     "to_torch_state_dict",
 ]

@@ -245,11 +245,22 @@ def load_torch_state_dict(
         # An owned copy: torch's state_dict() shares memory with its parameters, and JAX
         # on the CPU may alias a NumPy buffer, so a later in-place torch update (an
         # optimizer step) would otherwise change the flax model behind its back.
-        value = jnp.asarray(np.array(new, dtype=old.dtype, copy=True))
-        if isinstance(old, jax.Array) and not old.is_fully_replicated:
-            value = jax.device_put(value, old.sharding)
+        # Placed with the variable's sharding: kept by a sharded model, named by an abstract
+        # one from flax_ln.sharding.abstract_model(make, mesh); None is the default device.
+        value = jax.device_put(np.array(new, dtype=old.dtype, copy=True), getattr(old, "sharding", None))
         var.set_value(value)
     return model
+
+
+def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None, bool]]:
+    """``{torch key: (variable, layer, transpose)}`` for every key ``model`` stores (derived buffers left out).
+
+    ``layer`` indexes the variable's stacked leading axis (``None`` if not stacked);
+    ``transpose``: the torch array is the variable's (slice's) last two axes swapped.
+    Reads only shapes, so it works on an abstract model (``nnx.eval_shape``).
+    """
+    return {e.key: (getattr(e.module, e.rule.flax), e.layer, e.rule.transpose)
+            for e in _entries(model) if isinstance(e.rule, Leaf)}
 
 
 def to_torch_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
