@@ -167,6 +167,7 @@ def test_shard_paths_leaving_the_folder_are_refused_unopened(tmp_path, monkeypat
                                      "transformer.h.1"),
         ({"vocab_size": 10**9, "n_embd": 64, "n_head": 2}, "vocab_size=1000000000, but transformer.wte.weight"),
     ],
+    ids=["n_positions", "n_layer", "vocab_size"],
 )
 def test_config_sizes_are_checked_against_the_tensors_first(tmp_path, entry, fragment):
     folder = saved(hf_model(), tmp_path / "hf")
@@ -232,6 +233,8 @@ def test_a_long_block_loads_without_a_block_squared_buffer(tmp_path):
          "\"weight_map\" entry 'wte.weight': expected a shard file name, got 3"),
         ("model.safetensors.index.json", '{"weight_map": {', "invalid JSON syntax at line 1, column 17"),
     ],
+    ids=["config-list", "config-syntax", "config-string-size", "index-no-weight-map", "index-weight-map-list",
+         "index-shard-not-a-name", "index-syntax"],
 )
 def test_malformed_json_names_the_file(tmp_path, file, text, fragment):
     folder = saved(hf_model(), tmp_path / "hf")

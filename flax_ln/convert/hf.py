@@ -390,10 +390,10 @@ def read_hf_gpt2(path, *, config: GPTConfig | None = None) -> tuple[GPTConfig, d
 def _place(var: nnx.Variable, layers: Mapping[int | None, _Tensor], transpose: bool) -> jax.Array:
     """``var``'s value read from ``layers``, created directly with the sharding its abstract value names.
 
-    Each addressable shard is read on its own: ``jax.make_array_from_callback`` asks for
-    the block of every device, and each block is read from the file alone (for stacked
-    layers, one layer slice at a time into the block). Without a sharding the whole
-    tensor goes to the default device.
+    Shard by shard: each of this process's devices gets its block, read from the file
+    alone (for stacked layers, one layer slice at a time into the block) and put on the
+    device before the next block is read, so the host holds one block at a time beyond
+    what the devices hold. Without a sharding the whole tensor goes to the default device.
     """
     abstract = var.get_value()  # a ShapeDtypeStruct, from abstract_model
     dtype = np.dtype(abstract.dtype)
@@ -406,10 +406,12 @@ def _place(var: nnx.Variable, layers: Mapping[int | None, _Tensor], transpose: b
             out[j] = layers[i].read(index[1:], transpose=transpose)
         return out
 
-    full = tuple(slice(None) for _ in abstract.shape)
     if abstract.sharding is None:
-        return jax.device_put(block(full))
-    return jax.make_array_from_callback(abstract.shape, abstract.sharding, block)
+        return jax.device_put(block(tuple(slice(None) for _ in abstract.shape)))
+    # jax.make_array_from_callback would read every block before placing any of them.
+    blocks = abstract.sharding.addressable_devices_indices_map(abstract.shape)
+    shards = [jax.device_put(block(index), device) for device, index in blocks.items()]
+    return jax.make_array_from_single_device_arrays(abstract.shape, abstract.sharding, shards)
 
 
 def load_hf_gpt2(

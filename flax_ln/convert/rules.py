@@ -198,7 +198,9 @@ def load_torch_state_dict(
     and unexpected keys (only when ``strict``), wrong shapes and incompatible dtypes are
     all listed in one :class:`ConversionError`, and a failed load leaves the model as
     it was. Persistent buffers that flax recomputes (:class:`DerivedBuffer`) must equal
-    the recomputed value.
+    the recomputed value. Each value is placed with its variable's sharding: a sharded
+    model keeps its placement, and ``flax_ln.sharding.abstract_model(make, mesh)`` gives
+    a model to load onto a mesh with training's FSDP shardings, never initialised.
     """
     entries = _entries(model)
     expected = {e.key for e in entries}
