@@ -57,8 +57,8 @@ HF_GPT2_FIXED: tuple[tuple[str, Any, tuple[Any, ...]], ...] = (
 # GPTConfig field -> its config.json name.
 HF_GPT2_SIZES = {"n_layer": "n_layer", "block_size": "n_positions", "vocab_size": "vocab_size", "n_embd": "n_embd"}
 
-# safetensors dtype codes -> NumPy names. Parameters must be one of the floating ones.
-SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# safetensors dtype codes parameters may have (float64/32/16, bfloat16), and NumPy names of the others.
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 SAFETENSORS_OTHERS = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
     "I32": "int32", "U64": "uint64", "I64": "int64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
@@ -127,7 +127,6 @@ class _Tensor:
     file: Path
     name: str
     shape: tuple[int, ...]  # in torch layout
-    dtype: str  # NumPy name
     conv1d: bool
 
     def read(self, index: tuple[slice, ...] | None = None, *, transpose: bool = False) -> np.ndarray:
@@ -154,7 +153,6 @@ class _Checkpoint:
     tied: bool
     tensors: dict[str, _Tensor]  # torch_ref key -> source; a tied lm_head.weight shares wte's
     explicit_head: _Tensor | None  # a stored lm_head.weight that tied weights require to equal wte
-    config_origin: str  # the config.json path, or "config=" for an argument
 
 
 def _json_type(value: Any) -> str:
@@ -249,7 +247,7 @@ def _scan_headers(files: list[Path]) -> tuple[dict[str, _Tensor], _Tensor | None
                                  f"{tensors[key].name!r}); keep one copy")
             conv1d = action == "transpose"
             torch_shape = shape[:-2] + shape[-2:][::-1] if conv1d else shape
-            tensors[key] = _Tensor(file, hf_key, torch_shape, SAFETENSORS_FLOATS[code], conv1d)
+            tensors[key] = _Tensor(file, hf_key, torch_shape, conv1d)
     if refused:
         shown = ", ".join(refused[:5]) + (f", ... ({len(refused)} in all)" if len(refused) > 5 else "")
         raise ValueError(
@@ -314,7 +312,7 @@ def _open_checkpoint(path, config: GPTConfig | None) -> _Checkpoint:
     if tied and "transformer.wte.weight" in tensors:
         tensors["lm_head.weight"] = tensors["transformer.wte.weight"]
     _check_sizes(config, tensors, origin)
-    return _Checkpoint(config, tied, tensors, explicit_head if tied else None, origin)
+    return _Checkpoint(config, tied, tensors, explicit_head if tied else None)
 
 
 def _plan(model: nnx.Module, checkpoint: _Checkpoint) -> list[tuple[nnx.Variable, dict[int | None, _Tensor], bool]]:
