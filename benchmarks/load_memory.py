@@ -71,7 +71,8 @@ def write_checkpoint(folder: Path, dtype: str, shard_bytes: int = 1 << 30) -> in
     from safetensors.numpy import save_file
 
     c, d = GPT2_XL["n_embd"], np.dtype(dtype)
-    shapes = {"transformer.wte.weight": (GPT2_XL["vocab_size"], c), "transformer.wpe.weight": (GPT2_XL["n_positions"], c)}
+    shapes = {"transformer.wte.weight": (GPT2_XL["vocab_size"], c),
+              "transformer.wpe.weight": (GPT2_XL["n_positions"], c)}
     for i in range(GPT2_XL["n_layer"]):
         p = f"transformer.h.{i}."
         shapes.update({p + "ln_1.weight": (c,), p + "ln_1.bias": (c,), p + "attn.c_attn.weight": (c, 3 * c),

@@ -146,7 +146,8 @@ def test_shard_paths_leaving_the_folder_are_refused_unopened(tmp_path, monkeypat
     index_file.write_text(json.dumps(index))
     opened = []
     real_safe_open = safetensors.safe_open
-    monkeypatch.setattr(safetensors, "safe_open", lambda file, *a, **k: opened.append(file) or real_safe_open(file, *a, **k))
+    monkeypatch.setattr(safetensors, "safe_open",
+                        lambda file, *a, **k: opened.append(file) or real_safe_open(file, *a, **k))
     for reader in (read_hf_gpt2, flax_ln.load_hf_gpt2):
         with pytest.raises(ValueError, match="leads outside the checkpoint folder") as info:
             reader(folder)
@@ -207,7 +208,8 @@ def test_a_long_block_loads_without_a_block_squared_buffer(tmp_path):
               "h.0.attn.c_attn.weight": (2, 6), "h.0.attn.c_attn.bias": (6,), "h.0.attn.c_proj.weight": (2, 2),
               "h.0.attn.c_proj.bias": (2,), "h.0.mlp.c_fc.weight": (2, 8), "h.0.mlp.c_fc.bias": (8,),
               "h.0.mlp.c_proj.weight": (8, 2), "h.0.mlp.c_proj.bias": (2,)}
-    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}, str(folder / "model.safetensors"))
+    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "n_layer": 1, "n_head": 1, "n_embd": 2, "vocab_size": 5, "n_positions": 100_000}))
     proc = subprocess.run([sys.executable, "-c", LONG_BLOCK, str(folder)], capture_output=True, text=True,
