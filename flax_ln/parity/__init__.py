@@ -20,6 +20,7 @@ from flax_ln.parity.engine import (
     compare_modules,
     compare_tensors,
     relative_error,
+    zero_gradient_names,
 )
 from flax_ln.parity.report import FirstDivergence, ParityReport, TensorResult
 
@@ -38,4 +39,5 @@ __all__ = [
     "compare_modules",
     "compare_tensors",
     "relative_error",
+    "zero_gradient_names",
 ]

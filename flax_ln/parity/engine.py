@@ -150,6 +150,13 @@ def _global_norm(arrays) -> float:
     return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in arrays)))
 
 
+def zero_gradient_names(grads: Mapping[str, Any], tolerance: Tolerance) -> set[str]:
+    """Names of the gradients that are zero up to rounding: norm at most ``tolerance.gtol``
+    times the norm of all of ``grads`` together (the rule by which such tensors pass)."""
+    norm = _global_norm(grads.values())
+    return {name for name, g in grads.items() if np.linalg.norm(np.asarray(g, np.float64)) <= tolerance.gtol * norm}
+
+
 @contextlib.contextmanager
 def numerics(dtype: str) -> Iterator[None]:
     """The settings parity runs under, for this scope only: matmul precision ``highest``, x64 for float64."""
@@ -555,8 +562,7 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
             t_loss = torch_loss(_call(case.forward, torch_model, t_inputs, t_kwargs))
             t_loss.backward()
             grads = {name: p.grad.numpy() for name, p in torch_model.named_parameters() if p.grad is not None}
-            norm = _global_norm(grads.values())
-            noise_only |= {name for name, g in grads.items() if np.linalg.norm(g) <= tolerances["grad"].gtol * norm}
+            noise_only |= zero_gradient_names(grads, tolerances["grad"])
             if spec.clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(torch_model.parameters(), spec.clip_norm)
             optimizer.step()
