@@ -211,31 +211,36 @@ def test_c_proj_reinit_and_init_statistics():
 # add up to a few u instead of growing through the stack. Measured against the float32
 # torch model over three seeds: logits 6.2e-3 (1.6 u), loss 1.2e-4, gradients 7.7e-3 to
 # 8.2e-3 as one vector (2 u) and at most 1.3e-2 per tensor (3.3 u). Bounds: ~3x that.
-# Those bounds are the engine's bfloat16 policy; the loss keeps its tighter one here.
-BF16_LOSS_RTOL = 5e-3
+# float16 (u = 2^-11), two seeds: logits 8.1e-4, gradients 1.1e-3 as one vector, at most
+# 1.8e-3 per tensor, loss 3e-5. Those bounds are the engine's half-precision policy; the
+# loss keeps its tighter one here (measured at most 1.2e-4 in bfloat16).
+HALF_LOSS_RTOL = 5e-3
 
 
-def test_bfloat16_compute_with_float32_params():
-    """dtype=bfloat16: bfloat16 compute, float32 parameters and gradients, float32 norm statistics and loss.
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_half_precision_compute_with_float32_params(half):
+    """dtype=bfloat16/float16: half-precision compute, float32 parameters and gradients, float32 norm statistics
+    and loss.
 
     Compared with the float32 torch model (the reference), not with flax's own float32.
     The norms' float32 statistics are checked on their own in test_layernorm.py
     (bfloat16 inputs with a large offset).
     """
     torch_model = torch_gpt(SMALL)
-    model = flax_twin(torch_model, flax_ln.GPT, SMALL, "float32", dtype=jnp.bfloat16)
+    model = flax_twin(torch_model, flax_ln.GPT, SMALL, "float32", dtype=getattr(jnp, half))
     idx, targets = tokens((2, 16), 50, 1), tokens((2, 16), 50, 2)
     logits, loss = jax.jit(lambda s, i, t: nnx.merge(nnx.graphdef(model), s)(i, t))(
         nnx.state(model), jnp.asarray(idx), jnp.asarray(targets))
     assert model.lm_head.kernel.dtype == jnp.float32
-    assert logits.dtype == jnp.bfloat16 and logits.shape == (2, 16, 50)
+    assert logits.dtype == getattr(jnp, half) and logits.shape == (2, 16, 50)
     assert loss.dtype == jnp.float32  # the loss is taken in float32
-    # the engine's bfloat16 policy (logits 2e-2, each gradient 4e-2, all gradients as one
-    # vector 3e-2; float32 gradients w.r.t. float32 parameters) ...
-    report = assert_parity(torch_model, model, (idx, targets), loss=LOSS, dtype="bfloat16")
+    # the engine's half-precision policy (bfloat16: logits 2e-2, each gradient 4e-2, all
+    # gradients as one vector 3e-2; float16 1/8 of that; float32 gradients w.r.t. float32
+    # parameters) ...
+    report = assert_parity(torch_model, model, (idx, targets), loss=LOSS, dtype=half)
     assert report["all parameter gradients"].passed
     # ... and this test's tighter bound for the loss (a float32 mean of float32 log-softmax terms)
-    assert report["loss"].relative_error <= BF16_LOSS_RTOL
+    assert report["loss"].relative_error <= HALF_LOSS_RTOL
 
 
 def test_dropout_follows_train_and_eval():

@@ -1,6 +1,6 @@
 """Mixed precision for the encoder-decoder: bfloat16 compute, float32 parameters, against the float32 torch model.
 
-(The GPT's twin is ``test_gpt.py::test_bfloat16_compute_with_float32_params``; the norms'
+(The GPT's twin is ``test_gpt.py::test_half_precision_compute_with_float32_params``; the norms'
 float32 statistics on bfloat16 inputs are tested in ``test_layernorm.py``.)
 """
 
