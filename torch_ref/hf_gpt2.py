@@ -15,6 +15,7 @@ is read or any model built, so a small file with huge declared sizes fails at on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -149,8 +150,8 @@ def _resolve_shard(folder: Path, index_path: Path, key: str, name: Any) -> Path:
     return target
 
 
-def _checkpoint_files(path: Path, config: Any) -> tuple[list[Path], dict | None, dict[str, Path] | None]:
-    """``(safetensors files, parsed config.json or None, key -> shard from the index or None)``."""
+def _checkpoint_files(path: Path, config: Any) -> tuple[list[Path], dict | None, tuple[Path, dict] | None]:
+    """``(safetensors files, parsed config.json or None, (index file, key -> shard) or None)``."""
     if not path.exists():
         raise FileNotFoundError(f"Hugging Face GPT-2 checkpoint {str(path)!r} does not exist")
     if path.is_file():
@@ -182,10 +183,10 @@ def _checkpoint_files(path: Path, config: Any) -> tuple[list[Path], dict | None,
         raise ValueError(f"index file {str(index_path)!r}: \"weight_map\" must be a JSON object mapping tensor names "
                          f"to shard file names, got a JSON {type(weight_map).__name__}")
     shard_of = {key: _resolve_shard(path, index_path, key, name) for key, name in weight_map.items()}
-    return sorted(set(shard_of.values())), hf_config, shard_of
+    return sorted(set(shard_of.values())), hf_config, (index_path, shard_of)
 
 
-def _read_headers(files: list[Path], shard_of: dict[str, Path] | None) -> dict[str, tuple[Path, tuple, str]]:
+def _read_headers(files: list[Path], index: tuple[Path, dict] | None) -> dict[str, tuple[Path, tuple, str]]:
     """``key -> (file, shape, safetensors dtype name)`` from the headers alone; no tensor is read."""
     from safetensors import SafetensorError, safe_open  # lazily: import torch_ref needs only torch
 
@@ -201,11 +202,12 @@ def _read_headers(files: list[Path], shard_of: dict[str, Path] | None) -> dict[s
                     entries[key] = (file, tuple(view.get_shape()), view.get_dtype())
         except SafetensorError as err:
             raise ValueError(f"{str(file)!r} is not a readable safetensors file: {err}") from err
-    if shard_of is not None:
+    if index is not None:
+        index_path, shard_of = index
         wrong = [f"{key!r} -> {shard.name!r}" for key, shard in shard_of.items()
                  if key not in entries or entries[key][0] != shard]
         if wrong:
-            raise ValueError(f"model.safetensors.index.json lists tensors its shards do not hold there: "
+            raise ValueError(f"index file {str(index_path)!r} places tensors in shards that do not hold them: "
                              f"{', '.join(wrong[:10])}{' ...' if len(wrong) > 10 else ''}")
     return entries
 
@@ -244,7 +246,7 @@ def _plan(entries: dict[str, tuple[Path, tuple, str]], config: GPTConfig, tie: b
     C, V, P = config.n_embd, config.vocab_size, config.block_size
     generic = {name.replace("{i}", str(i)): name
                for name in HF_TO_BOOK for i in (range(config.n_layer) if "{i}" in name else [0])}
-    plan, mismatched, bad_dtype = [], [], []
+    plan, mismatched = [], []
     for bare, key in named.items():
         if bare not in generic:
             unexpected.append(key)
@@ -260,12 +262,17 @@ def _plan(entries: dict[str, tuple[Path, tuple, str]], config: GPTConfig, tie: b
         mismatched += [(_LM_HEAD, (V, C), entries[_LM_HEAD][1])] if entries[_LM_HEAD][1] != (V, C) else []
     elif not tie:
         missing.append(_LM_HEAD)
-    bad_dtype = [f"{key} ({entries[key][2]})" for key, _, _ in plan if entries[key][2] not in _FLOAT_DTYPES]
+    bad_dtype = {}  # file -> ["key (dtype)"]
+    for key, _, _ in plan:
+        file, _, dtype = entries[key]
+        if dtype not in _FLOAT_DTYPES:
+            bad_dtype.setdefault(str(file), []).append(f"{key} ({dtype})")
     if bad_dtype:
+        listed = "; ".join(f"{file}: {', '.join(keys)}" for file, keys in bad_dtype.items())
         raise HFCheckpointError(
-            f"{source}: weights must be floating point (F16, BF16, F32 or F64), but {', '.join(bad_dtype)} are not; "
-            "casting integer or bool weights into the float model would silently give wrong weights. Use the "
-            "original floating-point checkpoint")
+            f"non-floating weights in {listed}. The book's GPT needs floating point (F16, BF16, F32 or F64); "
+            "casting integer or bool weights into it would silently give wrong weights. Use the original "
+            "floating-point checkpoint")
     if missing or unexpected or mismatched:
         lines = [f"{source}: the checkpoint does not fit the GPT it declares ({sizes}; the checkpoint holds {held})"]
         if missing:
@@ -289,25 +296,20 @@ def read_hf_gpt2(path: str | os.PathLike, *, config: Any = None) -> tuple[GPTCon
     from safetensors import safe_open
 
     path = Path(path)
-    files, hf_config, shard_of = _checkpoint_files(path, config)
+    files, hf_config, index = _checkpoint_files(path, config)
     if config is not None:  # replaces config.json
         config, tie, source = GPTConfig.from_any(config), True, "the given config"
     else:
         source = str(path / "config.json")
         config, tie = gpt_config_from_hf(hf_config, source)
-    entries = _read_headers(files, shard_of)
+    entries = _read_headers(files, index)
     plan = _plan(entries, config, tie, source)
     state: dict[str, torch.Tensor] = {}
-    handles = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(str(file), framework="pt")) for file in files}
         for key, book, transposed in plan:
-            file = entries[key][0]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
-            tensor = handles[file].get_tensor(key)
+            tensor = handles[entries[key][0]].get_tensor(key)
             state[book] = tensor.t().contiguous() if transposed else tensor  # (in, out) -> (out, in)
-    finally:
-        handles.clear()
     return config, tie, state
 
 
@@ -317,8 +319,8 @@ def load_hf_gpt2(path: str | os.PathLike, *, config: Any = None, dtype: torch.dt
     ``logits = lm_head(ln_f(blocks(wte[idx] + wpe[pos])))`` with Hugging Face's weights:
     every Conv1D weight transposed, ``lm_head.weight = wte.weight`` when tied (a stored
     ``lm_head.weight`` must then equal ``wte``), the mask buffers skipped. The copy is
-    strict. Half-precision files (float16, bfloat16) are cast to ``dtype`` exactly;
-    integer or bool weights are refused.
+    strict. Half-precision files (float16, bfloat16) load too, cast to ``dtype`` (exactly
+    for float32 and float64); integer or bool weights are refused.
 
     Args:
       path: a folder as ``save_pretrained`` writes it (``config.json`` plus
