@@ -12,7 +12,6 @@
 """
 
 import ast
-import dataclasses
 import json
 import math
 import os
@@ -127,6 +126,15 @@ def test_config_missing_fields_are_named():
     for make in (torch_ref.GPT, lambda c: flax_ln.GPT(c, rngs=nnx.Rngs(0))):
         with pytest.raises(TypeError, match=r"lacks \['vocab_size', 'block_size'\]"):
             make(partial)
+
+
+def test_memory_estimate_counts_every_parameter_and_buffer():
+    from torch_ref.gpt import gpt_float32_bytes
+
+    for sizes in (TINY, dict(n_layer=3, n_head=4, n_embd=8, vocab_size=5, block_size=20)):
+        model = torch_ref.GPT(sizes)
+        counted = sum(t.numel() for t in model.state_dict().values())  # lm_head untied in torch_ref: counted
+        assert gpt_float32_bytes(torch_ref.GPTConfig(**sizes)) == 4 * counted
 
 
 def test_torch_ref_refuses_a_gpt_larger_than_memory():

@@ -287,8 +287,9 @@ def _plan(entries: dict[str, tuple[Path, tuple, str]], config: GPTConfig, tie: b
 
 
 def read_hf_gpt2(path: str | os.PathLike, *, config: Any = None) -> tuple[GPTConfig, bool, dict[str, torch.Tensor]]:
-    """``(config, tie_word_embeddings, book-layout state dict in the stored dtypes)`` of a Hugging Face GPT-2 checkpoint.
+    """``(config, tie_word_embeddings, state dict)`` of a Hugging Face GPT-2 checkpoint, in the book's layout.
 
+    The tensors keep their stored dtypes (read them to name a checkpoint's dtype).
     The state dict holds every weight under the book's key, Conv1D weights transposed
     to ``nn.Linear``'s (out, in); ``lm_head.weight`` only when the file stores it. See
     :func:`load_hf_gpt2` for ``path`` and ``config``.
