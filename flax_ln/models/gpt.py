@@ -4,7 +4,8 @@ The module tree mirrors :mod:`torch_ref.gpt` (minGPT layout) attribute for attri
 so ``flax_ln.to_torch_state_dict`` names every weight as the book's ``state_dict``
 does: ``transformer.wte``, ``transformer.h.{i}.attn.c_attn``, ``lm_head``, ...
 
-:class:`GPTConfig` is torch-free and shared by both packages.
+:class:`GPTConfig` is torch-free; a config from ``torch_ref`` (or any object with the same
+field names) is accepted as plain data through :meth:`GPTConfig.from_any`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from flax_ln.models.layernorm import TorchLayerNorm
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Hyper-parameters of the book's GPT, shared by ``flax_ln.GPT`` and ``torch_ref.GPT``.
+    """Hyper-parameters of the book's GPT; the same values build ``flax_ln.GPT`` and ``torch_ref.GPT``.
 
     Args:
       n_layer: number of Transformer blocks.
@@ -66,6 +67,29 @@ class GPTConfig:
         for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_any(cls, config) -> GPTConfig:
+        """``config`` as a :class:`GPTConfig`: itself, or copied field by field from any object or mapping.
+
+        Configs cross from ``torch_ref`` (or the book's ``Config``, or a
+        ``types.SimpleNamespace``) as plain data: the five sizes are required, the other
+        fields take this class's defaults when absent. The models call this, so they keep
+        a frozen, hashable config (NNX needs one as static graph data).
+        """
+        if isinstance(config, cls):
+            return config
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(config, dict):
+            values = {name: config[name] for name in fields if name in config}
+        else:
+            values = {name: getattr(config, name) for name in fields if hasattr(config, name)}
+        sizes = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+        missing = [name for name in sizes if name not in values]
+        if missing:
+            raise TypeError(f"GPT config {type(config).__name__} lacks {missing}: expected a GPTConfig or an object "
+                            f"or dict with the book's fields {list(sizes)}")
+        return cls(**values)
 
     @property
     def head_size(self) -> int:
@@ -166,7 +190,7 @@ class CausalSelfAttention(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -216,7 +240,7 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -247,7 +271,7 @@ class Block(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -452,7 +476,7 @@ class GPT(nnx.Module):
         rngs: nnx.Rngs,
     ):
         _remat_policy(remat)  # validate early
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.scan_layers = scan_layers
         self.remat = remat
         self.dtype = dtype
