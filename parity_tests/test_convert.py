@@ -37,15 +37,18 @@ class TorchToy(torch.nn.Module):
 
 class FlaxToy(nnx.Module):
     def __init__(self, *, stacked=False, rngs):
+        self.stacked = stacked
         self.emb = nnx.Embed(11, 6, rngs=rngs)
         if stacked:  # three Linear layers with a leading layer axis, as scan_layers stores them
             self.layers = nnx.vmap(lambda r: nnx.Linear(6, 6, rngs=r))(rngs.split(3))
-            self.layers.num_stacked_layers = 3
         else:
             self.layers = nnx.List([nnx.Linear(6, 6, rngs=rngs) for _ in range(3)])
         self.norm = flax_ln.LayerNorm(6)
         self.ln_f = flax_ln.TorchLayerNorm(6)
         self.head = nnx.Linear(6, 4, use_bias=False, rngs=rngs)
+
+
+register_rule(FlaxToy, stacked=lambda toy: {"layers": 3} if toy.stacked else {})
 
 
 def random_torch_toy(seed=0):
@@ -510,6 +513,9 @@ def test_register_rule_rejects_what_is_not_a_rule(rules):
         register_rule(FlaxGate, [("w", "weight")])
     with pytest.raises(ValueError, match="same distinct axis names"):
         Permute("out in", "in kernel")
+    register_rule(FlaxGate, GATE_LEAVES, stacked=lambda gate: {"blocks": 2})  # no such child
+    with pytest.raises(ValueError, match="declares stacked layers at 'blocks', which module '<root>' does not hold"):
+        to_torch_state_dict(FlaxGate(3, 5))
     register_rule(FlaxGate, [Leaf("weight", "weight")])  # a typo'd flax attribute
     with pytest.raises(AttributeError, match="names attribute 'weight', which module '<root>' lacks"):
         to_torch_state_dict(FlaxGate(3, 5))

@@ -11,16 +11,15 @@ Everything is driven by :data:`RULES`, one table keyed by NNX module type. Each
 * ``activation_layout`` declares where a layer's activations are laid out differently
   (``nnx.Conv`` works on ``(N, *spatial, C)``, ``torch.nn.Conv2d`` on ``(N, C, *spatial)``),
   which :func:`torch_activation` applies;
-* ``renames`` maps child attribute names that differ between the two models.
+* ``renames`` maps child attribute names that differ between the two models;
+* ``stacked`` names descendants that hold layers stacked along a leading axis
+  (``nnx.vmap``-built layers run with ``scan``); each maps to torch's per-layer keys
+  ``<path>.<i>.<rest>``, as ``nn.ModuleList`` writes them.
 
 A torch key is the module's path in the NNX tree (each step renamed by its parent's
 rule), joined with dots, followed by the leaf's torch name, so the converter works for
 any model built from modules in the table. Users extend the table with
 :func:`register_rule` and :func:`register_rename`.
-
-A module whose instance attribute ``num_stacked_layers`` is an int holds layers
-stacked along a leading axis (``scan_layers``); its torch keys are
-``<path>.<i>.<rest>``, one set per layer, as torch's ``nn.ModuleList`` writes them.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from flax_ln.models.encoder_decoder import PositionalEncoding
-from flax_ln.models.gpt import CausalSelfAttention, causal_mask_buffer
+from flax_ln.models.gpt import GPT, CausalSelfAttention, causal_mask_buffer
 from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm
 
 _SPATIAL = "..."
@@ -121,6 +120,7 @@ class DerivedBuffer:
 
 LeafRule = Leaf | DerivedBuffer
 ActivationLayout = Permute | Callable[[nnx.Module], Permute | None] | None
+StackedLayers = Callable[[nnx.Module], Mapping[str, int]] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +133,14 @@ class ModuleRule:
         torch against flax; ``None`` when they agree. A :class:`Permute`, or a function
         of the instance that returns one (or ``None``).
       renames: ``{flax child attribute: torch child name}`` where the models name a child differently.
+      stacked: a function of the instance giving ``{dotted flax path below it: number of
+        layers}`` for each descendant whose variables carry a leading layer axis.
     """
 
     leaves: tuple[LeafRule, ...] = ()
     activation_layout: ActivationLayout = None
     renames: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    stacked: StackedLayers = None
 
 
 # torch keeps a linear weight as (out, in) and a conv weight as (out, in / groups, *kernel);
@@ -151,6 +154,11 @@ CHANNELS_LAST = Permute("n c ...", "n ... c")
 def _batchnorm_layout(module: nnx.BatchNorm) -> Permute | None:
     """flax's BatchNorm normalises over ``axis`` (default -1, channels last); torch's over axis 1."""
     return CHANNELS_LAST if module.axis == -1 else None
+
+
+def _gpt_stacked_blocks(gpt: GPT) -> dict[str, int]:
+    """``GPT(scan_layers=True)`` keeps its blocks stacked in ``transformer.h``; torch lists them as ``transformer.h.{i}``."""
+    return {"transformer.h": gpt.config.n_layer} if gpt.scan_layers else {}
 
 
 def _untracked_batch_count(module: nnx.Module) -> np.ndarray:
@@ -189,6 +197,7 @@ RULES: dict[type, ModuleRule] = {
     PositionalEncoding: ModuleRule((Leaf("pe", "pe"),)),
     # torch's persistent causal mask (1, 1, block, block); flax builds the mask from iotas.
     CausalSelfAttention: ModuleRule((DerivedBuffer("bias", lambda m: causal_mask_buffer(m.block_size)),)),
+    GPT: ModuleRule(stacked=_gpt_stacked_blocks),
 }
 
 # Variable kinds that torch saves (parameters and running statistics): each must be covered by a rule.
@@ -209,7 +218,11 @@ def _check_module_type(nnx_type: Any, caller: str) -> None:
 
 
 def register_rule(
-    nnx_type: type, leaves: Iterable[LeafRule], *, activation_layout: ActivationLayout = None
+    nnx_type: type,
+    leaves: Iterable[LeafRule] = (),
+    *,
+    activation_layout: ActivationLayout = None,
+    stacked: StackedLayers = None,
 ) -> ModuleRule:
     """Declare how a module type's own arrays map to torch; returns the rule now in :data:`RULES`.
 
@@ -228,6 +241,9 @@ def register_rule(
       activation_layout: a :class:`Permute` (or a function of the instance returning one)
         when the module's activations are laid out differently from torch's; ``None`` when
         they agree.
+      stacked: for a container, a function of the instance giving ``{dotted path below it:
+        number of layers}`` for children built with ``nnx.vmap`` (a leading layer axis),
+        e.g. ``lambda m: {"blocks": m.num_layers}``.
     """
     _check_module_type(nnx_type, "register_rule")
     leaves = tuple(leaves)
@@ -239,8 +255,13 @@ def register_rule(
             f"register_rule({nnx_type.__name__}): activation_layout must be a Permute, a function of the "
             f"module returning one, or None; got {activation_layout!r}"
         )
+    if not (stacked is None or callable(stacked)):
+        raise TypeError(
+            f"register_rule({nnx_type.__name__}): stacked must be a function of the module returning "
+            f"{{dotted path: number of layers}}, or None; got {stacked!r}"
+        )
     renames = RULES[nnx_type].renames if nnx_type in RULES else types.MappingProxyType({})
-    RULES[nnx_type] = ModuleRule(leaves, activation_layout, renames)
+    RULES[nnx_type] = ModuleRule(leaves, activation_layout, renames, stacked)
     return RULES[nnx_type]
 
 
@@ -339,11 +360,28 @@ def _missing_rule_error(uncovered: Mapping[tuple, list[str]], modules: Mapping[t
     )
 
 
+def _stacks(modules: Mapping[tuple, nnx.Module]) -> dict[tuple, int]:
+    """Module path -> number of layers, for every stacked descendant a rule declares."""
+    stacks = {}
+    for path, module in modules.items():
+        rule = rule_for(type(module))
+        if rule is None or rule.stacked is None:
+            continue
+        for relative, num_layers in rule.stacked(module).items():
+            target = next((p for p in modules if p[: len(path)] == path and
+                           tuple(map(str, p[len(path) :])) == tuple(relative.split("."))), None)
+            if target is None:
+                raise ValueError(
+                    f"the conversion rule for {type(module).__qualname__} declares stacked layers at {relative!r}, "
+                    f"which module {'.'.join(map(str, path)) or '<root>'!r} does not hold"
+                )
+            stacks[target] = num_layers
+    return stacks
+
+
 def _entries(model: nnx.Module) -> list[_Entry]:
     modules = {tuple(path): m for path, m in nnx.iter_modules(model)}
-    stacks = {
-        path: m.num_stacked_layers for path, m in modules.items() if isinstance(getattr(m, "num_stacked_layers", None), int)
-    }
+    stacks = _stacks(modules)
     entries, covered = [], set()
     for path, module in modules.items():
         rule = rule_for(type(module))

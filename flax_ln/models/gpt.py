@@ -487,7 +487,6 @@ class GPT(nnx.Module):
         make_block = functools.partial(Block, config, **opts)
         if scan_layers:
             h = nnx.vmap(lambda r: make_block(rngs=r))(rngs.split(config.n_layer))
-            h.num_stacked_layers = config.n_layer  # the converter's cue for per-layer torch keys
         else:
             h = nnx.List([make_block(rngs=rngs) for _ in range(config.n_layer)])
         embed = functools.partial(nnx.Embed, embedding_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
