@@ -20,6 +20,7 @@ from flax_ln.convert import (
     register_rename,
     register_rule,
     torch_activation,
+    torch_module_paths,
 )
 
 
@@ -88,6 +89,11 @@ def test_linear_is_transposed_and_embedding_is_not():
     np.testing.assert_allclose(
         flax_model.layers[1](jnp.asarray(x.numpy())), torch_model.layers[1](x).detach().numpy(), rtol=1e-5, atol=1e-6
     )
+
+
+def test_module_paths_leave_out_stacked_layers():
+    paths = torch_module_paths(FlaxToy(stacked=True, rngs=nnx.Rngs(0)))
+    assert paths == {"": "", "emb": "emb", "norm": "norm", "ln_f": "ln_f", "head": "head"}
 
 
 def test_stacked_and_unstacked_layouts_hold_the_same_weights():
@@ -546,6 +552,8 @@ def test_registered_rename_maps_attribute_names(rules):
     back = to_torch_state_dict(flax_model)
     assert back.keys() == torch_model.state_dict().keys()
     TorchStack().load_state_dict({k: torch.from_numpy(v) for k, v in back.items()}, strict=True)
+    assert torch_module_paths(flax_model) == {"": "", "blocks": "layers", "blocks.0": "layers.0",
+                                              "blocks.1": "layers.1", "proj": "linear"}
 
     register_rename(ProjectedLinear, {"unused": "x"})
     assert RULES[ProjectedLinear].leaves == RULES[nnx.Linear].leaves

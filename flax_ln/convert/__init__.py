@@ -20,6 +20,7 @@ from flax_ln.convert.rules import (
     rule_for,
     to_torch_state_dict,
     torch_activation,
+    torch_module_paths,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "rule_for",
     "to_torch_state_dict",
     "torch_activation",
+    "torch_module_paths",
 ]

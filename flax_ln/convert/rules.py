@@ -379,6 +379,21 @@ def _stacks(modules: Mapping[tuple, nnx.Module]) -> dict[tuple, int]:
     return stacks
 
 
+def torch_module_paths(model: nnx.Module) -> dict[str, str]:
+    """Dotted flax path -> dotted torch path of every submodule, with registered renames applied.
+
+    The parity engine pairs submodules through it. Modules inside stacked layers are left
+    out: one flax module there stands for every torch layer. The root maps ``""`` to ``""``.
+    """
+    modules = {tuple(path): m for path, m in nnx.iter_modules(model)}
+    stacks = _stacks(modules)
+    return {
+        ".".join(map(str, path)): _torch_prefix(path, modules, None, None)
+        for path in modules
+        if not any(path[: len(stack)] == stack for stack in stacks)
+    }
+
+
 def _entries(model: nnx.Module) -> list[_Entry]:
     modules = {tuple(path): m for path, m in nnx.iter_modules(model)}
     stacks = _stacks(modules)
