@@ -245,7 +245,12 @@ def _conv_padding(p):  # torch's symmetric padding per spatial axis -> flax's (l
 
 
 STANDARD_LAYERS = {
-    "linear": (lambda: torch.nn.Linear(5, 7), lambda d: nnx.Linear(5, 7, param_dtype=d, rngs=nnx.Rngs(0)), (3, 5), False),
+    "linear": (
+        lambda: torch.nn.Linear(5, 7),
+        lambda d: nnx.Linear(5, 7, param_dtype=d, rngs=nnx.Rngs(0)),
+        (3, 5),
+        False,
+    ),
     "linear_no_bias": (
         lambda: torch.nn.Linear(5, 7, bias=False),
         lambda d: nnx.Linear(5, 7, use_bias=False, param_dtype=d, rngs=nnx.Rngs(0)),
@@ -557,3 +562,20 @@ def test_registered_rename_maps_attribute_names(rules):
 
     register_rename(ProjectedLinear, {"unused": "x"})
     assert RULES[ProjectedLinear].leaves == RULES[nnx.Linear].leaves
+
+
+class Counter(nnx.Module):
+    """An integer buffer of the user's own (torch: a long tensor registered with register_buffer)."""
+
+    def __init__(self):
+        self.count = nnx.BatchStat(jnp.zeros((2,), jnp.int32))
+
+
+def test_integer_buffers_stay_integer(rules):
+    register_rule(Counter, [Leaf("count", "count")])
+    model = load_torch_state_dict(Counter(), {"count": torch.tensor([3, 2**20])})
+    assert jnp.issubdtype(model.count.dtype, jnp.integer)
+    np.testing.assert_array_equal(model.count[...], [3, 2**20])
+    assert np.issubdtype(to_torch_state_dict(model)["count"].dtype, np.integer)
+    with pytest.raises(ConversionError, match="'count': dtype float32 is not an integer dtype"):
+        load_torch_state_dict(model, {"count": torch.tensor([3.0, 1.0])})

@@ -157,7 +157,7 @@ def _batchnorm_layout(module: nnx.BatchNorm) -> Permute | None:
 
 
 def _gpt_stacked_blocks(gpt: GPT) -> dict[str, int]:
-    """``GPT(scan_layers=True)`` keeps its blocks stacked in ``transformer.h``; torch lists them as ``transformer.h.{i}``."""
+    """``GPT(scan_layers=True)`` stacks its blocks in ``transformer.h``; torch lists ``transformer.h.{i}``."""
     return {"transformer.h": gpt.config.n_layer} if gpt.scan_layers else {}
 
 
@@ -334,7 +334,7 @@ class _Entry:
 
 
 def _torch_prefix(path: tuple, modules: Mapping[tuple, nnx.Module], stack: tuple | None, layer: int | None) -> str:
-    """Dotted torch path of an NNX module path: each step renamed by its parent's rule, the layer index after a stack."""
+    """Dotted torch path of an NNX module path: steps renamed by their parent's rule, a layer index after a stack."""
     parts = []
     for i, step in enumerate(path):
         parent = modules.get(path[:i])
@@ -349,7 +349,8 @@ def _missing_rule_error(uncovered: Mapping[tuple, list[str]], modules: Mapping[t
     lines = []
     for path, attrs in uncovered.items():
         module = modules[path]
-        lines.append(f"module {'.'.join(map(str, path)) or '<root>'!r} ({type(module).__qualname__}): {', '.join(attrs)}")
+        where = ".".join(map(str, path)) or "<root>"
+        lines.append(f"module {where!r} ({type(module).__qualname__}): {', '.join(attrs)}")
     path, attrs = next(iter(uncovered.items()))
     example = ", ".join(f"Leaf({a!r}, <torch name>)" for a in attrs)
     return MissingRuleError(
