@@ -367,6 +367,38 @@ def midi_files(folder: str | os.PathLike, limit: int | None = None) -> list[Path
     return files
 
 
+def maestro_split(folder: str | os.PathLike) -> dict[str, list[Path]] | None:
+    """The MAESTRO split of ``folder`` (the book's data set), or None when it holds no ``maestro-v*.csv``.
+
+    Returns ``{"train": [...], "validation": [...], "test": [...]}``: the csv's
+    ``midi_filename`` entries (relative to ``folder``) by its ``split`` column, in csv order.
+
+    Raises:
+      FileNotFoundError: a listed MIDI file is missing (the first few are named).
+      ValueError: the csv lacks the ``split`` or ``midi_filename`` column.
+    """
+    import csv
+
+    folder = Path(folder)
+    tables = sorted(folder.glob("maestro-v*.csv"))
+    if not tables:
+        return None
+    with open(tables[-1], newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    if rows and not {"split", "midi_filename"} <= rows[0].keys():
+        raise ValueError(f"{tables[-1]}: expected the columns 'split' and 'midi_filename', got {list(rows[0])}")
+    split: dict[str, list[Path]] = {"train": [], "validation": [], "test": []}
+    for row in rows:
+        split.setdefault(row["split"], []).append(folder / row["midi_filename"])
+    missing = [str(p) for files in split.values() for p in files if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{tables[-1]} lists {len(missing)} MIDI files that are not there, e.g. "
+                                f"{missing[:3]}; pass the unpacked maestro-v2.0.0 folder")
+    if not split["train"] or not split["test"]:
+        raise ValueError(f"{tables[-1]}: expected 'train' and 'test' pieces in the split column")
+    return split
+
+
 class MusicDataset:
     """The book's training examples, one ``(x, y)`` per piece (:func:`training_pair`), in a seeded order.
 
