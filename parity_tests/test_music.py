@@ -333,3 +333,20 @@ def test_unreadable_midi_names_the_file(tmp_path):
     path.write_bytes(b"RIFF not a midi file")
     with pytest.raises(ValueError, match="bad.mid: pretty_midi cannot read it"):
         music.encode_midi(path)
+
+
+def test_maestro_split_reads_the_csv(tmp_path):
+    assert music.maestro_split(tmp_path) is None  # no csv: not a MAESTRO folder
+    (tmp_path / "2004").mkdir()
+    rows = [("train", "2004/a.midi"), ("test", "2004/b.midi"), ("validation", "2004/c.midi"), ("train", "2004/d.midi")]
+    for _, name in rows:
+        write_midi(tmp_path / name, (0, [(60, 80, 0.0, 0.5)], []))
+    lines = ["canonical_composer,canonical_title,split,year,midi_filename,audio_filename,duration"]
+    lines += [f"X,Y,{split},2004,{name},{name[:-5]}.wav,1.0" for split, name in rows]
+    (tmp_path / "maestro-v2.0.0.csv").write_text("\n".join(lines) + "\n")
+    split = music.maestro_split(tmp_path)
+    assert split["train"] == [tmp_path / "2004/a.midi", tmp_path / "2004/d.midi"]
+    assert split["test"] == [tmp_path / "2004/b.midi"] and split["validation"] == [tmp_path / "2004/c.midi"]
+    (tmp_path / "2004/d.midi").unlink()
+    with pytest.raises(FileNotFoundError, match="lists 1 MIDI files that are not there"):
+        music.maestro_split(tmp_path)
