@@ -282,8 +282,8 @@ def load_for_sampling(args, config: GPTConfig) -> GPT:
     except (OSError, RuntimeError, ValueError) as e:
         raise UsageError(f"--sample-only {path}: cannot read it ({type(e).__name__}: {e})") from None
     if not isinstance(state_dict, dict):
-        raise UsageError(f"--sample-only {path}: expected a state dict (name -> tensor), got {type(state_dict).__name__};"
-                         " save the book's model with torch.save(model.state_dict(), PATH)")
+        raise UsageError(f"--sample-only {path}: expected a state dict (name -> tensor), got "
+                         f"{type(state_dict).__name__}; save the book's model with torch.save(model.state_dict(), PATH)")
     try:
         load_torch_state_dict(model, state_dict)
     except ConversionError as e:

@@ -164,7 +164,8 @@ def test_generate_gpt2_tokenizer_from_vocab_and_merges(tmp_path):
     # tokenizer.json, when present, is read instead: here the same BPE saved by tokenizers itself
     tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
     from_json, source = example.load_tokenizer(tmp_path)
-    assert "tokenizer.json" in source and from_json.encode("hello world, hello") == tokenizer.encode("hello world, hello")
+    assert "tokenizer.json" in source
+    assert from_json.encode("hello world, hello") == tokenizer.encode("hello world, hello")
 
 
 def test_generate_gpt2_from_a_hugging_face_folder(tmp_path):
