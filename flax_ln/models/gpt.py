@@ -551,9 +551,9 @@ class GPT(nnx.Module):
         return logits, None if cache is None else KVCache(*cache)
 
 
-def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None):
+def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_limit: int | None):
     """Next token ids (B,) from last-position logits (B, V): argmax, or a top-k/temperature sample."""
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))[:, :vocab_limit]  # (B, V or vocab_limit)
     if greedy:
         return jnp.argmax(logits, axis=-1)
     logits = logits / temperature
@@ -563,8 +563,8 @@ def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None):
     return jax.random.categorical(key, logits, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
-def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k", "vocab_limit"))
+def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k, vocab_limit):
     # The model is merged afresh inside every traced scope (loop bodies get `state` through
     # their carry), because NNX refuses Variables that hold tracers of an outer trace.
     def model(state):
@@ -577,7 +577,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
     total = T0 + max_new_tokens
     keys = jax.random.split(rng, max_new_tokens)  # keys[j] draws token T0 + j
     out = jnp.zeros((B, total), idx.dtype).at[:, :T0].set(idx)  # (B, T0 + new)
-    pick = functools.partial(_pick, temperature=temperature, greedy=greedy, top_k=top_k)
+    pick = functools.partial(_pick, temperature=temperature, greedy=greedy, top_k=top_k, vocab_limit=vocab_limit)
 
     def put(out, n, logits):  # write token n, drawn from the logits that follow the first n tokens
         token = pick(logits[:, -1], keys[n - T0]).astype(out.dtype)  # (B,)
@@ -618,11 +618,14 @@ def generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    vocab_limit: int | None = None,
     rng: jax.Array,
 ) -> Int[Array, "B T+new"]:
     """Append ``max_new_tokens`` sampled tokens to ``idx``, as the book's sampling loop does.
 
     Each new token is drawn from ``softmax(logits[:, -1] / temperature)`` restricted to
+    the ids below ``vocab_limit`` (chapter 14 draws only its 388 event ids: softmax over
+    all ids then keeping the first 388, as the book does, is this renormalised) and to
     the ``top_k`` largest logits (ties with the k-th value are kept, as in torch); with
     ``temperature == 0`` it is the argmax instead (greedy; ``rng`` is then unused). The
     context is the last ``block_size`` tokens. While the sequence fits in ``block_size``
@@ -638,6 +641,7 @@ def generate(
       max_new_tokens: number of tokens to append.
       temperature: softmax temperature, > 0, or 0 for greedy decoding.
       top_k: keep only the k largest logits before sampling (1 <= k <= vocab_size).
+      vocab_limit: draw only ids < vocab_limit (1 <= vocab_limit <= vocab_size); None: all.
       rng: a JAX PRNG key.
 
     Returns:
@@ -648,11 +652,15 @@ def generate(
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not temperature >= 0:
         raise ValueError(f"generate: temperature must be >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
-        raise ValueError(f"generate: top_k must be in [1, {model.config.vocab_size}] or None, got {top_k!r}")
+    if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
+        raise ValueError(f"generate: vocab_limit must be in [1, {model.config.vocab_size}] or None, "
+                         f"got {vocab_limit!r}")
+    n_drawable = vocab_limit or model.config.vocab_size
+    if top_k is not None and not 1 <= top_k <= n_drawable:
+        raise ValueError(f"generate: top_k must be in [1, {n_drawable}] or None, got {top_k!r}")
     if max_new_tokens == 0:
         return idx
     graphdef, state = nnx.split(model)
     greedy = temperature == 0
     return _generate(graphdef, state, idx, rng, jnp.float32(1.0 if greedy else temperature),
-                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k)
+                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, vocab_limit=vocab_limit)
