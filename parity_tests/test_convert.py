@@ -579,3 +579,37 @@ def test_integer_buffers_stay_integer(rules):
     assert np.issubdtype(to_torch_state_dict(model)["count"].dtype, np.integer)
     with pytest.raises(ConversionError, match="'count': dtype float32 is not an integer dtype"):
         load_torch_state_dict(model, {"count": torch.tensor([3.0, 1.0])})
+
+
+class TorchChain(TorchStack):
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.linear(x)
+
+
+class FlaxChain(FlaxStack):
+    def __call__(self, x):
+        for block in self.blocks:
+            x = jnp.tanh(block(x))
+        return self.proj(x)
+
+
+def test_engine_pairs_renamed_submodules_by_their_torch_path(rules):
+    """A mistake inside a renamed module is named by its torch path, not lost for want of a pair."""
+    from flax_ln.parity import compare_modules
+
+    register_rename(FlaxChain, {"blocks": "layers", "proj": "linear"})
+    torch_model = randomized(TorchChain())
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    assert compare_modules(torch_model, FlaxChain(), x).passed
+
+    class BiaslessLinear(nnx.Linear):  # holds a bias (so it converts) but forgets to add it
+        def __call__(self, x):
+            return x @ self.kernel[...]
+
+    planted = FlaxChain()
+    planted.blocks[1] = BiaslessLinear(4, 4, rngs=nnx.Rngs(0))
+    report = compare_modules(torch_model, planted, x)
+    assert not report.passed
+    assert report.first_divergence is not None and report.first_divergence.module == "layers.1"

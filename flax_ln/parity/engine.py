@@ -314,18 +314,13 @@ def _as_tuple(inputs) -> tuple[np.ndarray, ...]:
     return tuple(np.asarray(x) for x in items)
 
 
-def _torch_layout(module: nnx.Module, array):
-    """A flax submodule's activation in torch's layout, by the converter's declared rule (identity if none)."""
-    to_torch = getattr(rules, "torch_activation", None)
-    return array if to_torch is None else to_torch(module, array)
-
-
 def localize(torch_module, flax_module: nnx.Module, inputs, flax_inputs, kwargs, forward,
              tolerance: Tolerance) -> tuple[list[TensorResult], FirstDivergence | None]:
     """Every submodule's output error, in torch execution order, and the first that diverges.
 
-    Submodules are paired by path (the same path names the same module in both trees).
-    A flax activation is put into torch's layout first (the converter's layout rule, e.g.
+    Submodules are paired by torch path: a flax path is mapped through the converter's
+    registered renames (:func:`flax_ln.convert.torch_module_paths`). A flax activation
+    is put into torch's layout first (the converter's layout rule, e.g.
     channels-last Conv output to channels-first). The first divergence also reports the
     errors of that submodule's inputs, so a broken module can be told from one fed
     broken data.
@@ -337,11 +332,14 @@ def localize(torch_module, flax_module: nnx.Module, inputs, flax_inputs, kwargs,
         torch_records = capture_torch(torch_module, lambda: _call(forward, torch_module, t_args, t_kwargs))
     f_args = [jnp.asarray(x) for x in flax_inputs]
     f_kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-    flax_records = capture_flax(flax_module, lambda: _call(forward, flax_module, f_args, f_kwargs))
-    modules = {".".join(map(str, p)): m for p, m in nnx.iter_modules(flax_module)}
+    records = capture_flax(flax_module, lambda: _call(forward, flax_module, f_args, f_kwargs))
+    torch_paths = rules.torch_module_paths(flax_module)  # flax path -> torch path
+    flax_records = {torch_paths.get(path, path): record for path, record in records.items()}
+    modules = {torch_paths.get(path, path): m
+               for path, m in ((".".join(map(str, p)), m) for p, m in nnx.iter_modules(flax_module))}
 
     def pairwise(label: str, module, flax_arrays: list, torch_arrays: list) -> list[TensorResult]:
-        pairs = [(np.asarray(_torch_layout(module, f)), t) for f, t in zip(flax_arrays, torch_arrays)]
+        pairs = [(np.asarray(rules.torch_activation(module, f)), t) for f, t in zip(flax_arrays, torch_arrays)]
         return [compare_tensors(f"{label} {i}", f"module {label}", f, t, tolerance)
                 for i, (f, t) in enumerate(pairs) if f.shape == t.shape]
 
