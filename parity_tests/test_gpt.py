@@ -696,7 +696,7 @@ def test_bad_inputs_raise_before_compute():
     ids = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(ValueError, match="integer token ids.*float32.*astype"):
         model(ids.astype(jnp.float32))
-    with pytest.raises(ValueError, match=r"idx: expected .*shape \(batch, seq_len <= 16\), got shape \(8,\).*idx\[None\]"):
+    with pytest.raises(ValueError, match=r"idx: expected .*\(batch, seq_len <= 16\), got shape \(8,\).*idx\[None\]"):
         model(ids[0])
     with pytest.raises(ValueError, match="sequence length 17 .*block_size 16"):
         model(jnp.zeros((1, 17), jnp.int32))

@@ -101,7 +101,7 @@ def check_id_values(ids, name: str, *, owner: str, vocab: int, ignore: tuple[str
 def check_token_ids(ids, name: str, *, owner: str, vocab: int | None, max_len: int | None = None,
                     limit_name: str = "max_len", batch: int | None = None, crop_hint: bool = False,
                     ignore: tuple[str, int] | None = None, debug: bool = False) -> jax.Array:
-    """``ids`` as a JAX array, after checking an integer (batch, seq_len) array and (see :func:`check_id_values`) its values.
+    """``ids`` as a JAX array, once it is checked to be integer (batch, seq_len) ids in range (:func:`check_id_values`).
 
     Static checks (they also run while tracing): integer dtype, rank 2, ``batch`` rows if
     given, ``1 <= seq_len <= max_len`` if ``max_len`` is given. Then the values, unless
