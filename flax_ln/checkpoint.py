@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
-import threading
+import traceback
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -74,57 +75,74 @@ def _one_line(error: BaseException, limit: int = 400) -> str:
     return f"{type(inner).__name__}: {text if len(text) <= limit else text[:limit] + ' ...'}"
 
 
-class _WithoutClosedLoopTracebacks:
-    """``sys.stderr`` without the tracebacks that end in ``RuntimeError: Event loop is closed``.
+def _is_closed_loop_error(unraisable) -> bool:
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
-    When orbax's read of a damaged checkpoint fails, it closes its asyncio event loop
-    while TensorStore still has reads in flight; as each one completes, TensorStore's
-    threads try to post the result to that closed loop and Python prints the resulting
-    traceback to ``sys.stderr``, up to dozens of times, during and after the read, unrelated to
-    the one error that matters (which the caller reports). This stream drops exactly
-    those traceback blocks, line by line and per thread, and passes everything else through.
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    """A record of asyncio's "exception was never retrieved" for a future of an orbax read."""
+    error = record.exc_info[1] if record.exc_info else None
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    return "never retrieved" in record.getMessage() and any("orbax" in frame.filename for frame in frames)
+
+
+class _FailedReadNoise(logging.Filter):
+    """Silences the aftermath of an orbax read that failed, and nothing else.
+
+    When orbax gives up on a damaged checkpoint it closes its asyncio event loop while
+    TensorStore still has reads in flight. As they complete, TensorStore's threads post to
+    the closed loop, and Python reports each ``RuntimeError: Event loop is closed`` through
+    ``sys.unraisablehook`` (the default hook prints a traceback), up to dozens of times,
+    during the read and after it returned; the futures of the other failed reads are
+    logged by asyncio as "exception was never retrieved". None of it adds to the one error
+    the caller reports. Installed, this drops exactly those two kinds of report (as a
+    ``sys.unraisablehook`` wrapper and a filter on the ``asyncio`` logger) and passes every
+    other one to the previous hook.
     """
 
-    _END = "RuntimeError: Event loop is closed"
+    def __init__(self):
+        super().__init__()
+        self._previous_hook = sys.unraisablehook
 
-    def __init__(self, stream):
-        self._stream = stream
-        self._lock = threading.Lock()
-        self._blocks: dict[int, str] = {}  # thread id -> the traceback it is printing
+    def hook(self, unraisable) -> None:
+        if not _is_closed_loop_error(unraisable):
+            self._previous_hook(unraisable)
 
-    def write(self, text: str) -> int:
-        with self._lock:
-            ident = threading.get_ident()
-            block = self._blocks.get(ident)
-            if block is None and not text.startswith("Traceback (most recent call last):"):
-                return self._stream.write(text)
-            block = (block or "") + text
-            last = block.rstrip("\n").rsplit("\n", 1)[-1]
-            if not block.endswith("\n") or not last or last.startswith((" ", "Traceback")):
-                self._blocks[ident] = block  # the exception line has not come yet
-            else:
-                del self._blocks[ident]
-                if last != self._END:
-                    self._stream.write(block)
-            return len(text)
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _from_orbax(record)
 
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
+    def install(self) -> None:
+        sys.unraisablehook = self.hook
+        logging.getLogger("asyncio").addFilter(self)
+
+    def uninstall(self) -> None:
+        if sys.unraisablehook == self.hook:
+            sys.unraisablehook = self._previous_hook
+        logging.getLogger("asyncio").removeFilter(self)
+
+
+_quiet: _FailedReadNoise | None = None  # installed for good after a read failed
 
 
 @contextlib.contextmanager
 def _quiet_if_it_fails():
-    """Filter ``sys.stderr`` with :class:`_WithoutClosedLoopTracebacks` during an orbax read, and for good if it fails.
+    """Silence a failed orbax read's noise (:class:`_FailedReadNoise`) during the read, and for good if it fails.
 
-    The noise of a failed read starts during the read and goes on after it returns.
+    The noise starts during the read and goes on after it returns.
     """
-    if isinstance(sys.stderr, _WithoutClosedLoopTracebacks):
+    global _quiet
+    if _quiet is not None:
         yield
         return
-    quiet = sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
-    yield  # an exception leaves the filter in place
-    if sys.stderr is quiet:
-        sys.stderr = quiet._stream
+    quiet = _FailedReadNoise()
+    quiet.install()
+    try:
+        yield
+    except BaseException:
+        _quiet = quiet
+        raise
+    quiet.uninstall()
 
 
 def check_writable_folder(path: str | os.PathLike, name: str) -> None:
@@ -156,8 +174,8 @@ def check_writable_folder(path: str | os.PathLike, name: str) -> None:
         what = "this folder" if probe == folder else f"{probe}, where it would be created,"
         raise FolderNotWritableError(
             f"{name} {folder} is not writable: {what} does not let this user ({_user()}) create files "
-            f"({type(e).__name__}: {e.strerror or e}). Choose a writable folder, or fix the permissions "
-            f"(e.g. chmod u+w {probe})"
+            f"({type(e).__name__}: {e.strerror or e}); choose another folder, or give this user write "
+            f"permission on {probe}"
         ) from None
 
 
