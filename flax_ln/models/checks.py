@@ -24,7 +24,7 @@ compute:
       from jax.experimental import checkify
       model = flax_ln.GPT(config, debug_checks=True, rngs=nnx.Rngs(0))
       err, logits = checkify.checkify(jax.jit(lambda idx: model(idx)[0]))(idx)
-      err.throw()  # JaxRuntimeError: GPT: idx holds a token id outside [0, 50): -1 at (0, 1) ...
+      err.throw()  # JaxRuntimeError: GPT: idx holds an id outside [0, 50): -1 at index [0 1] ...
 
   Staging a ``checkify.check`` without ``checkify.checkify`` is itself an error in JAX
   ("Cannot abstractly evaluate a checkify.check which was not functionalized"), so a
