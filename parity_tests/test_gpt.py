@@ -506,7 +506,8 @@ def test_hf_gpt2_loads_into_both_frameworks(tmp_path, layout):
         path, kwargs = write_hf(tmp_path / "hf", tensors, hf_config(SMALL)), {}
     flax_model = flax_ln.load_hf_gpt2(path, scan_layers=True, **kwargs)
     torch_loaded = torch_ref.load_hf_gpt2(path, **kwargs)
-    assert flax_model.config == SMALL and torch_loaded.config == SMALL and not torch_loaded.training
+    assert flax_model.config == SMALL and not torch_loaded.training
+    assert dataclasses.asdict(torch_loaded.config) == dataclasses.asdict(SMALL)  # torch_ref's own config class
     assert flax_model.transformer.h.attn.c_attn.kernel.dtype == jnp.float32
     for key, value in torch_model.state_dict().items():  # the transposes undone, lm_head = wte
         np.testing.assert_array_equal(torch_loaded.state_dict()[key].numpy(), value.numpy(), err_msg=key)
@@ -529,8 +530,8 @@ def test_hf_tied_weight_mismatch_is_an_error(tmp_path):
     tensors = hf_tensors(tied_torch_gpt(), lm_head=True)
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1e-3
     path = write_hf(tmp_path / "hf", tensors, hf_config(SMALL))
-    for load in (flax_ln.load_hf_gpt2, torch_ref.load_hf_gpt2):
-        with pytest.raises(ConversionError, match="lm_head.weight.*differs from transformer.wte.weight"):
+    for load, error in ((flax_ln.load_hf_gpt2, ConversionError), (torch_ref.load_hf_gpt2, torch_ref.HFCheckpointError)):
+        with pytest.raises(error, match="lm_head.weight.*differs from transformer.wte.weight"):
             load(path)
     # An untied checkpoint keeps its own lm_head.
     untied = write_hf(tmp_path / "untied", tensors, hf_config(SMALL, tie_word_embeddings=False))
@@ -668,7 +669,11 @@ def test_sampling():
 
 
 def test_presets_and_shared_config():
-    assert torch_ref.GPTConfig is flax_ln.GPTConfig
+    assert torch_ref.GPTConfig is not flax_ln.GPTConfig  # the reference keeps its own (issue 10)
+    for preset, args in (("gpt2", ()), ("gpt2_xl", ()), ("chapter12", (10000,)), ("music", ())):
+        ours, reference = getattr(GPTConfig, preset)(*args), getattr(torch_ref.GPTConfig, preset)(*args)
+        assert dataclasses.asdict(ours) == dataclasses.asdict(reference), preset
+        assert GPTConfig.from_any(reference) == ours and torch_ref.GPTConfig.from_any(ours) == reference
     xl = GPTConfig.gpt2_xl()
     assert (xl.n_layer, xl.n_head, xl.n_embd, xl.vocab_size, xl.block_size) == (48, 25, 1600, 50257, 1024)
     assert (xl.embd_pdrop, xl.resid_pdrop, xl.attn_pdrop, xl.ignore_index) == (0.1, 0.1, 0.1, -1)

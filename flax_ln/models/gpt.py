@@ -4,7 +4,8 @@ The module tree mirrors :mod:`torch_ref.gpt` (minGPT layout) attribute for attri
 so ``flax_ln.to_torch_state_dict`` names every weight as the book's ``state_dict``
 does: ``transformer.wte``, ``transformer.h.{i}.attn.c_attn``, ``lm_head``, ...
 
-:class:`GPTConfig` is torch-free and shared by both packages.
+:class:`GPTConfig` is torch-free; a config from ``torch_ref`` (or any object with the same
+field names) is accepted as plain data through :meth:`GPTConfig.from_any`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from flax_ln.models.layernorm import TorchLayerNorm
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Hyper-parameters of the book's GPT, shared by ``flax_ln.GPT`` and ``torch_ref.GPT``.
+    """Hyper-parameters of the book's GPT; the same values build ``flax_ln.GPT`` and ``torch_ref.GPT``.
 
     Args:
       n_layer: number of Transformer blocks.
@@ -67,6 +68,29 @@ class GPTConfig:
         for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_any(cls, config) -> GPTConfig:
+        """``config`` as a :class:`GPTConfig`: itself, or copied field by field from any object or mapping.
+
+        Configs cross from ``torch_ref`` (or the book's ``Config``, or a
+        ``types.SimpleNamespace``) as plain data: the five sizes are required, the other
+        fields take this class's defaults when absent. The models call this, so they keep
+        a frozen, hashable config (NNX needs one as static graph data).
+        """
+        if isinstance(config, cls):
+            return config
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(config, dict):
+            values = {name: config[name] for name in fields if name in config}
+        else:
+            values = {name: getattr(config, name) for name in fields if hasattr(config, name)}
+        sizes = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+        missing = [name for name in sizes if name not in values]
+        if missing:
+            raise TypeError(f"GPT config {type(config).__name__} lacks {missing}: expected a GPTConfig or an object "
+                            f"or dict with the book's fields {list(sizes)}")
+        return cls(**values)
 
     @property
     def head_size(self) -> int:
@@ -167,7 +191,7 @@ class CausalSelfAttention(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -217,7 +241,7 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -248,7 +272,7 @@ class Block(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -440,7 +464,7 @@ class GPT(nnx.Module):
         rngs: nnx.Rngs,
     ):
         _remat_policy(remat)  # validate early
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.debug_checks = debug_checks
         self.scan_layers = scan_layers
         self.remat = remat
@@ -452,7 +476,6 @@ class GPT(nnx.Module):
         make_block = functools.partial(Block, config, **opts)
         if scan_layers:
             h = nnx.vmap(lambda r: make_block(rngs=r))(rngs.split(config.n_layer))
-            h.num_stacked_layers = config.n_layer  # the converter's cue for per-layer torch keys
         else:
             h = nnx.List([make_block(rngs=rngs) for _ in range(config.n_layer)])
         embed = functools.partial(nnx.Embed, embedding_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -526,9 +549,9 @@ class GPT(nnx.Module):
         return logits, None if cache is None else KVCache(*cache)
 
 
-def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None):
+def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_limit: int | None):
     """Next token ids (B,) from last-position logits (B, V): argmax, or a top-k/temperature sample."""
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))[:, :vocab_limit]  # (B, V or vocab_limit)
     if greedy:
         return jnp.argmax(logits, axis=-1)
     logits = logits / temperature
@@ -538,8 +561,8 @@ def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None):
     return jax.random.categorical(key, logits, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
-def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k", "vocab_limit"))
+def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k, vocab_limit):
     # The model is merged afresh inside every traced scope (loop bodies get `state` through
     # their carry), because NNX refuses Variables that hold tracers of an outer trace.
     def model(state):
@@ -552,7 +575,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
     total = T0 + max_new_tokens
     keys = jax.random.split(rng, max_new_tokens)  # keys[j] draws token T0 + j
     out = jnp.zeros((B, total), idx.dtype).at[:, :T0].set(idx)  # (B, T0 + new)
-    pick = functools.partial(_pick, temperature=temperature, greedy=greedy, top_k=top_k)
+    pick = functools.partial(_pick, temperature=temperature, greedy=greedy, top_k=top_k, vocab_limit=vocab_limit)
 
     def put(out, n, logits):  # write token n, drawn from the logits that follow the first n tokens
         token = pick(logits[:, -1], keys[n - T0]).astype(out.dtype)  # (B,)
@@ -593,11 +616,14 @@ def generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    vocab_limit: int | None = None,
     rng: jax.Array,
 ) -> Int[Array, "B T+new"]:
     """Append ``max_new_tokens`` sampled tokens to ``idx``, as the book's sampling loop does.
 
     Each new token is drawn from ``softmax(logits[:, -1] / temperature)`` restricted to
+    the ids below ``vocab_limit`` (chapter 14 draws only its 388 event ids: softmax over
+    all ids then keeping the first 388, as the book does, is this renormalised) and to
     the ``top_k`` largest logits (ties with the k-th value are kept, as in torch); with
     ``temperature == 0`` it is the argmax instead (greedy; ``rng`` is then unused). The
     context is the last ``block_size`` tokens. While the sequence fits in ``block_size``
@@ -614,6 +640,7 @@ def generate(
       max_new_tokens: number of tokens to append.
       temperature: softmax temperature, > 0, or 0 for greedy decoding.
       top_k: keep only the k largest logits before sampling (1 <= k <= vocab_size).
+      vocab_limit: draw only ids < vocab_limit (1 <= vocab_limit <= vocab_size); None: all.
       rng: a JAX PRNG key.
 
     Returns:
@@ -624,11 +651,15 @@ def generate(
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not temperature >= 0:
         raise ValueError(f"generate: temperature must be >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
-        raise ValueError(f"generate: top_k must be in [1, {model.config.vocab_size}] or None, got {top_k!r}")
+    if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
+        raise ValueError(f"generate: vocab_limit must be in [1, {model.config.vocab_size}] or None, "
+                         f"got {vocab_limit!r}")
+    n_drawable = vocab_limit or model.config.vocab_size
+    if top_k is not None and not 1 <= top_k <= n_drawable:
+        raise ValueError(f"generate: top_k must be in [1, {n_drawable}] or None, got {top_k!r}")
     if max_new_tokens == 0:
         return idx
     graphdef, state = nnx.split(model)
     greedy = temperature == 0
     return _generate(graphdef, state, idx, rng, jnp.float32(1.0 if greedy else temperature),
-                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k)
+                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, vocab_limit=vocab_limit)

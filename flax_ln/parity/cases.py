@@ -340,9 +340,9 @@ def checkpoint_case(path: str, dtype: str, batch: int, seq_len: int | None, seed
     if os.path.isdir(path):
         try:
             torch_model = torch_ref.load_hf_gpt2(path)
-        except (ValueError, OSError, RuntimeError) as err:
+        except (ValueError, OSError, RuntimeError, MemoryError) as err:
             raise CheckpointError(f"--checkpoint {path!r}: not a usable Hugging Face GPT-2 folder: {err}") from err
-        config = torch_model.config
+        config = flax_ln.GPTConfig.from_any(torch_model.config)  # torch_ref's own config, as plain data
         return _gpt_case(f"checkpoint {os.path.basename(os.path.normpath(path))}", config, dtype, batch,
                          min(seq_len or 16, config.block_size), seed, pad_targets=False, torch_model=torch_model)
     state = read_state_dict(path)
