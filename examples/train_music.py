@@ -4,6 +4,9 @@ Run (CPU, seconds):     python examples/train_music.py --config tiny --steps 500
 The book's model:       python examples/train_music.py --config music --steps 20000 --out out/music \
                             --data PATH/TO/maestro-v2.0.0
 Continue a run:         add --resume (same --out); it continues exactly where the last checkpoint left off.
+                        If the newest checkpoint cannot be read (damaged files), a one-line warning says
+                        why, the run resumes from the newest one that reads, and the damaged folder is
+                        renamed to STEP.unreadable (kept for inspection; orbax ignores it).
 Sample only:            python examples/train_music.py --config music --sample-only book_music.pt \
                             --data PATH/TO/maestro-v2.0.0 --out out/book-sample
 Several devices:        --fsdp K shards parameters and optimizer state over K devices and the batch over
@@ -53,6 +56,7 @@ from tqdm import tqdm
 
 from flax_ln import GPT, ConversionError, GPTConfig, generate, load_torch_state_dict, music
 from flax_ln.checkpoint import Checkpointer, CheckpointError, MetricsLog, plot_loss, read_metrics
+from flax_ln.checkpoint import FolderNotWritableError, check_writable_folder
 from flax_ln.sharding import batch_sharding, initialize_distributed, make_mesh, replicated, shard_batch, state_shardings
 from flax_ln.train import gpt_adam, gpt_loss, init_train_state, make_train_step
 
@@ -75,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="global batch size (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: the block size)")
     p.add_argument("--out", default=None, help="output folder (default out/music-CONFIG)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the checkpoint folder")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest readable checkpoint in the checkpoint folder")
     p.add_argument("--ckpt-dir", default=None,
                    help="checkpoint folder (default OUT/checkpoints); on several hosts a shared one, e.g. gs://...")
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps and at the end")
@@ -110,6 +115,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not ok:
             p.error(message)
     args.out = Path(args.out or f"out/music-{args.config}")
+    try:  # before any slow work: a run that cannot write its outputs fails now, not at its first save
+        check_writable_folder(args.out, "--out")
+        check_writable_folder(args.ckpt_dir or args.out / "checkpoints", "--ckpt-dir" if args.ckpt_dir else "--out")
+    except FolderNotWritableError as e:
+        p.error(str(e))
     return args
 
 
@@ -149,7 +159,7 @@ def open_checkpoints(args, expect: dict) -> Checkpointer:
     if args.resume:
         ckpt = Checkpointer(ckpt_dir, create=False)
         try:
-            ckpt.check(ckpt.read_meta(), expect)  # config, sequence length, seed; the data is checked on restore
+            ckpt.check(ckpt.newest_readable_meta(), expect)  # config, seq_len, seed; the data is checked on restore
         except CheckpointError:
             ckpt.close()
             raise
@@ -183,7 +193,10 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
     shardings = state_shardings(abstract, mesh)
     if args.resume:
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-        state, meta = ckpt.restore(target, expect=expect)
+        state, meta, skipped = ckpt.restore_newest_readable(target, expect=expect)
+        for error in skipped if is_main else ():
+            print(f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
+                  f"one to {ckpt.set_aside(error.step)}", file=sys.stderr)
         start, position = meta["step"], meta["data_position"]
     else:
         state = jax.jit(lambda: init_train_state(make_model(), tx)[1], out_shardings=shardings)()
