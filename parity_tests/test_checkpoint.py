@@ -6,6 +6,7 @@ import logging
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -341,6 +342,7 @@ def run_as_nobody(script, out, resume):
         warnings.simplefilter("ignore", RuntimeWarning)  # JAX warns that forking a multithreaded process may deadlock
         pid = os.fork()
     if pid == 0:
+        signal.alarm(60)  # a child stuck on a lock inherited from a parent thread dies, so the test fails, never hangs
         os.close(read)
         code = 1
         try:
