@@ -5,11 +5,11 @@
 only safetensors are read. It is loaded with ``flax_ln.load_hf_gpt2`` and sampled with
 ``flax_ln.generate`` (temperature, top-k; ``--temperature 0`` is greedy).
 
-The prompt is ``--prompt TEXT``, tokenised with the folder's tokenizer files
-(``tokenizer.json``, through the ``tokenizers`` package when installed, else with the
-built-in byte-level BPE of ``flax_ln.bpe``; or ``vocab.json`` + ``merges.txt``), or
-``--prompt-ids 464,2068,7586`` (comma-separated token ids), which needs no tokenizer.
-A folder without tokenizer files needs ``--prompt-ids``.
+The prompt is ``--prompt TEXT``, tokenised by Hugging Face's ``tokenizers`` package
+(``pip install tokenizers``) from the folder's files: ``tokenizer.json``, or GPT-2's
+original ``vocab.json`` + ``merges.txt`` (byte-level BPE, with ``<|endoftext|>`` kept
+whole as GPT-2 does); or ``--prompt-ids 464,2068,7586`` (comma-separated token ids),
+which needs no tokenizer. A folder without tokenizer files needs ``--prompt-ids``.
 
 With no ``--checkpoint`` it runs a small GPT with random weights (2 layers, width 64,
 one token per byte, so text prompts work) and says so: the output is noise, but every
@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 import flax_ln
-from flax_ln.bpe import load_tokenizer
 
 DEFAULT_PROMPT = "Once upon a time"
+ENDOFTEXT = "<|endoftext|>"  # GPT-2's only special token
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -46,6 +46,45 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` with the examples' ``encode(text) -> ids`` / ``decode(ids) -> text``."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def load_tokenizer(folder: Path) -> tuple[HFTokenizer | None, str]:
+    """``(tokenizer, where it came from)`` for a Hugging Face model folder; ``(None, why)`` without tokenizer files.
+
+    ``tokenizer.json`` is read as it is; ``vocab.json`` + ``merges.txt`` as a byte-level
+    BPE without a prefix space (GPT-2's settings), ``<|endoftext|>`` a special token when
+    the vocabulary has it.
+    """
+    json_file, vocab, merges = folder / "tokenizer.json", folder / "vocab.json", folder / "merges.txt"
+    if not json_file.is_file() and not (vocab.is_file() and merges.is_file()):
+        return None, f"{folder} has no tokenizer.json or vocab.json + merges.txt"
+    try:
+        import tokenizers
+    except ImportError:
+        raise SystemExit("text prompts are tokenised with Hugging Face's tokenizers: pip install tokenizers "
+                         "(or pass --prompt-ids)") from None
+    try:
+        if json_file.is_file():
+            return HFTokenizer(tokenizers.Tokenizer.from_file(str(json_file))), f"{json_file} (tokenizers)"
+        bpe = tokenizers.ByteLevelBPETokenizer(str(vocab), str(merges), add_prefix_space=False)
+        if bpe.token_to_id(ENDOFTEXT) is not None:
+            bpe.add_special_tokens([ENDOFTEXT])
+        return HFTokenizer(bpe), f"{vocab} + {merges.name} (tokenizers, byte-level BPE)"
+    except Exception as e:  # tokenizers raises plain Exception on malformed files
+        raise SystemExit(f"{folder}: tokenizers cannot read its tokenizer files: {e}") from None
 
 
 def random_model(seed: int, **kwargs) -> flax_ln.GPT:
@@ -119,10 +158,7 @@ def main(argv=None) -> list[list[int]]:
     elif tokenizer is None:
         raise SystemExit(f"{source}, so a text prompt cannot be tokenised; pass --prompt-ids 464,2068,7586 instead")
     else:
-        try:
-            ids = tokenizer.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
-        except KeyError as err:
-            raise SystemExit(f"--prompt: cannot tokenise with {source}: {err}") from None
+        ids = tokenizer.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
         if not ids:
             raise SystemExit("--prompt: the prompt is empty; give some text")
         if max(ids) >= vocab_size:

@@ -1,17 +1,38 @@
 """Train chapter 14's music Transformer (``flax_ln.GPT``) on MIDI files, then sample a new piece.
 
 Run (CPU, seconds):     python examples/train_music.py --config tiny --steps 500 --out out/music-tiny
-The book's model:       python examples/train_music.py --config music --steps 20000 --out out/music
+The book's model:       python examples/train_music.py --config music --steps 20000 --out out/music \
+                            --data PATH/TO/maestro-v2.0.0
 Continue a run:         add --resume (same --out); it continues exactly where the last checkpoint left off.
+                        If the newest checkpoint cannot be read (damaged files), a one-line warning says
+                        why, the run resumes from the newest one that reads, and the damaged folder is
+                        renamed to STEP.unreadable (kept for inspection; orbax ignores it).
+Sample only:            python examples/train_music.py --config music --sample-only book_music.pt \
+                            --data PATH/TO/maestro-v2.0.0 --out out/book-sample
 Several devices:        --fsdp K shards parameters and optimizer state over K devices and the batch over
                         the other devices // K; on a multi-host slice run the same command on every
                         host with --distributed and a shared --ckpt-dir (e.g. gs://BUCKET/run).
 
 Data: the Bach chorales of music21's corpus, rendered to MIDI once into OUT/bach_chorales
 (no download; about two minutes; reuse them with ``--data OUT/bach_chorales``), or
-``--data DIR`` with .mid/.midi files; tokenised by ``flax_ln.music``.
-Training as the book: Adam 1e-4 after clipping the gradient norm to 1, cross-entropy that
-ignores the padding id 389, dropout 0.1.
+``--data DIR`` with .mid/.midi files (searched recursively). The book's own data is a
+MAESTRO v2 folder (``maestro-v2.0.0``, with ``maestro-v2.0.0.csv`` beside the year
+folders): then the csv's split column decides, as in the book: the ``train`` pieces are
+trained on and the first ``test`` piece gives the prompt. Any other folder (and the
+chorales) holds out its last file (sorted by path) for the prompt and trains on the rest.
+Tokenised by ``flax_ln.music`` exactly as the book's processor.
+Training as the book: one example per piece, ``x`` its first ``block`` ids (padded with
+389), ``y`` shifted by one with 388 after the last id; Adam 1e-4 after clipping the
+gradient norm to 1, cross-entropy that ignores the padding id 389, dropout 0.1.
+Sampling as the book: the prompt is the first 250 ids of the held-out piece (at most a
+quarter of a shorter block), and each new id is drawn from softmax(logits / temperature)
+over the 388 event ids only (never 388 = end or 389 = padding).
+
+``--sample-only CHECKPOINT`` skips training and samples OUT/sample.mid from a model trained
+elsewhere: a ``.pt``/``.pth``/``.bin`` (read with ``torch.load(weights_only=True)``) or
+``.safetensors`` state dict of the book's music model (``torch_ref`` layout, the keys the
+book's ``model.state_dict()`` saves), or an orbax checkpoint folder of this example (its
+``OUT/checkpoints``: the latest step). ``--config`` must describe that model.
 
 Outputs in OUT: metrics.jsonl (one JSON object per step), checkpoints/ (orbax: parameters,
 optimizer state, dropout RNG state, step, data position), loss.png and sample.mid (sampled
@@ -33,8 +54,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from flax_ln import GPT, GPTConfig, generate, music
+from flax_ln import GPT, ConversionError, GPTConfig, generate, load_torch_state_dict, music
 from flax_ln.checkpoint import Checkpointer, CheckpointError, MetricsLog, plot_loss, read_metrics
+from flax_ln.checkpoint import FolderNotWritableError, check_writable_folder
 from flax_ln.sharding import batch_sharding, initialize_distributed, make_mesh, replicated, shard_batch, state_shardings
 from flax_ln.train import gpt_adam, gpt_loss, init_train_state, make_train_step
 
@@ -57,12 +79,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="global batch size (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: the block size)")
     p.add_argument("--out", default=None, help="output folder (default out/music-CONFIG)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the checkpoint folder")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest readable checkpoint in the checkpoint folder")
     p.add_argument("--ckpt-dir", default=None,
                    help="checkpoint folder (default OUT/checkpoints); on several hosts a shared one, e.g. gs://...")
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps and at the end")
-    p.add_argument("--generate-tokens", type=int, default=256, help="tokens to sample into sample.mid (0: none)")
+    p.add_argument("--generate-tokens", type=int, default=256,
+                   help="ids to sample after the prompt into sample.mid (0: none)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--sample-only", type=Path, default=None, metavar="CHECKPOINT",
+                   help="no training: sample from this .pt/.safetensors state dict or orbax checkpoint folder")
+    p.add_argument("--prompt-midi", type=Path, default=None,
+                   help="take the prompt from this MIDI file instead of the held-out piece of the data")
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (mesh: devices//K x K)")
     p.add_argument("--seed", type=int, default=0, help="initialisation, dropout, data order and sampling seed")
     p.add_argument("--data", default=None, help="folder of .mid/.midi files (default: music21's Bach chorales)")
@@ -78,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  f"{args.config}"),
         (args.ckpt_every >= 1, "--ckpt-every must be >= 1"),
         (args.generate_tokens >= 0, "--generate-tokens must be >= 0"),
+        (args.sample_only is None or args.generate_tokens >= 1, "--sample-only needs --generate-tokens >= 1"),
+        (args.sample_only is None or not args.resume, "--sample-only trains nothing, so --resume does not apply"),
         (args.temperature >= 0, "--temperature must be >= 0"),
         (args.max_files is None or args.max_files >= 1, "--max-files must be >= 1"),
     ]
@@ -85,22 +115,41 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not ok:
             p.error(message)
     args.out = Path(args.out or f"out/music-{args.config}")
+    try:  # before any slow work: a run that cannot write its outputs fails now, not at its first save
+        check_writable_folder(args.out, "--out")
+        check_writable_folder(args.ckpt_dir or args.out / "checkpoints", "--ckpt-dir" if args.ckpt_dir else "--out")
+    except FolderNotWritableError as e:
+        p.error(str(e))
     return args
 
 
-def load_data(args) -> music.MusicDataset:
+def split_files(args) -> tuple[list[Path], Path]:
+    """``(training files, held-out piece for the prompt)`` of the data (see the module docstring)."""
     try:
         if args.data is None:
             if jax.process_index() == 0:
                 print(f"data: music21's Bach chorales, rendered to MIDI once into {args.out / 'bach_chorales'}")
             files = music.render_bach_chorales(args.out / "bach_chorales", limit=args.max_files)
         else:
+            maestro = music.maestro_split(args.data)
+            if maestro is not None:
+                return maestro["train"][:args.max_files], maestro["test"][0]
             files = music.midi_files(args.data, limit=args.max_files)
-        dataset = music.MusicDataset.from_files(files, args.seq_len, args.seed)
     except (OSError, ValueError, RuntimeError) as e:
         raise UsageError(f"{'--data' if args.data else 'data'}: {e}") from None
+    if len(files) < 2:
+        raise UsageError(f"{'--data' if args.data else 'data'}: {len(files)} MIDI file(s); need at least 2, "
+                         "one to train on and one held out for the sampling prompt (raise --max-files)")
+    return files[:-1], files[-1]
+
+
+def load_data(args, files: list[Path]) -> music.MusicDataset:
+    try:
+        dataset = music.MusicDataset.from_files(files, args.seq_len, args.seed)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{'--data' if args.data else 'data'}: {e}") from None
     if jax.process_index() == 0:
-        print(f"data: {len(files)} MIDI files, {len(dataset)} examples of {args.seq_len + 1} tokens")
+        print(f"data: {len(files)} training pieces, {len(dataset)} examples of {args.seq_len} tokens")
     return dataset
 
 
@@ -110,7 +159,7 @@ def open_checkpoints(args, expect: dict) -> Checkpointer:
     if args.resume:
         ckpt = Checkpointer(ckpt_dir, create=False)
         try:
-            ckpt.check(ckpt.read_meta(), expect)  # config, sequence length, seed; the data is checked on restore
+            ckpt.check(ckpt.newest_readable_meta(), expect)  # config, seq_len, seed; the data is checked on restore
         except CheckpointError:
             ckpt.close()
             raise
@@ -124,23 +173,30 @@ def open_checkpoints(args, expect: dict) -> Checkpointer:
     return ckpt
 
 
-def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict):
-    """Train to ``args.steps`` (from the latest checkpoint with --resume); returns (graphdef, state, dataset)."""
+def new_model(config: GPTConfig, seed: int) -> GPT:
+    model = GPT(config, rngs=nnx.Rngs(seed))
+    model.train()  # dropout on; its RNG state is split into state.rest and checkpointed with it
+    return model
+
+
+def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: list[Path]):
+    """Train to ``args.steps`` (from the latest checkpoint with --resume); returns (graphdef, state)."""
     is_main = jax.process_index() == 0
-    dataset = load_data(args)
+    dataset = load_data(args, files)
     expect = {**expect, "data": dataset.fingerprint}
     tx = gpt_adam()  # clip the global norm to 1 as torch does, then Adam(1e-4)
 
     def make_model() -> GPT:
-        model = GPT(config, rngs=nnx.Rngs(args.seed))
-        model.train()  # dropout on; its RNG state is split into state.rest and checkpointed with it
-        return model
+        return new_model(config, args.seed)
 
     graphdef, abstract = jax.eval_shape(lambda: init_train_state(make_model(), tx))
     shardings = state_shardings(abstract, mesh)
     if args.resume:
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-        state, meta = ckpt.restore(target, expect=expect)
+        state, meta, skipped = ckpt.restore_newest_readable(target, expect=expect)
+        for error in skipped if is_main else ():
+            print(f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
+                  f"one to {ckpt.set_aside(error.step)}", file=sys.stderr)
         start, position = meta["step"], meta["data_position"]
     else:
         state = jax.jit(lambda: init_train_state(make_model(), tx)[1], out_shardings=shardings)()
@@ -183,21 +239,69 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict):
     log_pending()
     bar.close()
     metrics.close()
-    return graphdef, state, dataset
+    return graphdef, state
 
 
-def sample(args, config: GPTConfig, mesh, graphdef, state, dataset) -> None:
-    """Write OUT/sample.mid: the opening of the first piece (in file order) continued by ``generate``."""
-    opening = dataset.examples[0]  # (T + 1,)
-    n = int(np.argmax(opening >= music.EOS)) if (opening >= music.EOS).any() else opening.size
-    prompt = opening[:max(1, min(n, config.block_size // 4))]  # at most a quarter of the context
-    params, rest = jax.device_put((state.params, state.rest), replicated(mesh))
-    model = nnx.merge(graphdef, params, rest)
-    ids = generate(model, prompt[None], args.generate_tokens, temperature=args.temperature,
-                   rng=jax.random.fold_in(jax.random.key(args.seed), 1))  # (1, prompt + new), KV cache
+def sample(args, model: GPT, prompt_file: Path) -> np.ndarray:
+    """Write OUT/sample.mid as the book samples: the opening of ``prompt_file`` continued by ``generate``.
+
+    The prompt is the first ``music.prompt_length(block_size)`` ids (250 for the book's
+    model); each new id is drawn from softmax(logits / temperature) over the 388 event ids.
+    Returns the ids (prompt included).
+    """
+    try:
+        ids = music.encode_midi(prompt_file)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"prompt piece: {e}") from None
+    prompt = ids[:music.prompt_length(model.config.block_size)]  # (P,)
+    if prompt.size == 0:
+        raise UsageError(f"prompt piece {prompt_file} has no notes; pass --prompt-midi with another file")
+    out = generate(model, prompt[None], args.generate_tokens, temperature=args.temperature,
+                   vocab_limit=music.N_EVENTS, rng=jax.random.fold_in(jax.random.key(args.seed), 1))  # (1, P + new)
+    out = np.asarray(out)[0]
     if jax.process_index() == 0:
-        notes = music.decode_midi(np.asarray(ids)[0], args.out / "sample.mid")
-        print(f"sample.mid: {len(prompt)} prompt tokens + {args.generate_tokens} sampled, {len(notes)} notes")
+        notes = music.decode_midi(out, args.out / "sample.mid")
+        print(f"sample.mid: {prompt.size} prompt ids from {prompt_file} + {args.generate_tokens} sampled, "
+              f"{len(notes)} notes")
+    return out
+
+
+def load_for_sampling(args, config: GPTConfig) -> GPT:
+    """The model of ``--sample-only``: a torch state dict file or an orbax checkpoint folder of this example."""
+    path = args.sample_only
+    model = new_model(config, args.seed)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        ckpt = Checkpointer(folder, create=False)
+        try:
+            graphdef, abstract = jax.eval_shape(lambda: init_train_state(new_model(config, args.seed), gpt_adam()))
+            state, _ = ckpt.restore(abstract, expect={"config": dataclasses.asdict(config)})
+        finally:
+            ckpt.close()
+        return nnx.merge(graphdef, state.params, state.rest)
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            from safetensors.numpy import load_file
+
+            state_dict = load_file(str(path))
+        elif suffix in (".pt", ".pth", ".bin"):
+            import torch  # only for this path: reading the book's torch.save output
+
+            state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raise UsageError(f"--sample-only {path}: expected a .pt/.pth/.bin or .safetensors state dict, or a "
+                             "checkpoint folder of this example")
+    except (OSError, RuntimeError, ValueError) as e:
+        raise UsageError(f"--sample-only {path}: cannot read it ({type(e).__name__}: {e})") from None
+    if not isinstance(state_dict, dict):
+        raise UsageError(f"--sample-only {path}: expected a state dict (name -> tensor), got "
+                         f"{type(state_dict).__name__}; save the book's model with torch.save(model.state_dict(), PATH)")
+    try:
+        load_torch_state_dict(model, state_dict)
+    except ConversionError as e:
+        raise UsageError(f"--sample-only {path} does not fit --config {args.config}:\n{e}") from None
+    return model
 
 
 def train(args) -> None:
@@ -209,10 +313,16 @@ def train(args) -> None:
     if args.batch_size % mesh.shape["data"]:
         raise UsageError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis "
                          f"({mesh.shape['data']} = {jax.device_count()} devices // --fsdp {args.fsdp})")
+    if args.sample_only is not None:
+        _, prompt_file = split_files(args) if args.prompt_midi is None else (None, args.prompt_midi)
+        args.out.mkdir(parents=True, exist_ok=True)
+        sample(args, load_for_sampling(args, config), prompt_file)
+        return
     expect = {"config": dataclasses.asdict(config), "seq_len": args.seq_len, "seed": args.seed}
     ckpt = open_checkpoints(args, expect)
     try:
-        graphdef, state, dataset = fit(args, config, mesh, ckpt, expect)
+        train_files, heldout = split_files(args)
+        graphdef, state = fit(args, config, mesh, ckpt, expect, train_files)
     finally:
         ckpt.close()  # waits for the last save
 
@@ -220,7 +330,8 @@ def train(args) -> None:
     if records:
         plot_loss(records, args.out / "loss.png", title=f"music Transformer ({args.config}), seed {args.seed}")
     if args.generate_tokens:
-        sample(args, config, mesh, graphdef, state, dataset)
+        params, rest = jax.device_put((state.params, state.rest), replicated(mesh))
+        sample(args, nnx.merge(graphdef, params, rest), args.prompt_midi or heldout)
     if records:
         print(f"steps {records[0]['step']}..{records[-1]['step']}: loss {records[0]['loss']:.4f} -> "
               f"{records[-1]['loss']:.4f}; outputs in {args.out}")

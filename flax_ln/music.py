@@ -1,40 +1,58 @@
-"""Chapter 14's performance-event tokenizer, a minimal MIDI reader/writer, and the music training data.
+"""Chapter 14's MIDI event tokenizer, exactly as the book's processor, and the music training data.
 
 Token ids (vocabulary 390), as in the book::
 
     ids   0..127  note-on,  pitch = id
     ids 128..255  note-off, pitch = id - 128
     ids 256..355  time shift of (id - 256 + 1) steps of 10 ms: 10 ms .. 1 s
-    ids 356..387  velocity bin b = id - 356 for the note-ons that follow; b = velocity * 32 // 128,
-                  decoded as velocity 4 b + 2 (never 0, which MIDI reads as a note-off)
-    id  388       end of sequence (EOS)
+    ids 356..387  velocity bin b = id - 356 = velocity // 4 for the note-ons that follow
+    id  388       end of sequence (EOS), the last target of a piece
     id  389       padding (PAD); the loss ignores it (``GPTConfig.music().ignore_index``)
 
-Encoding (:func:`encode_notes`): note times are quantised to 10 ms steps; a note lasts at
-least one step; a note is cut where the next note of the same pitch starts (of two
-same-pitch notes starting on the same step, the longer one is kept). Every note becomes a
-note-on and a note-off event; events are ordered by (time, note-offs before note-ons,
-pitch). Before each event the time since the previous one is written as time shifts
-(as many full 1 s shifts as needed, then the rest); a velocity event precedes a note-on
-whenever the velocity bin changes (and before the first note-on). Instruments and
-channels are merged, as the book does; pedals, pitch bends and programs are dropped.
+MIDI is read and written with pretty_midi, as the book does. :func:`encode_midi` and
+:func:`decode_notes` reproduce the book's processor token for token and note for note
+(DESIGN.md section 2.4, pinned by the book's own output in ``parity_tests/data/ch14``).
+A model trained with the book's code saw exactly this stream, so its quirks are kept:
 
-Decoding (:func:`decode_notes`) accepts any id sequence: it stops at EOS, skips PAD,
-ignores note-offs of silent pitches, ends a sounding note when its pitch is struck
-again, ends notes still sounding at the last time, and drops zero-length notes. For
-ids produced by the encoder, ``encode_notes(decode_notes(ids)) == ids``.
+1. Instruments are merged in pretty_midi's order; each instrument's notes are taken in
+   pretty_midi's order (by end, not start) before the stable sorts below.
+2. Sustain pedal (control 64): a value >= 64 opens an interval, a value < 64 closes it; a
+   value < 64 with none open moves the last closed interval's end; an interval still open
+   at the end of the file is dropped.
+3. With at least one interval, the notes that start after the stop of the last interval's
+   walk are **dropped**; an interval whose walk never meets a note starting after its end
+   releases nothing (its notes keep their ends) and leaves the list as it was, so the next
+   interval walks the same notes again and notes can appear twice. A released note ends
+   where the next held note of its pitch starts, else at max(pedal release, its end).
+4. Simultaneous events keep the order note-on, note-off of the notes sorted by start (no
+   note-off-first rule).
+5. Gaps are ``round((t - t_prev) * 100)`` steps from the previous event's exact time,
+   halves to even (Python's ``round``); 1 s shifts first, then the rest.
+6. A velocity event precedes a note-on when ``velocity // 4`` differs from the previous
+   event's *raw* velocity (0 at the start, None after a note-off): in practice almost every
+   note-on, but e.g. velocity 80 after a note-on of velocity 20 gets none (80 // 4 == 20),
+   and a first note of velocity < 4 gets none.
+7. Decoding: a velocity bin decodes to ``4 * bin`` (not the bin's centre; bin 0 and
+   note-ons before any velocity event give velocity 0, which a MIDI player treats as a
+   note-off); times are sums of ``(k + 1) / 100`` in float. A note-on replaces a pending
+   note-on of its pitch; a note-off makes a note from the pending note-on unless both
+   times are equal, and leaves it pending, so a second note-off makes a second note;
+   unmatched note-offs and note-ons still pending at the end are dropped.
 
-MIDI files are read and written by a small standard-MIDI-file codec in this module
-(formats 0 and 1, running status, tempo changes), so the tokenizer needs neither torch
-nor music21; music21 only renders the default training data, the Bach chorales in its
-corpus (:func:`render_bach_chorales`), and is imported there.
+One choice is ours: the book's decoder reads ids 388 and 389 as velocity bins 32 and 33
+(velocities 128 and 132), which MIDI cannot store and pretty_midi refuses to write.
+:func:`decode_notes` skips them (they change nothing). So its notes equal the book's
+for every sequence in which no note-on follows a 388/389 before the next velocity
+event: every sequence without them, and every training target (388 then only 389s).
+
+There is no "corrected" mode: every model this tokenizer serves was trained on the
+book's stream, and any correction changes the ids such a model expects.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -43,16 +61,16 @@ import numpy as np
 
 NOTE_ON, NOTE_OFF, TIME_SHIFT, VELOCITY = 0, 128, 256, 356  # first id of each event kind
 N_PITCHES, N_SHIFTS, N_VELOCITIES = 128, 100, 32
+N_EVENTS = VELOCITY + N_VELOCITIES  # 388: the ids a model may draw
 EOS, PAD, VOCAB_SIZE = 388, 389, 390
-STEP_SECONDS = 0.01  # one time-shift step
+STEPS_PER_SECOND = 100  # one time-shift step is 10 ms
 SEQ_LEN = 2048  # the book's sequence length
-DEFAULT_VELOCITY_BIN = 16  # for note-ons before any velocity event (velocity 66)
-
-_TICKS_PER_BEAT, _TEMPO = 500, 500_000  # written files: 120 bpm, one tick = 1 ms exactly
+SUSTAIN_PEDAL = 64  # MIDI control number; values >= 64 press it
+PROMPT_LEN = 250  # the book's prompt: the first 250 ids of a test piece
 
 
 class Note(NamedTuple):
-    """One note: MIDI ``pitch`` and ``velocity`` (1..127), ``start`` and ``end`` in seconds."""
+    """One note: MIDI ``pitch`` and ``velocity``, ``start`` and ``end`` in seconds."""
 
     pitch: int
     velocity: int
@@ -60,245 +78,245 @@ class Note(NamedTuple):
     end: float
 
 
+def _pretty_midi():
+    try:
+        import pretty_midi
+    except ImportError:
+        raise ImportError("flax_ln.music reads and writes MIDI with pretty_midi, as the book does: "
+                          "pip install pretty_midi (or flax-ln[examples])") from None
+    return pretty_midi
+
+
 # ---------------------------------------------------------------------------------------
-# events <-> ids
+# encoding
 
 
-def _quantise(notes: Iterable[Note]) -> list[tuple[int, int, int, int]]:
-    """Notes as (start_step, end_step, pitch, velocity), normalised as the module docstring says."""
-    by_pitch: dict[int, list[list[int]]] = {}
-    for n in notes:
-        if not (0 <= n.pitch < N_PITCHES and 1 <= n.velocity <= 127 and n.start >= 0 and n.end >= n.start):
-            raise ValueError(f"encode: expected pitch 0..127, velocity 1..127 and 0 <= start <= end, got {n}")
-        s = round(n.start / STEP_SECONDS)
-        by_pitch.setdefault(n.pitch, []).append([s, max(round(n.end / STEP_SECONDS), s + 1), n.pitch, n.velocity])
-    out = []
-    for group in by_pitch.values():
-        group.sort()
-        for cur, nxt in zip(group, [*group[1:], None]):
-            if nxt is not None and nxt[0] == cur[0]:
-                continue  # the same pitch struck twice on one step: keep the later note
-            if nxt is not None:
-                cur[1] = min(cur[1], nxt[0])  # end where the same pitch sounds again (nxt starts later)
-            out.append(tuple(cur))
-    return out
+def sustain_intervals(control_changes: Iterable) -> list[list[float]]:
+    """The book's sustain-pedal intervals ``[start, end]`` (seconds) from one instrument's control changes.
+
+    Control changes other than number 64 are ignored. Value >= 64 with no interval open
+    opens one; value < 64 with one open closes and stores it; value < 64 with none open
+    moves the last stored interval's end. An interval still open at the end is dropped.
+
+    Args:
+      control_changes: objects with ``number``, ``value`` and ``time`` (pretty_midi's
+        ``ControlChange``), in file order.
+    """
+    intervals: list[list[float]] = []
+    opened = None
+    for cc in control_changes:
+        if cc.number != SUSTAIN_PEDAL:
+            continue
+        if cc.value >= SUSTAIN_PEDAL and opened is None:
+            opened = cc.time
+        elif cc.value < SUSTAIN_PEDAL and opened is not None:
+            intervals.append([opened, cc.time])
+            opened = None
+        elif cc.value < SUSTAIN_PEDAL and intervals:
+            intervals[-1][1] = cc.time
+    return intervals
 
 
-def encode_notes(notes: Iterable[Note]) -> np.ndarray:
-    """Token ids (int32, no EOS) of ``notes``; see the module docstring for the exact rules."""
-    events = []  # (step, kind 0 = off / 1 = on, pitch, velocity)
-    for s, e, pitch, velocity in _quantise(notes):
-        events += [(s, 1, pitch, velocity), (e, 0, pitch, 0)]
-    events.sort(key=lambda ev: ev[:3])
-    ids, now, bin_now = [], 0, None
-    for step, kind, pitch, velocity in events:
-        shift = step - now
-        while shift > 0:
-            k = min(shift, N_SHIFTS)
-            ids.append(TIME_SHIFT + k - 1)
-            shift -= k
-        now = step
-        if kind == 1:
-            b = velocity * N_VELOCITIES // 128
-            if b != bin_now:
-                ids.append(VELOCITY + b)
-                bin_now = b
-            ids.append(NOTE_ON + pitch)
-        else:
+def _release(held: list, pedal_end: float) -> None:
+    """End the notes an interval held (in place): at the next held same-pitch start, else max(pedal_end, end)."""
+    next_start: dict[int, float] = {}  # pitch -> start of the later held note of that pitch
+    for note in reversed(held):
+        note.end = next_start[note.pitch] if note.pitch in next_start else max(pedal_end, note.end)
+        next_start[note.pitch] = note.start
+
+
+def apply_sustain(notes: list, intervals: Sequence[Sequence[float]]) -> list:
+    """One instrument's notes after the book's sustain-pedal pass (quirks 2-3 of the module docstring).
+
+    Each interval walks the current note list: notes starting before it go to the
+    stream, notes starting within it are held, and the first note starting after its end
+    stops the walk (the list continues from that note) and releases the held notes. After
+    the last interval the held notes of every interval are appended; what is left of the
+    list is dropped. Without intervals the stream is ``notes``. Sorted by start (stable).
+
+    Args:
+      notes: mutable notes with ``pitch``, ``start``, ``end`` (pretty_midi ``Note``), in
+        pretty_midi's order; released notes get new ends in place, and one object may
+        appear more than once in the result (as in the book).
+      intervals: from :func:`sustain_intervals`.
+    """
+    if not intervals:
+        stream = list(notes)
+    else:
+        stream, held_by_interval = [], []
+        for start, end in intervals:
+            held = []
+            for i, note in enumerate(notes):
+                if note.start < start:
+                    stream.append(note)
+                elif note.start > end:
+                    notes = notes[i:]
+                    _release(held, end)
+                    break
+                else:
+                    held.append(note)
+            held_by_interval.append(held)
+        for held in held_by_interval:
+            stream += held
+    return sorted(stream, key=lambda n: n.start)
+
+
+def encode_notes(notes: Iterable) -> np.ndarray:
+    """Token ids (int32, no EOS) of notes, by the book's event rules (quirks 4-6 of the module docstring).
+
+    The notes are sorted by start (stable); each gives a note-on at its start and a
+    note-off at its end; the events are sorted by time (stable). Before each event,
+    ``round((t - t_prev) * 100)`` steps become 1 s shifts (id 355) while >= 100, then
+    one shift of the rest if positive; before a note-on, ``356 + v // 4`` unless
+    ``v // 4`` equals the previous event's raw velocity (None after a note-off).
+
+    Args:
+      notes: objects with ``pitch``, ``velocity``, ``start``, ``end`` (seconds).
+    """
+    events = []  # (time, pitch, velocity or None for a note-off)
+    for n in sorted(notes, key=lambda n: n.start):
+        events += [(n.start, n.pitch, n.velocity), (n.end, n.pitch, None)]
+    events.sort(key=lambda e: e[0])
+    ids, prev_time, prev_velocity = [], 0, 0
+    for time, pitch, velocity in events:
+        steps = round((time - prev_time) * STEPS_PER_SECOND)
+        while steps >= N_SHIFTS:
+            ids.append(TIME_SHIFT + N_SHIFTS - 1)
+            steps -= N_SHIFTS
+        if steps > 0:
+            ids.append(TIME_SHIFT + steps - 1)
+        if velocity is None:
             ids.append(NOTE_OFF + pitch)
+        else:
+            if velocity // 4 != prev_velocity:
+                ids.append(VELOCITY + velocity // 4)
+            ids.append(NOTE_ON + pitch)
+        prev_time, prev_velocity = time, velocity
     return np.asarray(ids, np.int32)
 
 
-def decode_notes(ids: Sequence[int] | np.ndarray) -> list[Note]:
-    """Notes of a token-id sequence, sorted by (start, pitch); any ids in [0, 390) are accepted."""
-    ids = np.asarray(ids).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= VOCAB_SIZE):
-        raise ValueError(f"decode: token ids must be in [0, {VOCAB_SIZE}), got min {ids.min()} max {ids.max()}")
-    notes: list[tuple[int, int, int, int]] = []
-    sounding: dict[int, tuple[int, int]] = {}  # pitch -> (start step, velocity)
-    now, velocity = 0, 4 * DEFAULT_VELOCITY_BIN + 2
+def encode_pretty_midi(midi) -> np.ndarray:
+    """Token ids (int32, no EOS) of a ``pretty_midi.PrettyMIDI``, exactly as the book's encoder.
 
-    def end(pitch):
-        start, vel = sounding.pop(pitch)
-        if now > start:
-            notes.append((start, now, pitch, vel))
-
-    for i in ids.tolist():
-        if i == EOS:
-            break
-        if i < NOTE_OFF:
-            if i in sounding:
-                end(i)
-            sounding[i] = (now, velocity)
-        elif i < TIME_SHIFT:
-            if i - NOTE_OFF in sounding:
-                end(i - NOTE_OFF)
-        elif i < VELOCITY:
-            now += i - TIME_SHIFT + 1
-        elif i < EOS:
-            velocity = 4 * (i - VELOCITY) + 2
-    for pitch in list(sounding):
-        end(pitch)
-    notes.sort(key=lambda n: (n[0], n[2]))
-    return [Note(p, v, s * STEP_SECONDS, e * STEP_SECONDS) for s, e, p, v in notes]
-
-
-def fit_length(ids: Sequence[int] | np.ndarray, length: int = SEQ_LEN) -> np.ndarray:
-    """``ids + [EOS]`` cut to ``length`` or padded with PAD to it (int32), as the book prepares sequences."""
-    if length < 1:
-        raise ValueError(f"fit_length: length must be >= 1, got {length}")
-    seq = np.concatenate([np.asarray(ids, np.int32).reshape(-1), [EOS]])[:length]
-    return np.pad(seq, (0, length - seq.size), constant_values=PAD).astype(np.int32)
-
-
-# ---------------------------------------------------------------------------------------
-# standard MIDI files
-
-
-def _varlen(data: bytes, i: int) -> tuple[int, int]:
-    """A variable-length quantity at ``data[i]``: (value, index after it)."""
-    value = 0
-    while True:
-        if i >= len(data):
-            raise ValueError("truncated variable-length quantity")
-        b = data[i]
-        i += 1
-        value = (value << 7) | (b & 0x7F)
-        if not b & 0x80:
-            return value, i
-
-
-def _write_varlen(value: int) -> bytes:
-    out = [value & 0x7F]
-    while value > 0x7F:
-        value >>= 7
-        out.append(0x80 | (value & 0x7F))
-    return bytes(reversed(out))
-
-
-def _parse_track(body: bytes, track: int, events: list, tempos: list) -> None:
-    """Append (tick, track, index, kind 'on'/'off', channel, pitch, velocity) and (tick, tempo) from one MTrk."""
-    tick, i, status = 0, 0, None
-    while i < len(body):
-        delta, i = _varlen(body, i)
-        tick += delta
-        b = body[i]
-        if b == 0xFF:  # meta event
-            kind = body[i + 1]
-            size, i = _varlen(body, i + 2)
-            if kind == 0x51 and size == 3:
-                tempos.append((tick, int.from_bytes(body[i:i + 3], "big")))
-            i += size
-            if kind == 0x2F:
-                return
-            continue
-        if b in (0xF0, 0xF7):  # sysex
-            size, i = _varlen(body, i + 1)
-            i += size
-            continue
-        if b & 0x80:
-            status, i = b, i + 1
-        elif status is None:
-            raise ValueError(f"track {track}: data byte without a status byte")
-        kind, channel = status & 0xF0, status & 0x0F
-        n = 1 if kind in (0xC0, 0xD0) else 2
-        data = body[i:i + n]
-        i += n
-        if kind == 0x90 and data[1] > 0:
-            events.append((tick, track, len(events), "on", channel, data[0], data[1]))
-        elif kind == 0x80 or kind == 0x90:
-            events.append((tick, track, len(events), "off", channel, data[0], 0))
-
-
-def read_midi(path: str | os.PathLike) -> list[Note]:
-    """The notes of a standard MIDI file (format 0 or 1), times in seconds after the tempo map.
-
-    Note-ons and note-offs are paired per (channel, pitch) first-in first-out; notes still
-    sounding at the end close at the file's last note event.
+    Every instrument (in pretty_midi's order, drums included) goes through
+    :func:`apply_sustain` with its own pedal; the streams are concatenated and encoded by
+    :func:`encode_notes`. ``midi`` is not modified (its notes are copied first).
     """
-    data = Path(path).read_bytes()
-    try:
-        if data[:4] != b"MThd":
-            raise ValueError("missing the MThd header")
-        header_len = int.from_bytes(data[4:8], "big")
-        _, _, division = struct.unpack(">HHH", data[8:14])
-        if division & 0x8000:
-            raise ValueError("SMPTE time division is not supported")
-        events: list = []
-        tempos: list = []
-        i, track = 8 + header_len, 0
-        while i + 8 <= len(data):
-            size = int.from_bytes(data[i + 4:i + 8], "big")
-            if data[i:i + 4] == b"MTrk":
-                _parse_track(data[i + 8:i + 8 + size], track, events, tempos)
-                track += 1
-            i += 8 + size
-    except (ValueError, IndexError, struct.error) as e:
-        raise ValueError(f"read_midi: {path} is not a valid standard MIDI file: {e}") from None
-
-    # tick -> seconds through the tempo map (default 120 bpm until the first tempo event)
-    tempos = sorted([(0, 500_000), *tempos], key=lambda t: t[0])
-    marks = []  # (tick, seconds at tick, seconds per tick from there)
-    seconds = 0.0
-    for k, (tick, tempo) in enumerate(tempos):
-        if marks:
-            seconds += (tick - marks[-1][0]) * marks[-1][2]
-        marks.append((tick, seconds, tempo / 1e6 / division))
-    starts = [m[0] for m in marks]
-
-    def to_seconds(tick):
-        m = marks[int(np.searchsorted(starts, tick, side="right")) - 1]
-        return m[1] + (tick - m[0]) * m[2]
-
-    events.sort(key=lambda e: e[:3])
-    sounding: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    pretty_midi = _pretty_midi()
     notes = []
-    for tick, _, _, kind, channel, pitch, velocity in events:
-        queue = sounding.setdefault((channel, pitch), [])
-        if kind == "on":
-            queue.append((tick, velocity))
-        elif queue:
-            start, vel = queue.pop(0)
-            notes.append((start, tick, pitch, vel))
-    last = events[-1][0] if events else 0
-    notes += [(start, last, pitch, vel) for (_, pitch), queue in sounding.items() for start, vel in queue]
-    notes.sort(key=lambda n: (n[0], n[2]))
-    return [Note(p, v, to_seconds(s), to_seconds(e)) for s, e, p, v in notes]
-
-
-def write_midi(notes: Iterable[Note], path: str | os.PathLike) -> None:
-    """Write ``notes`` as a format-0 MIDI file on channel 0: 120 bpm, 500 ticks per beat (1 tick = 1 ms)."""
-    events = []  # (tick, 0 = off / 1 = on, pitch, velocity)
-    for n in notes:
-        s, e = round(n.start * 1000), round(n.end * 1000)
-        if e <= s:
-            continue
-        events += [(s, 1, n.pitch, n.velocity), (e, 0, n.pitch, 0)]
-    events.sort()
-    track = bytearray(b"\x00\xff\x51\x03" + _TEMPO.to_bytes(3, "big"))
-    now = 0
-    for tick, on, pitch, velocity in events:
-        track += _write_varlen(tick - now) + bytes([0x90 if on else 0x80, pitch, velocity if on else 0])
-        now = tick
-    track += b"\x00\xff\x2f\x00"  # end of track
-    header = b"MThd" + struct.pack(">IHHH", 6, 0, 1, _TICKS_PER_BEAT)
-    Path(path).write_bytes(header + b"MTrk" + struct.pack(">I", len(track)) + bytes(track))
+    for instrument in midi.instruments:
+        copies = [pretty_midi.Note(n.velocity, n.pitch, n.start, n.end) for n in instrument.notes]
+        notes += apply_sustain(copies, sustain_intervals(instrument.control_changes))
+    return encode_notes(notes)
 
 
 def encode_midi(path: str | os.PathLike) -> np.ndarray:
-    """Token ids (int32, no EOS) of a MIDI file: :func:`encode_notes` of :func:`read_midi`."""
-    return encode_notes(read_midi(path))
+    """Token ids (int32, no EOS) of the MIDI file at ``path``, read with pretty_midi, as the book's encoder.
+
+    Raises:
+      ValueError: naming ``path`` when pretty_midi cannot read it.
+    """
+    pretty_midi = _pretty_midi()
+    try:
+        midi = pretty_midi.PrettyMIDI(str(path))
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # pretty_midi/mido raise OSError, EOFError, KeyError, ValueError... on bad files
+        raise ValueError(f"{path}: pretty_midi cannot read it as a MIDI file ({type(e).__name__}: {e})") from None
+    return encode_pretty_midi(midi)
+
+
+# ---------------------------------------------------------------------------------------
+# decoding
+
+
+def decode_notes(ids: Sequence[int] | np.ndarray) -> list[Note]:
+    """The book decoder's notes of a token-id sequence, sorted by start (stable).
+
+    A running time (float, + (k + 1) / 100 per time shift) and a running velocity
+    (``4 * bin``, 0 at the start) stamp note-ons and note-offs. A note-on replaces the
+    pending note-on of its pitch; a note-off makes ``Note(pitch, on velocity, on time,
+    this time)`` unless both times are equal, and the note-on stays pending. Ids 388
+    (EOS) and 389 (PAD) are skipped (see the module docstring).
+
+    Args:
+      ids: token ids in [0, 390).
+
+    Raises:
+      ValueError: an id outside [0, 390).
+    """
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= VOCAB_SIZE):
+        raise ValueError(f"decode_notes: ids must be in [0, {VOCAB_SIZE}), got min {ids.min()} max {ids.max()}; "
+                         "pass the model's output token ids")
+    notes: list[Note] = []
+    pending: dict[int, tuple[float, int]] = {}  # pitch -> (time, velocity) of its note-on
+    time, velocity = 0, 0
+    for i in ids.tolist():
+        if i < NOTE_OFF:
+            pending[i] = (time, velocity)
+        elif i < TIME_SHIFT:
+            pitch = i - NOTE_OFF
+            if pitch in pending and pending[pitch][0] != time:
+                start, vel = pending[pitch]
+                notes.append(Note(pitch, vel, start, time))
+        elif i < VELOCITY:
+            time += (i - TIME_SHIFT + 1) / STEPS_PER_SECOND
+        elif i < N_EVENTS:
+            velocity = 4 * (i - VELOCITY)
+    return sorted(notes, key=lambda n: n.start)
 
 
 def decode_midi(ids: Sequence[int] | np.ndarray, path: str | os.PathLike) -> list[Note]:
-    """Write the notes of ``ids`` to a MIDI file at ``path``; returns the notes."""
+    """Write :func:`decode_notes` of ``ids`` to the MIDI file ``path`` and return them.
+
+    As the book: pretty_midi's defaults (120 bpm, 220 ticks per beat), one instrument,
+    program 1, not a drum. Notes of velocity 0 are written as they are (quirk 7).
+    """
+    pretty_midi = _pretty_midi()
     notes = decode_notes(ids)
-    write_midi(notes, path)
+    midi = pretty_midi.PrettyMIDI()
+    instrument = pretty_midi.Instrument(program=1, is_drum=False)
+    instrument.notes = [pretty_midi.Note(n.velocity, n.pitch, n.start, n.end) for n in notes]
+    midi.instruments.append(instrument)
+    midi.write(str(path))
     return notes
 
 
 # ---------------------------------------------------------------------------------------
-# data
+# training data
+
+
+def training_pair(ids: Sequence[int] | np.ndarray, length: int = SEQ_LEN) -> tuple[np.ndarray, np.ndarray]:
+    """The book's ``(x, y)`` of one piece (int32, each ``(length,)``).
+
+    ``x`` is the first ``length`` ids, padded with PAD. For a piece of ``L <= length``
+    ids, ``y[:L-1] = ids[1:]``, ``y[L-1] = EOS`` and the rest PAD; a longer piece gives
+    ``y = ids[1:length+1]`` (no EOS).
+
+    Args:
+      ids: the piece's event ids (at least one).
+      length: the sequence length (the book: 2048, the model's block size).
+    """
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    if length < 1 or ids.size < 1:
+        raise ValueError(f"training_pair: need length >= 1 and at least one id, got length {length}, "
+                         f"{ids.size} ids")
+    x = np.full(length, PAD, np.int32)
+    y = np.full(length, PAD, np.int32)
+    if ids.size <= length:
+        x[:ids.size] = ids
+        y[:ids.size - 1] = ids[1:]
+        y[ids.size - 1] = EOS
+    else:
+        x[:] = ids[:length]
+        y[:] = ids[1:length + 1]
+    return x, y
+
+
+def prompt_length(block_size: int) -> int:
+    """The book's prompt length, 250 ids, capped at a quarter of a shorter context (at least 1)."""
+    return max(1, min(PROMPT_LEN, block_size // 4))
 
 
 def render_bach_chorales(cache_dir: str | os.PathLike, limit: int | None = None) -> list[Path]:
@@ -349,12 +367,43 @@ def midi_files(folder: str | os.PathLike, limit: int | None = None) -> list[Path
     return files
 
 
-class MusicDataset:
-    """Fixed-length training examples cut from tokenised MIDI files, served in a seeded order.
+def maestro_split(folder: str | os.PathLike) -> dict[str, list[Path]] | None:
+    """The MAESTRO split of ``folder`` (the book's data set), or None when it holds no ``maestro-v*.csv``.
 
-    Each file's ids plus EOS are cut into windows of ``seq_len + 1`` tokens with stride
-    ``seq_len`` (consecutive windows share one token, so every token is a target once);
-    the last window is padded with PAD. ``x = window[:-1]``, ``y = window[1:]``.
+    Returns ``{"train": [...], "validation": [...], "test": [...]}``: the csv's
+    ``midi_filename`` entries (relative to ``folder``) by its ``split`` column, in csv order.
+
+    Raises:
+      FileNotFoundError: a listed MIDI file is missing (the first few are named).
+      ValueError: the csv lacks the ``split`` or ``midi_filename`` column.
+    """
+    import csv
+
+    folder = Path(folder)
+    tables = sorted(folder.glob("maestro-v*.csv"))
+    if not tables:
+        return None
+    with open(tables[-1], newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    if rows and not {"split", "midi_filename"} <= rows[0].keys():
+        raise ValueError(f"{tables[-1]}: expected the columns 'split' and 'midi_filename', got {list(rows[0])}")
+    split: dict[str, list[Path]] = {"train": [], "validation": [], "test": []}
+    for row in rows:
+        split.setdefault(row["split"], []).append(folder / row["midi_filename"])
+    missing = [str(p) for files in split.values() for p in files if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{tables[-1]} lists {len(missing)} MIDI files that are not there, e.g. "
+                                f"{missing[:3]}; pass the unpacked maestro-v2.0.0 folder")
+    if not split["train"] or not split["test"]:
+        raise ValueError(f"{tables[-1]}: expected 'train' and 'test' pieces in the split column")
+    return split
+
+
+class MusicDataset:
+    """The book's training examples, one ``(x, y)`` per piece (:func:`training_pair`), in a seeded order.
+
+    Pieces without any event (no notes) are left out: the book would train on an all-PAD
+    ``x`` whose ``y`` has EOS in the last position.
 
     The order is a stream: epoch ``e`` is a permutation of all examples seeded by
     ``(seed, e)``, and the stream is epoch 0, epoch 1, ... The *data position* is the
@@ -365,27 +414,23 @@ class MusicDataset:
     def __init__(self, sequences: Sequence[np.ndarray], seq_len: int, seed: int):
         if seq_len < 1:
             raise ValueError(f"MusicDataset: seq_len must be >= 1, got {seq_len}")
-        windows = []
-        for ids in sequences:
-            seq = np.concatenate([np.asarray(ids, np.int32), [EOS]])
-            for start in range(0, seq.size - 1, seq_len):  # every window has at least one target
-                window = seq[start:start + seq_len + 1]
-                windows.append(np.pad(window, (0, seq_len + 1 - window.size), constant_values=PAD))
-        if not windows:
-            raise ValueError("MusicDataset: no sequence has a note; nothing to train on")
-        self.examples = np.stack(windows).astype(np.int32)  # (N, seq_len + 1)
+        pairs = [training_pair(ids, seq_len) for ids in sequences if len(ids)]
+        if not pairs:
+            raise ValueError("MusicDataset: no piece has a note; nothing to train on")
+        self.x = np.stack([x for x, _ in pairs])  # (N, seq_len)
+        self.y = np.stack([y for _, y in pairs])  # (N, seq_len)
         self.seq_len = seq_len
         self.seed = seed
-        self.fingerprint = hashlib.sha256(self.examples.tobytes()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(self.x.tobytes() + self.y.tobytes()).hexdigest()[:16]
         self._perms: dict[int, np.ndarray] = {}
 
     @classmethod
     def from_files(cls, files: Sequence[str | os.PathLike], seq_len: int, seed: int) -> MusicDataset:
-        """Tokenise ``files`` (unreadable ones raise with their path) and cut them into examples."""
+        """Tokenise ``files`` with :func:`encode_midi` (unreadable ones raise with their path)."""
         return cls([encode_midi(f) for f in files], seq_len, seed)
 
     def __len__(self) -> int:
-        return len(self.examples)
+        return len(self.x)
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
@@ -398,5 +443,4 @@ class MusicDataset:
         """``(x, y, next_position)``: examples ``position .. position + batch_size - 1`` of the stream, each (B, T)."""
         n = len(self)
         rows = [self._order(k // n)[k % n] for k in range(position, position + batch_size)]
-        windows = self.examples[rows]  # (B, T + 1)
-        return windows[:, :-1], windows[:, 1:], position + batch_size
+        return self.x[rows], self.y[rows], position + batch_size

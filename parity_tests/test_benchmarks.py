@@ -28,6 +28,19 @@ def test_run_quick_prints_the_ratio_tables():
     for title in ("### GPT training step (fwd+bwd+clip+Adam): ratios", "forward+backward compile time, scan_layers",
                   "training step: per-block rematerialisation"):
         assert title in out, title
+    # every benchmark reports the load it ran under (the smoke run marks, never waits)
+    assert out.count("Load average (1 min):") >= 4
+
+
+def test_load_note_marks_a_loaded_run_invalid():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run as bench_run
+    finally:
+        sys.path.pop(0)
+    assert bench_run.load_note(0.4, 0.9, 1.0).endswith("-> quiet")
+    assert "INVALID" in bench_run.load_note(0.4, 1.3, 1.0)  # loaded at the end
+    assert "INVALID" in bench_run.load_note(2.0, 0.5, 1.0)  # loaded at the start
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="gpu.sh is a bash script")

@@ -128,9 +128,47 @@ def generated_ids(stdout: str) -> list[list[int]]:
     return [json.loads(m) for m in re.findall(r"^ids: (\[.*\])$", stdout, flags=re.M)]
 
 
-def test_generate_gpt2_from_a_hugging_face_folder(tmp_path):
-    from test_bpe import write_vocab_merges
+# A byte-level BPE small enough to check by hand: every byte, then the merges below, then <|endoftext|>.
+MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or"), ("l", "d"),
+          ("Ġwor", "ld")]
 
+
+def write_vocab_merges(folder: Path) -> dict[str, int]:
+    """GPT-2-style vocab.json + merges.txt in ``folder``; returns the vocabulary (token -> id)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}  # the 256 byte symbols (space is "Ġ")
+    assert len(vocab) == 256
+    for left, right in MERGES:
+        vocab[left + right] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES), encoding="utf-8")
+    return vocab
+
+
+def test_generate_gpt2_tokenizer_from_vocab_and_merges(tmp_path):
+    example = load_example("generate_gpt2.py")
+    tokenizer, source = example.load_tokenizer(tmp_path)
+    assert tokenizer is None and "no tokenizer.json or vocab.json + merges.txt" in source
+    vocab = write_vocab_merges(tmp_path)
+    tokenizer, source = example.load_tokenizer(tmp_path)
+    assert "merges.txt" in source
+    # "hello" merges h+e, l+l, he+ll, hell+o; " world" is Ġ+w, o+r, Ġw+or, l+d, Ġwor+ld
+    assert tokenizer.encode("hello world") == [vocab["hello"], vocab["Ġworld"]]
+    # <|endoftext|> stays whole; "world" without its space: w, or, ld
+    assert tokenizer.encode("hello<|endoftext|>world") == [vocab["hello"], vocab["<|endoftext|>"], vocab["w"],
+                                                          vocab["or"], vocab["ld"]]
+    for text in ["hello world", "  Tabs\tand\nnewlines  ", "naïve café, 日本語 😀 x² don't", ""]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text  # byte-level: any text round-trips
+    # tokenizer.json, when present, is read instead: here the same BPE saved by tokenizers itself
+    tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    from_json, source = example.load_tokenizer(tmp_path)
+    assert "tokenizer.json" in source
+    assert from_json.encode("hello world, hello") == tokenizer.encode("hello world, hello")
+
+
+def test_generate_gpt2_from_a_hugging_face_folder(tmp_path):
     config = flax_ln.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=266, block_size=16)
     model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
     write_hf_gpt2(tmp_path, model)
@@ -143,11 +181,11 @@ def test_generate_gpt2_from_a_hugging_face_folder(tmp_path):
     assert generated_ids(stdout) == np.asarray(want).tolist()
 
     # a text prompt through the folder's vocab.json + merges.txt, sampled with temperature and top-k
-    tokenizer = write_vocab_merges(tmp_path)
+    vocab = write_vocab_merges(tmp_path)
     stdout = run_example("generate_gpt2.py", "--checkpoint", tmp_path, "--prompt", "hello world", "--max-new-tokens",
                          5, "--temperature", 0.8, "--top-k", 5, "--num-samples", 2, "--no-scan-layers")
     rows = generated_ids(stdout)
-    assert len(rows) == 2 and all(row[:2] == tokenizer.encode("hello world") and len(row) == 7 for row in rows)
+    assert len(rows) == 2 and all(row[:2] == [vocab["hello"], vocab["Ġworld"]] and len(row) == 7 for row in rows)
     assert "prompt:       'hello world'" in stdout
 
 

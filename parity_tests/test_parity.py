@@ -1,26 +1,191 @@
-"""The parity harness and the `flax-ln parity` command: exit codes, JSON, localisation, NaN reporting."""
+"""The parity engine and the `flax-ln parity` command: compare_modules on plain layers, capture,
+exit codes, JSON, localisation, NaN reporting."""
 
 import json
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from flax import nnx
 
-from flax_ln.parity import engine as parity, cases as parity_cases
+from flax_ln.parity import Tolerance, assert_parity, compare_modules, compare_tensors
+from flax_ln.parity import cases as parity_cases
+from flax_ln.parity import engine as parity
+from flax_ln.parity.capture import WHOLE_MODEL, capture_flax
 from flax_ln.parity.cli import main
-from flax_ln.parity import Tolerance, compare
 
 JSON_TENSOR_KEYS = {"name", "kind", "shape", "max_abs_error", "max_error_index", "relative_error", "tolerance", "passed_by",
-                    "nonfinite", "passed"}
+                    "nonfinite", "passed", "problem"}
+
+
+# ---- compare_modules on a model of plain torch.nn / flax.nnx layers ------------------------------
+
+VOCAB, WIDTH, FEATURES, CLASSES = 11, 8, 5, 3
+
+
+class TorchTagger(torch.nn.Module):
+    """Embedding + Linear(features) -> tanh -> GELU -> Linear; channels-first features (B, F, T)."""
+
+    def __init__(self, returns="array"):
+        super().__init__()
+        self.returns = returns
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.proj = torch.nn.Linear(FEATURES, WIDTH)
+        self.act = torch.nn.GELU()  # erf form
+        self.head = torch.nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, ids, features, scale=None):
+        hidden = self.act(torch.tanh(self.embed(ids) + self.proj(features.transpose(1, 2))))  # (B, T, W)
+        if scale is not None:
+            hidden = hidden * scale
+        logits = self.head(hidden)
+        return {"array": logits, "tuple": (hidden, logits), "dict": {"hidden": hidden, "logits": logits}}[self.returns]
+
+
+class Gelu(nnx.Module):
+    def __init__(self, approximate=False):
+        self.approximate = approximate
+
+    def __call__(self, x):
+        return jax.nn.gelu(x, approximate=self.approximate)
+
+
+class FlaxTagger(nnx.Module):
+    """The NNX twin: the same attribute names, channels-last features (B, T, F)."""
+
+    def __init__(self, returns="array", *, param_dtype=jnp.float32, rngs):
+        self.returns = returns
+        self.embed = nnx.Embed(VOCAB, WIDTH, param_dtype=param_dtype, rngs=rngs)
+        self.proj = nnx.Linear(FEATURES, WIDTH, param_dtype=param_dtype, rngs=rngs)
+        self.act = Gelu()
+        self.head = nnx.Linear(WIDTH, CLASSES, param_dtype=param_dtype, rngs=rngs)
+        self.scale_power = 1  # 2 plants a mistake that only the scale kwarg reveals
+
+    def __call__(self, ids, features, scale=None):
+        hidden = self.act(jnp.tanh(self.embed(ids) + self.proj(features)))  # (B, T, W)
+        if scale is not None:
+            hidden = hidden * scale**self.scale_power
+        logits = self.head(hidden)
+        return {"array": logits, "tuple": (hidden, logits), "dict": {"hidden": hidden, "logits": logits}}[self.returns]
+
+
+def tagger_pair(dtype, returns="array"):
+    torch.manual_seed(0)
+    torch_model = TorchTagger(returns).to(getattr(torch, dtype))
+    with jax.enable_x64(dtype == "float64"):  # float64 parameters need x64 when they are made
+        flax_model = FlaxTagger(returns, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (2, 4))
+    features = rng.standard_normal((2, FEATURES, 4)).astype(dtype)  # (B, F, T), torch's layout
+    return torch_model, flax_model, ids, features, np.swapaxes(features, 1, 2)  # flax: (B, T, F)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("returns", ["array", "tuple", "dict"])
+def test_compare_modules_on_plain_layers(dtype, returns):
+    torch_model, flax_model, ids, features, features_nlc = tagger_pair(dtype, returns)
+    report = compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc))
+    assert report.passed, str(report)
+    assert report.dtype == dtype  # taken from the torch parameters
+    outputs = {"array": ["output"], "tuple": ["output[0]", "output[1]"], "dict": ["hidden", "logits"]}[returns]
+    assert [r.name for r in report.results if r.kind == "output"] == outputs
+    params = [name for name, _ in torch_model.named_parameters()]
+    assert [r.name for r in report.results if r.kind == "param grad"] == params  # torch names, every parameter
+    assert [r.name for r in report.results if r.kind == "input grad"] == ["grad input 1"]  # floating inputs only
+    assert report["grad input 1"].shape == features.shape  # back in torch's (B, F, T) layout
+    # the policy's tolerance for this dtype, and an error far inside it
+    assert report["proj.weight"].tolerance == parity.TOLERANCES[dtype]["grad"]
+    assert report["head.weight"].relative_error <= {"float32": 1e-6, "float64": 1e-14}[dtype]
+    assert not jax.config.jax_enable_x64  # x64 was on only during the float64 call
+    assert flax_model.head.kernel.dtype == jnp.dtype(dtype)
+
+
+def test_kwargs_and_custom_loss_leave_the_modules_as_they_were():
+    torch_model, flax_model, ids, features, features_nlc = tagger_pair("float32", "dict")
+    scale = np.linspace(0.5, 1.5, WIDTH).astype(np.float32)
+    loss = (lambda out: (out["logits"] ** 2).mean(), lambda out: jnp.mean(out["logits"] ** 2))
+    sentinel = torch.ones_like(torch_model.head.bias)
+    torch_model.head.bias.grad = sentinel
+    torch_model.train()
+    report = assert_parity(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc),
+                           kwargs={"scale": scale}, loss=loss)
+    assert report["loss"].kind == "loss" and report["loss"].shape == ()
+    assert torch_model.head.bias.grad is sentinel and torch_model.training  # restored after the call
+    # the kwarg reaches both forwards: a mistake in how flax applies it is found, right
+    # after the last module that still agrees (head is the first fed the scaled hidden state)
+    flax_model.scale_power = 2
+    report = compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc),
+                             kwargs={"scale": scale}, loss=loss)
+    assert not report.passed and report.first_divergence.module == "head"
+    assert not all(r.passed for r in report.first_divergence.inputs)  # fed diverged data
+
+
+def test_planted_mistake_is_named_and_reported():
+    torch_model, flax_model, ids, features, features_nlc = tagger_pair("float64")
+    flax_model.act.approximate = True  # the planted mistake: tanh GELU where torch uses erf
+    report = compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc))
+    assert not report.passed
+    assert report.first_divergence.module == "act"
+    assert all(r.passed for r in report.first_divergence.inputs)  # fed the same data: the module itself is wrong
+    with pytest.raises(AssertionError, match="first divergence: act") as info:
+        assert_parity(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc))
+    assert "FAIL" in str(info.value) and "head.weight" in str(info.value)
+
+
+def test_wrong_dtype_and_layout_are_clear_errors():
+    torch_model, flax_model, ids, features, features_nlc = tagger_pair("float32")
+    with pytest.raises(ValueError, match=r"torch parameters in float64.*torch_module.to\(torch.float64\)"):
+        compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), dtype="float64")
+    with pytest.raises(ValueError, match=r"flax parameter 'embed.embedding' is float32, expected float64.*enable_x64"):
+        compare_modules(torch_model.double(), flax_model, (ids, features.astype(np.float64)),
+                        flax_inputs=(ids, features_nlc.astype(np.float64)))
+    torch_model.float()
+    with pytest.raises(ValueError, match=r"flax_inputs\[1\] .* in some axis order"):
+        compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc + 1))
+
+
+def test_capture_records_one_instance_and_restores_after_an_exception():
+    model = FlaxTagger(rngs=nnx.Rngs(0))
+    other = FlaxTagger(rngs=nnx.Rngs(1))  # the same class, another instance
+    linear = nnx.Linear(3, 2, rngs=nnx.Rngs(2))  # flax's own Linear, used elsewhere
+    ids, features = jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4, FEATURES))
+    profile_before = sys.getprofile()
+    seen = {}
+
+    def call():
+        model(ids, features)
+        other(ids, features)
+        linear(jnp.ones((1, 3)))
+        seen["classes"] = (type(model), type(other), type(linear), type(model.head))
+        seen["methods"] = (FlaxTagger.__call__, nnx.Linear.__call__)
+        raise RuntimeError("boom")
+
+    methods = (FlaxTagger.__call__, nnx.Linear.__call__)
+    with pytest.raises(RuntimeError, match="boom"):
+        capture_flax(model, call)
+    # during and after the call: no class or method was swapped, the profile hook is gone
+    assert seen["classes"] == (FlaxTagger, FlaxTagger, nnx.Linear, nnx.Linear) and seen["methods"] == methods
+    assert (type(model), type(linear), FlaxTagger.__call__, nnx.Linear.__call__) == (FlaxTagger, nnx.Linear, *methods)
+    assert sys.getprofile() is profile_before
+
+    records = capture_flax(model, lambda: (model(ids, features), other(ids, features), linear(jnp.ones((1, 3)))))
+    assert list(records) == ["embed", "proj", "act", "head", WHOLE_MODEL]  # this instance only, in execution order
+    (head_in,), (head_out,) = records["head"]
+    assert head_in.shape == (1, 4, WIDTH) and head_out.shape == (1, 4, CLASSES)
+
+
+# ---- compare_tensors and the book's cases -------------------------------------------------------
 
 
 def test_compare_reports_max_error_index_and_relative_error():
     expected = np.array([[1.0, 2.0], [3.0, 4.0]])
     actual = expected.copy()
     actual[1, 0] += 0.3
-    r = compare("t", "output", actual, expected, Tolerance(1e-3, 1e-9))
+    r = compare_tensors("t", "output", actual, expected, Tolerance(1e-3, 1e-9))
     assert r.max_error_index == (1, 0)
     assert r.max_abs_error == pytest.approx(0.3)
     assert r.relative_error == pytest.approx(0.3 / np.sqrt(30))
@@ -32,11 +197,11 @@ def test_nonfinite_values_are_flagged_never_zeroed(bad):
     expected = np.ones((3, 3))
     actual = expected.copy()
     actual[2, 1] = bad
-    r = compare("t", "output", actual, expected, Tolerance(1.0, 1.0))  # any finite error would pass
+    r = compare_tensors("t", "output", actual, expected, Tolerance(1.0, 1.0))  # any finite error would pass
     assert not r.passed
     assert ("NaN in flax: 1" if np.isnan(bad) else "Inf in flax: 1") in r.nonfinite
     # even identical NaNs on both sides are reported, and fail: NaN is not "within tolerance"
-    r_both = compare("t", "output", actual, actual, Tolerance(1.0, 1.0))
+    r_both = compare_tensors("t", "output", actual, actual, Tolerance(1.0, 1.0))
     assert not r_both.passed and "torch: 1" in r_both.nonfinite
 
 
@@ -45,9 +210,9 @@ def test_nan_from_the_model_is_reported_in_the_table():
     case.inputs[0][1, 2, 5] = np.nan
     report = parity.check_case(case)
     assert not report.passed
-    y = next(r for r in report.results if r.name == "y")
+    y = report["output"]
     assert y.nonfinite and "NaN in flax: 512" in y.nonfinite and "NaN in torch: 512" in y.nonfinite
-    assert "NONFINITE" in parity.format_case(report)
+    assert "NONFINITE" in str(report)
 
 
 def test_planted_discrepancy_is_localised():
@@ -56,9 +221,9 @@ def test_planted_discrepancy_is_localised():
     report = parity.check_case(case)
     assert not report.passed
     assert report.first_divergence is not None
-    assert report.first_divergence.module == parity.WHOLE_MODEL
+    assert report.first_divergence.module == WHOLE_MODEL
     assert all(r.relative_error == 0 for r in report.first_divergence.inputs)  # fed identical data
-    assert "first divergence: (whole model)" in parity.format_case(report)
+    assert "first divergence: (whole model)" in str(report)
 
 
 def run_cli(*args):
@@ -78,7 +243,7 @@ def test_cli_passes_writes_json_and_plot(tmp_path):
     assert {"backend", "devices", "jax", "flax", "torch", "x64", "matmul_precision"} <= report["environment"].keys()
     (model,) = report["models"]
     assert model["name"] == "layernorm" and model["passed"] is True
-    assert {t["name"] for t in model["tensors"]} == {"y", "grad x", "a_2", "b_2"}
+    assert {t["name"] for t in model["tensors"]} == {"output", "grad x", "a_2", "b_2"}
     for tensor in model["tensors"]:
         assert tensor.keys() == JSON_TENSOR_KEYS
         assert tensor["tolerance"].keys() == {"rtol", "atol", "gtol"}
@@ -93,7 +258,7 @@ def test_cli_exit_code_is_one_when_out_of_tolerance(tmp_path):
     assert "FAIL" in proc.stdout
     report = json.loads(out.read_text())
     assert report["passed"] is False
-    assert report["models"][0]["first_divergence"]["module"] == parity.WHOLE_MODEL
+    assert report["models"][0]["first_divergence"]["module"] == WHOLE_MODEL
 
 
 def test_cli_float64_is_exact_to_rounding():
@@ -129,7 +294,7 @@ def test_planted_bug_in_one_block_is_named():
     # everything before it in execution order is within tolerance
     names = [r.name for r in report.module_errors]
     assert all(r.passed for r in report.module_errors[: names.index("transformer.h.1.ln_2")])
-    assert "first divergence: transformer.h.1.ln_2" in parity.format_case(report)
+    assert "first divergence: transformer.h.1.ln_2" in str(report)
 
 
 def test_planted_bug_in_a_shared_function_is_named_at_its_first_use(monkeypatch, x64):

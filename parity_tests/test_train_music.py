@@ -1,5 +1,5 @@
 """examples/train_music.py end to end: a tiny smoke run, exact resume (also after SIGKILL), resume on 8
-devices, and clear errors for folders that cannot be resumed."""
+devices, clear errors for folders that cannot be resumed, the book's sampling and --sample-only."""
 
 import importlib.util
 import os
@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pretty_midi
 import pytest
+from flax import nnx
 
+import flax_ln
 from flax_ln import music
 from flax_ln.checkpoint import read_metrics
 
@@ -80,8 +85,12 @@ def test_smoke_outputs(straight):
     assert loss[-1] < loss[0]  # Adam 1e-4 on a fixed small data set lowers the loss within 6 steps
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["3", "6"]
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    notes = music.read_midi(out / "sample.mid")
-    assert len(notes) > 0  # at least the prompt's notes
+    midi = pretty_midi.PrettyMIDI(str(out / "sample.mid"))
+    assert [(i.program, i.is_drum) for i in midi.instruments] == [(1, False)]
+    # 4 chorales: 3 train, the last (sorted) gives the prompt: 128 // 4 = 32 ids of it, then 32 sampled
+    heldout = sorted((out / "bach_chorales").glob("*.mid"))[-1]
+    assert f"sample.mid: 32 prompt ids from {heldout} + 32 sampled" in proc.stdout
+    assert "data: 3 training pieces, 3 examples of 64 tokens" in proc.stdout
     assert "tok_s=" in proc.stderr and "loss=" in proc.stderr  # the tqdm bar
     print(f"tiny smoke run: loss {loss[0]:.4f} -> {loss[-1]:.4f} over {steps[-1]} steps")
 
@@ -168,3 +177,42 @@ def test_resume_errors_name_the_folder_and_the_problem(script, capsys, three_ste
         f.write_text("not json")
     err = fails(script, capsys, "--resume", "--out", str(corrupt), "--data", str(chorales))
     assert str(corrupt / "checkpoints" / "3") in err and "cannot read the checkpoint metadata" in err
+
+
+def test_sampling_draws_only_the_388_event_ids():
+    # ln_f outputs its bias (scale 0, bias 1) and lm_head gives 388/389 the logit 16 and every event 0, so an
+    # unrestricted draw is 388/389 with probability 1 - 388 / (388 + 2 e^16) ~ 1 - 2e-5 per token.
+    config = flax_ln.GPTConfig.music(n_layer=1, n_head=2, n_embd=16, block_size=32)
+    model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
+    model.transformer.ln_f.scale[...] = jnp.zeros(16)
+    model.transformer.ln_f.bias[...] = jnp.ones(16)
+    model.lm_head.kernel[...] = jnp.zeros((16, 390)).at[:, music.EOS:].set(1.0)
+    prompt = jnp.asarray([[376, 60, 305, 188]], jnp.int32)
+    key = jax.random.key(0)
+    free = np.asarray(flax_ln.generate(model, prompt, 40, rng=key))[0, 4:]
+    book = np.asarray(flax_ln.generate(model, prompt, 40, vocab_limit=music.N_EVENTS, rng=key))[0, 4:]
+    assert (free >= music.EOS).all()
+    assert (book < music.EOS).all() and len(set(book.tolist())) > 20  # ~uniform over 388 ids
+    with pytest.raises(ValueError, match="vocab_limit must be in"):
+        flax_ln.generate(model, prompt, 3, vocab_limit=391, rng=key)
+
+
+def test_sample_only_from_a_book_state_dict_and_from_a_checkpoint(script, capsys, three_steps, chorales, tmp_path):
+    import torch
+
+    import torch_ref
+
+    config = script.CONFIGS["tiny"]
+    torch.manual_seed(0)
+    torch.save(torch_ref.GPT(config).state_dict(), tmp_path / "book.pt")
+    prompt = sorted(chorales.glob("*.mid"))[0]
+    for source in (tmp_path / "book.pt", three_steps / "checkpoints"):
+        out = tmp_path / source.stem
+        assert script.main(["--config", "tiny", "--sample-only", str(source), "--prompt-midi", str(prompt),
+                            "--generate-tokens", "8", "--out", str(out)]) == 0
+        assert f"sample.mid: 32 prompt ids from {prompt} + 8 sampled" in capsys.readouterr().out
+        assert pretty_midi.PrettyMIDI(str(out / "sample.mid")).instruments[0].program == 1
+
+    err = fails(script, capsys, "--config", "music", "--sample-only", str(tmp_path / "book.pt"), "--prompt-midi",
+                str(prompt), "--out", str(tmp_path / "x"))
+    assert "does not fit --config music" in err and "transformer.wte.weight" in err

@@ -9,16 +9,127 @@ code loads with ``strict=True``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from pathlib import Path
+import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from flax_ln.models.gpt import GPTConfig
+__all__ = ["GELU", "CausalSelfAttention", "MLP", "Block", "GPT", "GPTConfig", "generate"]
 
-__all__ = ["GELU", "CausalSelfAttention", "MLP", "Block", "GPT", "GPTConfig", "generate", "load_hf_gpt2"]
+_REQUIRED_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Hyper-parameters of the book's GPT (its ``Config`` class), torch- and JAX-free plain data.
+
+    :class:`GPT` accepts this class or any object with the same attribute names (the
+    book's own ``Config``, ``flax_ln.GPTConfig``, a ``types.SimpleNamespace``) or a
+    mapping with those keys; :meth:`from_any` does the conversion. The reference defines
+    its own config so that it never imports the port.
+
+    Args:
+      n_layer: number of Transformer blocks.
+      n_head: attention heads; must divide ``n_embd``.
+      n_embd: model width.
+      vocab_size: number of token ids.
+      block_size: longest sequence (positional-embedding rows and causal-mask size).
+      embd_pdrop, resid_pdrop, attn_pdrop: dropout rates, 0.1 each as in the book.
+      ignore_index: target id the loss skips (chapter 11: -1; chapter 14: 389, the padding id).
+      c_proj_reinit: re-draw every ``c_proj.weight`` from normal(0, 0.02/sqrt(2*n_layer)),
+        as chapters 12 and 14 do.
+    """
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab_size: int
+    block_size: int
+    embd_pdrop: float = 0.1
+    resid_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    ignore_index: int = -1
+    c_proj_reinit: bool = False
+
+    def __post_init__(self):
+        for name in _REQUIRED_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                             "pick n_head among the divisors of n_embd")
+        for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+                raise ValueError(f"GPTConfig: {name} must be a float in [0, 1), got {value!r}")
+
+    @classmethod
+    def from_any(cls, config: Any) -> GPTConfig:
+        """``config`` as a :class:`GPTConfig`: itself, or read field by field from attributes or mapping keys.
+
+        The five sizes are required; the dropouts, ``ignore_index`` and ``c_proj_reinit``
+        take this class's defaults when the object lacks them (the book's chapter-11
+        ``Config`` has neither of the last two).
+        """
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, Mapping):
+            has, get = (lambda name: name in config), config.__getitem__
+        else:
+            has, get = (lambda name: hasattr(config, name)), (lambda name: getattr(config, name))
+        missing = [name for name in _REQUIRED_FIELDS if not has(name)]
+        if missing:
+            raise TypeError(f"GPT config {type(config).__name__} lacks {missing}: expected an object or mapping with "
+                            f"the book's fields {list(_REQUIRED_FIELDS)} (e.g. torch_ref.GPTConfig, flax_ln.GPTConfig "
+                            "or types.SimpleNamespace)")
+        return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls) if has(f.name)})
+
+    @classmethod
+    def gpt2(cls, **overrides) -> GPTConfig:
+        """GPT-2 small: 12 layers, 12 heads, width 768, vocab 50257, block 1024."""
+        return cls(**{**dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024), **overrides})
+
+    @classmethod
+    def gpt2_xl(cls, **overrides) -> GPTConfig:
+        """Chapter 11's GPT-2XL: 48 layers, 25 heads, width 1600, vocab 50257, block 1024."""
+        return cls(**{**dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024), **overrides})
+
+    @classmethod
+    def chapter12(cls, vocab_size: int, **overrides) -> GPTConfig:
+        """Chapter 12's text GPT: 3 layers, 4 heads, width 256, block 128, scaled ``c_proj`` init."""
+        base = dict(n_layer=3, n_head=4, n_embd=256, vocab_size=vocab_size, block_size=128, c_proj_reinit=True)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def music(cls, **overrides) -> GPTConfig:
+        """Chapter 14's music Transformer: 6/8/512, vocab 390, block 2048, loss ignores padding id 389."""
+        base = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=390, block_size=2048, ignore_index=389,
+                    c_proj_reinit=True)
+        return cls(**{**base, **overrides})
+
+
+def gpt_float32_bytes(config: GPTConfig) -> int:
+    """Bytes a float32 :class:`GPT` allocates: its parameters plus every layer's (block, block) mask buffer.
+
+    ``4 * (2 V C + P C + 2 C + L (12 C^2 + 13 C + P^2))`` with V vocab, C width, P block
+    size, L layers (per layer: ``c_attn`` 3C^2+3C, ``c_proj`` C^2+C, ``c_fc`` 4C^2+4C,
+    ``mlp.c_proj`` 4C^2+C, two norms 4C, and the ``attn.bias`` buffer P^2).
+    """
+    V, C, P, L = config.vocab_size, config.n_embd, config.block_size, config.n_layer
+    return 4 * (2 * V * C + P * C + 2 * C + L * (12 * C * C + 13 * C + P * P))
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system that reports it
+        return None
 
 
 class GELU(nn.Module):
@@ -92,10 +203,25 @@ class GPT(nn.Module):
     ``config.c_proj_reinit`` (chapters 12 and 14) every ``c_proj.weight`` is then
     re-drawn from normal(0, 0.02/sqrt(2 * n_layer)). The loss is cross-entropy with
     ``ignore_index=config.ignore_index`` (-1 in chapter 11, 389 for the music model).
+
+    Args:
+      config: a :class:`GPTConfig` or any object or mapping with the book's field names
+        (see :meth:`GPTConfig.from_any`); stored as a :class:`GPTConfig`. A config whose
+        float32 parameters and mask buffers exceed the machine's memory is refused
+        before anything is allocated.
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig | Any):
         super().__init__()
+        config = GPTConfig.from_any(config)
+        needed, memory = gpt_float32_bytes(config), _physical_memory_bytes()
+        if memory is not None and needed > memory:
+            raise MemoryError(
+                f"GPT: n_layer={config.n_layer}, n_embd={config.n_embd}, vocab_size={config.vocab_size}, "
+                f"block_size={config.block_size} need {needed / 2**30:.1f} GiB in float32 (parameters plus "
+                f"n_layer (block_size, block_size) mask buffers), more than this machine's "
+                f"{memory / 2**30:.1f} GiB; check the config's sizes"
+            )
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
@@ -157,19 +283,3 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
         idx = torch.cat((idx, idx_next), dim=1)
     return idx
 
-
-def load_hf_gpt2(path: str | Path, *, config: GPTConfig | None = None) -> GPT:
-    """A torch ``GPT`` holding a Hugging Face GPT-2 checkpoint (safetensors), in eval mode, as chapter 11 loads GPT-2XL.
-
-    Chapter 11 copies every Hugging Face weight into the model, skipping the
-    ``attn.bias``/``attn.masked_bias`` buffers and transposing the four Conv1D weights.
-    The key mapping is the declared table in :mod:`flax_ln.convert` (shared with
-    :func:`flax_ln.load_hf_gpt2`); the copy is strict, every key must match.
-    ``path`` and ``config`` are as in :func:`flax_ln.load_hf_gpt2`.
-    """
-    from flax_ln.convert import read_hf_gpt2
-
-    config, state_dict = read_hf_gpt2(path, config=config)
-    model = GPT(config)
-    model.load_state_dict({k: torch.tensor(v) for k, v in state_dict.items()}, strict=True)
-    return model.eval()

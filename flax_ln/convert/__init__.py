@@ -1,6 +1,7 @@
-"""Weight conversion between torch state dicts and flax_ln NNX modules.
+"""Weight conversion between torch state dicts and NNX modules.
 
-:mod:`flax_ln.convert.rules` holds the one rule table and the strict loader;
+:mod:`flax_ln.convert.rules` holds the one rule table (standard ``torch.nn`` layers
+and the book's modules), its extension points and the strict loader;
 :mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 checkpoints through it (onto a mesh if
 given) and writes them back.
 """
@@ -18,8 +19,16 @@ from flax_ln.convert.rules import (
     ConversionError,
     DerivedBuffer,
     Leaf,
+    MissingRuleError,
+    ModuleRule,
+    Permute,
     load_torch_state_dict,
+    register_rename,
+    register_rule,
+    rule_for,
     to_torch_state_dict,
+    torch_activation,
+    torch_module_paths,
 )
 
 __all__ = [
@@ -27,12 +36,20 @@ __all__ = [
     "DerivedBuffer",
     "HF_GPT2_KEYS",
     "Leaf",
+    "MissingRuleError",
+    "ModuleRule",
+    "Permute",
     "RULES",
     "gpt_config_from_hf",
     "hf_config_from_gpt",
     "load_hf_gpt2",
     "load_torch_state_dict",
     "read_hf_gpt2",
+    "register_rename",
+    "register_rule",
+    "rule_for",
     "save_hf_gpt2",
     "to_torch_state_dict",
+    "torch_activation",
+    "torch_module_paths",
 ]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert.rules import ConversionError, torch_leaves
+from flax_ln.convert.rules import ConversionError, Permute, torch_leaves
 from flax_ln.models.gpt import GPT, GPTConfig, causal_mask_buffer
 from flax_ln.sharding import abstract_model
 
@@ -315,6 +315,16 @@ def _open_checkpoint(path, config: GPTConfig | None) -> _Checkpoint:
     return _Checkpoint(config, tied, tensors, explicit_head if tied else None)
 
 
+def _is_transpose(key: str, layout: Permute | None, ndim: int) -> bool:
+    """Whether a rule's layout swaps the last two axes (every layout in GPT-2); refuses any other."""
+    if layout is None:
+        return False
+    if ndim == 2 and layout.to_flax(ndim) == (1, 0):
+        return True
+    raise NotImplementedError(f"{key}: the Hugging Face GPT-2 reader handles only matrix transposes, "
+                              f"not the layout {layout} of a {ndim}-axis array")
+
+
 def _plan(model: nnx.Module, checkpoint: _Checkpoint) -> list[tuple[nnx.Variable, dict[int | None, _Tensor], bool]]:
     """``[(variable, {layer: source}, transpose)]``: where each of ``model``'s parameters is read from.
 
@@ -326,9 +336,10 @@ def _plan(model: nnx.Module, checkpoint: _Checkpoint) -> list[tuple[nnx.Variable
     sources = checkpoint.tensors
     mismatched = []
     per_variable: dict[int, tuple[nnx.Variable, dict[int | None, _Tensor], bool]] = {}
-    for key, (var, layer, transpose) in leaves.items():
+    for key, (var, layer, layout) in leaves.items():
         if key not in sources:
             continue
+        transpose = _is_transpose(key, layout, len(var.shape) - (layer is not None))
         shape = tuple(var.shape[1:] if layer is not None else var.shape)
         if transpose:
             shape = shape[:-2] + shape[-2:][::-1]
@@ -506,7 +517,8 @@ def save_hf_gpt2(model: GPT, path) -> Path:
         raise ValueError(f"save_hf_gpt2: {path} exists and is not a folder; pass a folder path")
     host: dict[int, np.ndarray] = {}  # one gathered copy per variable (stacked layers are views into it)
     tensors: dict[str, np.ndarray] = {}
-    for key, (var, layer, transpose) in torch_leaves(model).items():
+    for key, (var, layer, layout) in torch_leaves(model).items():
+        transpose = _is_transpose(key, layout, len(var.shape) - (layer is not None))
         if id(var) not in host:
             host[id(var)] = _host_array(var.get_value())
         value = host[id(var)] if layer is None else host[id(var)][layer]

@@ -4,7 +4,8 @@ The module tree mirrors :mod:`torch_ref.gpt` (minGPT layout) attribute for attri
 so ``flax_ln.to_torch_state_dict`` names every weight as the book's ``state_dict``
 does: ``transformer.wte``, ``transformer.h.{i}.attn.c_attn``, ``lm_head``, ...
 
-:class:`GPTConfig` is torch-free and shared by both packages.
+:class:`GPTConfig` is torch-free; a config from ``torch_ref`` (or any object with the same
+field names) is accepted as plain data through :meth:`GPTConfig.from_any`.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
+from flax_ln.models.checks import check_token_ids
 from flax_ln.models.dropout import Dropout
 from flax_ln.models.layernorm import TorchLayerNorm
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Hyper-parameters of the book's GPT, shared by ``flax_ln.GPT`` and ``torch_ref.GPT``.
+    """Hyper-parameters of the book's GPT; the same values build ``flax_ln.GPT`` and ``torch_ref.GPT``.
 
     Args:
       n_layer: number of Transformer blocks.
@@ -66,6 +68,29 @@ class GPTConfig:
         for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_any(cls, config) -> GPTConfig:
+        """``config`` as a :class:`GPTConfig`: itself, or copied field by field from any object or mapping.
+
+        Configs cross from ``torch_ref`` (or the book's ``Config``, or a
+        ``types.SimpleNamespace``) as plain data: the five sizes are required, the other
+        fields take this class's defaults when absent. The models call this, so they keep
+        a frozen, hashable config (NNX needs one as static graph data).
+        """
+        if isinstance(config, cls):
+            return config
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(config, dict):
+            values = {name: config[name] for name in fields if name in config}
+        else:
+            values = {name: getattr(config, name) for name in fields if hasattr(config, name)}
+        sizes = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+        missing = [name for name in sizes if name not in values]
+        if missing:
+            raise TypeError(f"GPT config {type(config).__name__} lacks {missing}: expected a GPTConfig or an object "
+                            f"or dict with the book's fields {list(sizes)}")
+        return cls(**values)
 
     @property
     def head_size(self) -> int:
@@ -166,7 +191,7 @@ class CausalSelfAttention(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -216,7 +241,7 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -247,7 +272,7 @@ class Block(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -267,33 +292,12 @@ class Block(nnx.Module):
         return x + self.mlp(self.ln_2(x)), cache
 
 
-def _check_ids(idx, name: str, block_size: int | None) -> jax.Array:
-    """``idx`` as a JAX array, after checking rank 2, an integer dtype and 1 <= T <= block_size (if given)."""
-    idx = jnp.asarray(idx) if not isinstance(idx, jax.Array) else idx
-    if idx.ndim != 2:
-        raise ValueError(
-            f"GPT: expected {name} of shape (batch, time), got shape {tuple(idx.shape)}; "
-            f"add a batch axis with {name}[None] if it is a single sequence"
-        )
-    if not jnp.issubdtype(idx.dtype, jnp.integer):
-        raise ValueError(
-            f"GPT: expected integer token ids in {name}, got dtype {idx.dtype}; cast with {name}.astype(jnp.int32)"
-        )
-    if idx.shape[1] < 1:
-        raise ValueError(f"GPT: {name} has an empty time axis (shape {tuple(idx.shape)}); pass at least one token")
-    if block_size is not None and idx.shape[1] > block_size:
-        raise ValueError(
-            f"GPT: sequence length {idx.shape[1]} of {name} exceeds block_size {block_size}; "
-            f"crop to the last {block_size} tokens ({name}[:, -{block_size}:])"
-        )
-    return idx
-
-
 def cross_entropy(logits: jax.Array, targets: jax.Array, ignore_index: int) -> jax.Array:
     """Mean token cross-entropy over targets != ``ignore_index``, as ``F.cross_entropy``.
 
     Computed in at least float32. If every target is ignored the mean is 0/0 = NaN, as in
-    torch. Target values outside ``[0, vocab)`` cannot be checked under jit; don't pass them.
+    torch. Targets are not checked here (:meth:`GPT.__call__` checks them): one outside
+    ``[0, vocab)`` wraps around if in ``[-vocab, 0)`` and gives NaN otherwise (``jnp.take_along_axis``).
     """
     logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
     valid = targets != ignore_index
@@ -428,6 +432,11 @@ class GPT(nnx.Module):
 
     Call ``model.eval()`` to switch dropout off (``model.train()`` to switch it back).
 
+    Token ids (``idx``; ``targets``, which may also be ``config.ignore_index``) must lie in
+    ``[0, vocab_size)``. Concrete ids are checked before any compute (``ValueError``); traced
+    ids (under ``jit``) only with ``debug_checks=True``, through ``checkify``; otherwise a
+    negative id wraps around and an id >= vocab_size gives NaN (:mod:`flax_ln.models.checks`).
+
     Args:
       config: the :class:`GPTConfig`.
       scan_layers: stack the blocks and scan over them.
@@ -437,6 +446,8 @@ class GPT(nnx.Module):
         the loss stay at least float32. Logits come out in this dtype.
       param_dtype: parameter dtype.
       precision: matmul precision.
+      debug_checks: also check the values of traced token ids, with ``jax.experimental.checkify``
+        (wrap the jitted function in ``checkify.checkify``).
       rngs: ``params`` and ``dropout`` randomness.
     """
 
@@ -449,10 +460,12 @@ class GPT(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
+        debug_checks: bool = False,
         rngs: nnx.Rngs,
     ):
         _remat_policy(remat)  # validate early
-        self.config = config
+        self.config = config = GPTConfig.from_any(config)
+        self.debug_checks = debug_checks
         self.scan_layers = scan_layers
         self.remat = remat
         self.dtype = dtype
@@ -463,7 +476,6 @@ class GPT(nnx.Module):
         make_block = functools.partial(Block, config, **opts)
         if scan_layers:
             h = nnx.vmap(lambda r: make_block(rngs=r))(rngs.split(config.n_layer))
-            h.num_stacked_layers = config.n_layer  # the converter's cue for per-layer torch keys
         else:
             h = nnx.List([make_block(rngs=rngs) for _ in range(config.n_layer)])
         embed = functools.partial(nnx.Embed, embedding_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -479,9 +491,9 @@ class GPT(nnx.Module):
     def __call__(
         self, idx: Int[Array, "B T"], targets: Int[Array, "B T"] | None = None
     ) -> tuple[Float[Array, "B T V"], Float[Array, ""] | None]:
-        idx = _check_ids(idx, "idx", self.config.block_size)
+        idx = self._check_ids(idx, "idx", "GPT")
         if targets is not None:
-            targets = _check_ids(targets, "targets", self.config.block_size)
+            targets = self._check_ids(targets, "targets", "GPT", ignore=("ignore_index", self.config.ignore_index))
             if targets.shape != idx.shape:
                 raise ValueError(f"GPT: targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
         logits, _ = self._forward(idx, None, 0)
@@ -502,13 +514,22 @@ class GPT(nnx.Module):
         sequences (e.g. from earlier ``decode`` calls starting at 0). ``pos + T`` must not
         exceed ``block_size``; that is checked only when ``pos`` is a Python int.
         """
-        idx = _check_ids(idx, "idx", self.config.block_size)
+        idx = self._check_ids(idx, "idx", "GPT.decode")
         if isinstance(pos, int) and not 0 <= pos <= self.config.block_size - idx.shape[1]:
             raise ValueError(
                 f"GPT.decode: positions {pos}..{pos + idx.shape[1] - 1} do not fit block_size "
                 f"{self.config.block_size}; recompute on the last block_size tokens instead"
             )
         return self._forward(idx, cache, pos)
+
+    def _check_ids(self, ids, name: str, owner: str, *, any_length: bool = False, ignore=None) -> jax.Array:
+        """``ids`` checked by :func:`~flax_ln.models.checks.check_token_ids` against this model's vocabulary.
+
+        At most ``block_size`` tokens unless ``any_length``; ``ignore`` names one more legal value.
+        """
+        c = self.config
+        return check_token_ids(ids, name, owner=owner, vocab=c.vocab_size, max_len=None if any_length else c.block_size,
+                               limit_name="block_size", crop_hint=True, ignore=ignore, debug=self.debug_checks)
 
     def _forward(self, idx, cache: KVCache | None, pos):
         t = self.transformer
@@ -528,9 +549,9 @@ class GPT(nnx.Module):
         return logits, None if cache is None else KVCache(*cache)
 
 
-def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None):
+def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_limit: int | None):
     """Next token ids (B,) from last-position logits (B, V): argmax, or a top-k/temperature sample."""
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))[:, :vocab_limit]  # (B, V or vocab_limit)
     if greedy:
         return jnp.argmax(logits, axis=-1)
     logits = logits / temperature
@@ -540,8 +561,8 @@ def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None):
     return jax.random.categorical(key, logits, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
-def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k", "vocab_limit"))
+def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k, vocab_limit):
     # The model is merged afresh inside every traced scope (loop bodies get `state` through
     # their carry), because NNX refuses Variables that hold tracers of an outer trace.
     def model(state):
@@ -554,7 +575,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
     total = T0 + max_new_tokens
     keys = jax.random.split(rng, max_new_tokens)  # keys[j] draws token T0 + j
     out = jnp.zeros((B, total), idx.dtype).at[:, :T0].set(idx)  # (B, T0 + new)
-    pick = functools.partial(_pick, temperature=temperature, greedy=greedy, top_k=top_k)
+    pick = functools.partial(_pick, temperature=temperature, greedy=greedy, top_k=top_k, vocab_limit=vocab_limit)
 
     def put(out, n, logits):  # write token n, drawn from the logits that follow the first n tokens
         token = pick(logits[:, -1], keys[n - T0]).astype(out.dtype)  # (B,)
@@ -563,7 +584,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
     length = T0  # tokens known so far
     if T0 <= bs:  # cached phase: prefill, then one token at a time while the context fits
         m = model(state)
-        logits, cache = m.decode(idx, m.init_cache(B), 0)
+        logits, cache = m._forward(idx, m.init_cache(B), 0)  # ids were checked by generate()
         out = put(out, length, logits)
         length += 1
         n_cached = max(0, min(bs, total - 1) - length + 1)
@@ -572,7 +593,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
             out, cache, state = carry
             n = length + i
             token = jax.lax.dynamic_slice(out, (0, n - 1), (B, 1))  # (B, 1)
-            logits, cache = model(state).decode(token, cache, n - 1)
+            logits, cache = model(state)._forward(token, cache, n - 1)
             return put(out, n, logits), cache, state
 
         out, _, _ = jax.lax.fori_loop(0, n_cached, cached_step, (out, cache, state))
@@ -580,7 +601,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
 
     def window_step(n, carry):  # the context exceeds block_size: recompute on the last block_size tokens
         out, state = carry
-        logits, _ = model(state)(jax.lax.dynamic_slice(out, (0, n - bs), (B, bs)))
+        logits, _ = model(state)._forward(jax.lax.dynamic_slice(out, (0, n - bs), (B, bs)), None, 0)
         return put(out, n, logits), state
 
     if length < total:
@@ -595,11 +616,14 @@ def generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    vocab_limit: int | None = None,
     rng: jax.Array,
 ) -> Int[Array, "B T+new"]:
     """Append ``max_new_tokens`` sampled tokens to ``idx``, as the book's sampling loop does.
 
     Each new token is drawn from ``softmax(logits[:, -1] / temperature)`` restricted to
+    the ids below ``vocab_limit`` (chapter 14 draws only its 388 event ids: softmax over
+    all ids then keeping the first 388, as the book does, is this renormalised) and to
     the ``top_k`` largest logits (ties with the k-th value are kept, as in torch); with
     ``temperature == 0`` it is the argmax instead (greedy; ``rng`` is then unused). The
     context is the last ``block_size`` tokens. While the sequence fits in ``block_size``
@@ -611,25 +635,31 @@ def generate(
 
     Args:
       model: a :class:`GPT`.
-      idx: prompt token ids, (B, T), any length >= 1 (longer than block_size is cropped for context).
+      idx: prompt token ids in ``[0, vocab_size)``, (B, T), any length >= 1 (longer than block_size is
+        cropped for context); concrete ids are checked before anything is compiled.
       max_new_tokens: number of tokens to append.
       temperature: softmax temperature, > 0, or 0 for greedy decoding.
       top_k: keep only the k largest logits before sampling (1 <= k <= vocab_size).
+      vocab_limit: draw only ids < vocab_limit (1 <= vocab_limit <= vocab_size); None: all.
       rng: a JAX PRNG key.
 
     Returns:
       (B, T + max_new_tokens) token ids, prompt included, in ``idx``'s dtype.
     """
-    idx = _check_ids(idx, "idx", None)
+    idx = model._check_ids(idx, "idx", "generate", any_length=True)  # longer prompts are cropped for context
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not temperature >= 0:
         raise ValueError(f"generate: temperature must be >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
-        raise ValueError(f"generate: top_k must be in [1, {model.config.vocab_size}] or None, got {top_k!r}")
+    if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
+        raise ValueError(f"generate: vocab_limit must be in [1, {model.config.vocab_size}] or None, "
+                         f"got {vocab_limit!r}")
+    n_drawable = vocab_limit or model.config.vocab_size
+    if top_k is not None and not 1 <= top_k <= n_drawable:
+        raise ValueError(f"generate: top_k must be in [1, {n_drawable}] or None, got {top_k!r}")
     if max_new_tokens == 0:
         return idx
     graphdef, state = nnx.split(model)
     greedy = temperature == 0
     return _generate(graphdef, state, idx, rng, jnp.float32(1.0 if greedy else temperature),
-                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k)
+                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, vocab_limit=vocab_limit)

@@ -1,35 +1,43 @@
 """Cross-framework parity: the one engine behind ``flax-ln parity``, the tests and user code.
 
-:mod:`~flax_ln.parity.engine` runs a torch module and its NNX twin on the same weights
-and compares every output and gradient; :mod:`~flax_ln.parity.cases` builds the book's
-models on it; :mod:`~flax_ln.parity.cli` is the ``flax-ln`` command. torch is imported
-lazily, only when a comparison runs.
+:func:`compare_modules` / :func:`assert_parity` compare any torch module with its NNX
+twin (outputs, and the gradients of every floating input and every parameter, keyed by
+torch name) under the one tolerance policy :data:`TOLERANCES`, and name the first
+submodule that diverges. :mod:`~flax_ln.parity.cases` builds the book's models on it;
+:mod:`~flax_ln.parity.cli` is the ``flax-ln`` command. torch is imported lazily, only
+when a comparison runs.
 """
 
 from flax_ln.parity.engine import (
+    HALF_PRECISION,
     TOLERANCES,
     Case,
-    CaseReport,
-    FirstDivergence,
-    TensorResult,
     Tolerance,
     TrainSpec,
+    assert_parity,
     check_case,
     check_training,
-    compare,
+    compare_modules,
+    compare_tensors,
     relative_error,
+    zero_gradient_names,
 )
+from flax_ln.parity.report import FirstDivergence, ParityReport, TensorResult
 
 __all__ = [
     "Case",
-    "CaseReport",
     "FirstDivergence",
+    "HALF_PRECISION",
+    "ParityReport",
     "TOLERANCES",
     "TensorResult",
     "Tolerance",
     "TrainSpec",
+    "assert_parity",
     "check_case",
     "check_training",
-    "compare",
+    "compare_modules",
+    "compare_tensors",
     "relative_error",
+    "zero_gradient_names",
 ]

@@ -40,8 +40,7 @@ def _perturb(module: torch.nn.Module, seed: int, scale: float = 0.1, *, replace:
 def _regression_training(target: np.ndarray, learning_rate: float) -> TrainSpec:
     """Training for a lone layer: mean squared error to a fixed random target, Adam, no clipping."""
     return TrainSpec(
-        torch_loss=lambda m, x: ((m(x) - torch.from_numpy(target)) ** 2).mean(),
-        flax_loss=lambda m, x: jnp.mean((m(x) - target) ** 2),
+        loss=(lambda y: ((y - torch.from_numpy(target)) ** 2).mean(), lambda y: jnp.mean((y - target) ** 2)),
         torch_optimizer=lambda m: (torch.optim.Adam(m.parameters(), lr=learning_rate), None),
         optax_optimizer=optax.adam(learning_rate),
     )
@@ -59,8 +58,6 @@ def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, bat
         flax_model=flax_cls(features, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed)),
         inputs=[x],
         input_names=["x"],
-        torch_call=lambda m, x: {"y": m(x)},
-        flax_call=lambda m, x: {"y": m(x)},
         dtype=dtype,
         train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-2),
     )
@@ -103,23 +100,14 @@ def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, s
     tgt_mask = torch_ref.make_std_mask(torch.from_numpy(tgt_in), pad).numpy()  # (B, T, T)
     ntokens = int((tgt_y != pad).sum())
 
-    def torch_call(m, src, tgt, src_mask, tgt_mask):
-        out = m(src, tgt, src_mask, tgt_mask)
-        return {"decoder output": out, "log probs": m.generator(out)}
-
-    def flax_call(m, src, tgt, src_mask, tgt_mask):
-        out = m(src, tgt, src_mask, tgt_mask)
-        return {"decoder output": out, "log probs": m.generator(out)}
-
     criterion = torch_ref.LabelSmoothing(vocab, padding_idx=pad, smoothing=0.1)
 
-    def torch_loss(m, src, tgt, src_mask, tgt_mask):
-        log_probs = torch_call(m, src, tgt, src_mask, tgt_mask)["log probs"]
-        return criterion(log_probs.reshape(-1, vocab), torch.from_numpy(tgt_y).reshape(-1)) / ntokens
+    def torch_loss(outputs):
+        return criterion(outputs["log probs"].reshape(-1, vocab), torch.from_numpy(tgt_y).reshape(-1)) / ntokens
 
-    def flax_loss(m, src, tgt, src_mask, tgt_mask):
-        log_probs = flax_call(m, src, tgt, src_mask, tgt_mask)["log probs"]
-        return flax_ln.label_smoothing_loss(log_probs, jnp.asarray(tgt_y), padding_idx=pad, smoothing=0.1) / ntokens
+    def flax_loss(outputs):
+        return flax_ln.label_smoothing_loss(outputs["log probs"], jnp.asarray(tgt_y), padding_idx=pad,
+                                            smoothing=0.1) / ntokens
 
     def torch_optimizer(m):  # chapter 10: Adam(0.9, 0.98, 1e-9) with the Noam rate set before each step
         opt = torch.optim.Adam(m.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
@@ -131,11 +119,26 @@ def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, s
         flax_model=flax_model,
         inputs=[src, tgt_in, src_mask, tgt_mask],
         input_names=["src", "tgt", "src_mask", "tgt_mask"],
-        torch_call=torch_call,
-        flax_call=flax_call,
         dtype=dtype,
-        train=TrainSpec(torch_loss, flax_loss, torch_optimizer, flax_ln.noam_adam(d_model, 1.0, 400)),
+        forward=decoder_output_and_log_probs,
+        train=TrainSpec((torch_loss, flax_loss), torch_optimizer, flax_ln.noam_adam(d_model, 1.0, 400)),
     )
+
+
+def decoder_output_and_log_probs(model, src, tgt, src_mask, tgt_mask):
+    """The encoder-decoder's forward for either framework (the module trees mirror each other)."""
+    out = model(src, tgt, src_mask, tgt_mask)
+    return {"decoder output": out, "log probs": model.generator(out)}
+
+
+def logits_and_loss(model, idx, targets):
+    """A GPT's forward for either framework, with named outputs."""
+    logits, loss = model(idx, targets)
+    return {"logits": logits, "loss": loss}
+
+
+def _the_loss(outputs):
+    return outputs["loss"]
 
 
 def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_len: int, seed: int,
@@ -157,22 +160,16 @@ def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_
     if pad_targets:
         idx[0, seq_len - max(1, seq_len // 4):] = config.ignore_index  # padding is a real token id too
 
-    def call(m, idx, targets):
-        logits, loss = m(idx, targets)
-        return {"logits": logits, "loss": loss}
-
     return Case(
         name=name,
         torch_model=torch_model,
         flax_model=flax_model,
         inputs=[idx, targets],
         input_names=["idx", "targets"],
-        torch_call=call,
-        flax_call=call,
         dtype=dtype,
+        forward=logits_and_loss,
         train=TrainSpec(
-            torch_loss=lambda m, idx, targets: m(idx, targets)[1],
-            flax_loss=lambda m, idx, targets: m(idx, targets)[1],
+            loss=(_the_loss, _the_loss),
             torch_optimizer=lambda m: (torch.optim.Adam(m.parameters(), lr=1e-4), None),
             optax_optimizer=flax_ln.train.gpt_adam(1e-4, clip_norm=1.0),
             clip_norm=1.0,
@@ -210,8 +207,6 @@ def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Cas
         flax_model=FlaxBlock(config, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed)),
         inputs=[x],
         input_names=["x"],
-        torch_call=lambda m, x: {"y": m(x)},
-        flax_call=lambda m, x: {"y": m(x)},
         dtype=dtype,
         train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-4),
     )
@@ -340,9 +335,9 @@ def checkpoint_case(path: str, dtype: str, batch: int, seq_len: int | None, seed
     if os.path.isdir(path):
         try:
             torch_model = torch_ref.load_hf_gpt2(path)
-        except (ValueError, OSError, RuntimeError) as err:
+        except (ValueError, OSError, RuntimeError, MemoryError) as err:
             raise CheckpointError(f"--checkpoint {path!r}: not a usable Hugging Face GPT-2 folder: {err}") from err
-        config = torch_model.config
+        config = flax_ln.GPTConfig.from_any(torch_model.config)  # torch_ref's own config, as plain data
         return _gpt_case(f"checkpoint {os.path.basename(os.path.normpath(path))}", config, dtype, batch,
                          min(seq_len or 16, config.block_size), seed, pad_targets=False, torch_model=torch_model)
     state = read_state_dict(path)

@@ -69,17 +69,16 @@ def _positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
 def run_parity(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import jax
+    from flax_ln.parity import cases as parity_cases
+    from flax_ln.parity import engine as parity
+    from flax_ln.parity import report as parity_report
 
-    from flax_ln.parity import engine as parity, cases as parity_cases
-
-    jax.config.update("jax_default_matmul_precision", "highest")
     names = [args.checkpoint] if args.checkpoint else MODEL_CHOICES if args.model == "all" else [args.model]
     progress = sys.stderr
     reports = []
-    with jax.enable_x64(args.dtype == "float64"):
-        env = parity.environment()
-        print(parity.format_environment(env) + f" | dtype {args.dtype} | x64 {env['x64']}", flush=True)
+    with parity.numerics(args.dtype):
+        env = parity_report.environment()
+        print(parity_report.format_environment(env) + f" | dtype {args.dtype} | x64 {env['x64']}", flush=True)
         for index, name in enumerate(names, 1):
             start = time.perf_counter()
             print(f"[{index}/{len(names)}] {name}: building, compiling and comparing ...", file=progress, flush=True)
@@ -106,7 +105,7 @@ def run_parity(args: argparse.Namespace) -> int:
                 report.train_steps = parity.check_training(case, args.train_steps, tolerances)
             report.seconds = time.perf_counter() - start
             reports.append(report)
-            print(parity.format_case(report, worst=args.worst, quiet=args.quiet), flush=True)
+            print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
     passed = all(r.passed for r in reports)
     print(f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
           f"{'PASS' if passed else 'FAIL'}")
@@ -115,7 +114,7 @@ def run_parity(args: argparse.Namespace) -> int:
             json.dump({"environment": env, "dtype": args.dtype, "passed": passed,
                        "models": [r.to_json() for r in reports]}, f, indent=1)
     if args.plot:
-        parity.plot_errors(reports, args.plot)
+        parity_report.plot_errors(reports, args.plot)
     return 0 if passed else 1
 
 

@@ -1,0 +1,268 @@
+"""The parity report: per-tensor results, the first divergence, text, JSON and a chart.
+
+torch is imported lazily (only to print its version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from flax_ln.parity.engine import Tolerance
+
+
+@dataclasses.dataclass
+class TensorResult:
+    """The comparison of one tensor: flax (actual) against torch (expected)."""
+
+    name: str
+    kind: str  # "output", "input grad", "param grad", "loss", "param", "module output", ...
+    shape: tuple[int, ...]
+    max_abs_error: float
+    max_error_index: tuple[int, ...] | None
+    relative_error: float
+    tolerance: Tolerance
+    nonfinite: str | None  # e.g. "NaN in flax: 3, in torch: 0"
+    passed: bool
+    passed_by: str | None = None  # which criterion held: "rtol", "atol" or "gtol"
+    problem: str | None = None  # why the values could not be compared: shape, dtype, missing
+
+    @property
+    def excess(self) -> float:
+        """How far past its tolerance the tensor is (> 1 fails), for ranking."""
+        if self.problem or self.nonfinite or not math.isfinite(self.relative_error):
+            return math.inf
+        if self.passed_by == "gtol":
+            return 0.0  # a zero gradient's rounding noise: within tolerance by the gtol criterion
+
+        def ratio(error: float, tol: float) -> float:
+            return error / tol if tol > 0 else (math.inf if error > 0 else 0.0)
+
+        return min(ratio(self.relative_error, self.tolerance.rtol), ratio(self.max_abs_error, self.tolerance.atol))
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tolerance"] = dataclasses.asdict(self.tolerance)
+        d["shape"] = list(self.shape)
+        d["max_error_index"] = None if self.max_error_index is None else list(self.max_error_index)
+        return {k: _json_number(v) for k, v in d.items()}
+
+
+def _json_number(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/Inf; "inf"/"nan" stay explicit
+    return v
+
+
+@dataclasses.dataclass
+class FirstDivergence:
+    """The first submodule, in execution order, whose output is out of tolerance."""
+
+    module: str
+    inputs: list[TensorResult]
+    outputs: list[TensorResult]
+
+    def describe(self) -> str:
+        out = max(self.outputs, key=lambda r: r.excess)
+        ins = ", ".join(f"{r.name} rel {r.relative_error:.2e}" for r in self.inputs) or "none compared"
+        return (
+            f"first divergence: {self.module}  (output rel {out.relative_error:.2e}, "
+            f"max |d| {out.max_abs_error:.2e} at {out.max_error_index}; inputs: {ins})"
+        )
+
+
+@dataclasses.dataclass
+class ParityReport:
+    """Everything one comparison found: ``passed``, every tensor's result and, on failure, the first divergence.
+
+    ``report[name]`` is the result of one tensor (an output, ``"grad <input>"``, a torch
+    parameter name, or ``"loss"``); ``str(report)`` is the readable table.
+    """
+
+    name: str
+    dtype: str
+    results: list[TensorResult]
+    first_divergence: FirstDivergence | None = None
+    train_steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    module_errors: list[TensorResult] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results) and all(s["passed"] for s in self.train_steps)
+
+    def __getitem__(self, name: str) -> TensorResult:
+        for r in self.results:
+            if r.name == name:
+                return r
+        raise KeyError(f"no tensor {name!r} in the report; it has {[r.name for r in self.results]}")
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+            "tensors": [r.to_json() for r in self.results],
+            "first_divergence": None
+            if self.first_divergence is None
+            else {
+                "module": self.first_divergence.module,
+                "inputs": [r.to_json() for r in self.first_divergence.inputs],
+                "outputs": [r.to_json() for r in self.first_divergence.outputs],
+            },
+            "module_errors": [r.to_json() for r in self.module_errors],
+            "train_steps": [{k: _json_number(v) for k, v in s.items()} for s in self.train_steps],
+        }
+
+
+def environment() -> dict[str, Any]:
+    """Backend, devices, versions and numerics settings the comparison ran under."""
+    import flax
+    import optax
+
+    env = {
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "numpy": np.__version__,
+        "x64": bool(jax.config.jax_enable_x64),
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:  # pragma: no cover - the harness cannot run without torch anyway
+        env["torch"] = None
+    return env
+
+
+def format_environment(env: Mapping[str, Any]) -> str:
+    devices = ", ".join(env["devices"])
+    return (
+        f"flax-ln parity | backend {env['backend']} ({devices}) | jax {env['jax']}, flax {env['flax']}, "
+        f"torch {env['torch']}, optax {env['optax']} | matmul precision {env['matmul_precision']}"
+    )
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.2e}" if math.isfinite(v) else str(v)
+
+
+def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) -> str:
+    """A readable table of the worst tensors by distance to tolerance, then a summary row.
+
+    ``quiet`` keeps only the summary, training and first-divergence lines.
+    """
+    results = report.results
+    failed = [r for r in results if not r.passed]
+    # every output, then the other tensors closest to (or past) their tolerance
+    outputs = [r for r in results if r.kind == "output"]
+    others = sorted((r for r in results if r.kind != "output"), key=lambda r: -r.excess)
+    shown = outputs + others[:worst]
+    header = f"{'tensor':<44} {'kind':<11} {'shape':<16} {'max |d|':>9} {'at':<14} {'rel err':>9} {'rtol':>8}  status"
+    lines = [f"== {report.name} ({report.dtype}) " + "=" * max(0, 80 - len(report.name)), header]
+    for r in shown:
+        status = {None: "ok", "rtol": "ok", "atol": "ok (abs)", "gtol": "ok (zero grad)"}[r.passed_by] if r.passed \
+            else ("MISMATCH" if r.problem else "NONFINITE" if r.nonfinite else "FAIL")
+        at = "" if r.max_error_index is None else str(r.max_error_index).replace(" ", "")
+        lines.append(
+            f"{r.name[:44]:<44} {r.kind:<11} {str(r.shape).replace(' ', '')[:16]:<16} {_fmt(r.max_abs_error):>9} "
+            f"{at[:14]:<14} {_fmt(r.relative_error):>9} {r.tolerance.rtol:>8.0e}  {status}"
+            + "".join(f"  [{note}]" for note in (r.problem, r.nonfinite) if note)
+        )
+    if len(shown) < len(results):
+        lines.append(f"... {len(results) - len(shown)} more tensors, all shown with --json")
+    if any(r.passed_by == "gtol" for r in shown):
+        lines.append("(zero grad): exact gradient is 0, only rounding noise differs; its error is within "
+                     "gtol of the whole gradient's norm")
+    by_kind: dict[str, list[TensorResult]] = {}
+    for r in results:
+        by_kind.setdefault(r.kind, []).append(r)
+
+    def kind_summary(kind: str, rs: list[TensorResult]) -> str:
+        zero = sum(r.passed_by == "gtol" for r in rs)
+        rels = [r.relative_error for r in rs if r.passed_by != "gtol"] or [0.0]
+        return f"{kind}: {len(rs)} tensors, worst rel {_fmt(max(rels))}" + (f" ({zero} zero-gradient)" if zero else "")
+
+    summary = "; ".join(kind_summary(kind, rs) for kind, rs in by_kind.items())
+    lines.append(f"summary: {len(results) - len(failed)}/{len(results)} within tolerance ({summary}) "
+                 f"in {report.seconds:.1f}s -> {'PASS' if report.passed else 'FAIL'}")
+    for step in report.train_steps:
+        lines.append(
+            f"train step {step['step']}: loss flax {step['loss_flax']:.8g} torch {step['loss_torch']:.8g} "
+            f"(rel {_fmt(step['loss_rel_error'])}), worst param rel {_fmt(step['param_rel_error'])} "
+            f"({step['worst_param']}) -> {'ok' if step['passed'] else 'FAIL'}"
+            + (f"; {len(step['noise_only'])} zero-gradient params not compared" if step["noise_only"] else "")
+        )
+    if report.first_divergence is not None:
+        lines.append(report.first_divergence.describe())
+    elif not report.passed and report.module_errors:
+        lines.append("no submodule output diverges: the difference arises in the backward pass or the loss")
+    if quiet:
+        lines = [line for line in lines if line.startswith(("summary:", "train step", "first divergence", "no submodule"))]
+        lines[0] = f"{report.name} ({report.dtype}) {lines[0]}"
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# picture
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
+    """Save a chart, one panel per model: each submodule's output error and the worst
+    gradient error of its parameters, in execution order, on a log scale with the tolerances."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - matplotlib ships with the test extra
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from err
+
+    fig, axes = plt.subplots(len(reports), 1, figsize=(14, 3.6 * len(reports)), squeeze=False)
+    tiny = 1e-18  # exact zeros are drawn at the bottom of the log scale
+    for ax, report in zip(axes[:, 0], reports):
+        modules = [r.name for r in report.module_errors]
+        grads: dict[str, float] = {}
+        for r in report.results:
+            if r.kind == "param grad" and r.passed_by != "gtol":  # zero gradients: noise, not error
+                key = _module_of(r.name)
+                grads[key] = max(grads.get(key, 0.0), r.relative_error)
+        for name in grads:
+            if name not in modules:
+                modules.append(name)
+        x = np.arange(len(modules))
+        outputs = {r.name: r.relative_error for r in report.module_errors}
+        ax.plot(x, [max(outputs.get(m, np.nan), tiny) for m in modules], "o-", label="module output rel. error")
+        ax.plot(x, [max(grads.get(m, np.nan), tiny) for m in modules], "s--", label="param grad rel. error (worst)")
+        for color, kind, label in (("C0", "output", "output tolerance"), ("C1", "param grad", "gradient tolerance")):
+            tol = next((r.tolerance.rtol for r in report.results if r.kind == kind), None)
+            if tol is not None:
+                ax.axhline(tol, color=color, lw=0.8, ls=":", label=label)
+        ax.set_yscale("log")
+        ax.set_title(f"{report.name} ({report.dtype}): {'PASS' if report.passed else 'FAIL'}")
+        step = max(1, len(modules) // 40)
+        ax.set_xticks(x[::step])
+        ax.set_xticklabels(modules[::step], rotation=75, fontsize=6)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
