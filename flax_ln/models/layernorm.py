@@ -117,7 +117,7 @@ def _affine_normalize_jvp(eps, ddof, primals, tangents):
     the recomputed ``x̂`` between the two, which made XLA:CPU store it (and ``x -
     mean``) as full-size temporaries: 32-64 MB for a float32 8192x1024 forward+backward
     against 0.2 MB this way. Plain autodiff of the forward code would also
-    differentiate the shift, the TwoSum and the scaling (all with zero derivative).
+    differentiate the shift, the mean correction and the scaling (all with zero derivative).
     The rule is plain JAX, so it can be differentiated again in either mode
     (``jax.hessian``, Hessian-vector products).
     """
@@ -166,9 +166,10 @@ def normalize(
     accumulate in half precision. The result is cast to ``dtype`` last; ``dtype=None``
     follows flax's convention, the result type of ``x``, ``scale`` and ``offset``.
 
-    The statistics are those of the pivot-shifted row with the mean carried in two
-    parts, scaled by a power of two past 1e12 (see :func:`_scaled_statistics`): the
-    same math and the same passes over ``x`` as the plain two-pass algorithm, but
+    The statistics are those of the pivot-shifted row, with the mean's own rounding
+    error taken out by one more row sum and rows beyond 2**40 scaled down before
+    squaring (see :func:`_scaled_statistics`): the same math and the same passes over
+    ``x`` (in one fused kernel on XLA:CPU) as the plain two-pass algorithm, but
     accurate to a few roundings on rows whose mean is large against their spread
     (where the plain algorithm and torch lose digits to the rounding of the mean),
     and finite for inputs up to the float maximum.
@@ -196,10 +197,11 @@ _ACCURACY_NOTE = """
     Inputs near the float32 maximum (e.g. ``x * 1e30``) deliberately deviate from
     torch: torch's variance overflows and it returns NaN (``nn.LayerNorm``) or zeros
     (the book's formula), where the exact answer is an ordinary normalised row. Here
-    the row is scaled by a power of two before squaring, so the output is the finite
-    float64-truth answer whenever the row's values are representable. Mirroring the
-    book's *math* is the contract (DESIGN §5); reproducing an overflow is not. A row
-    whose squared spread still overflows after that scaling gives NaN, as torch does.
+    the row is scaled down before squaring, so the output (and its gradient, where
+    that is a normal float32) is the finite float64-truth answer whenever the row's
+    values and ``x - mean`` are representable. Mirroring the book's *math* is the
+    contract (DESIGN §5); reproducing an overflow is not. A row whose squares still
+    overflow after that scaling (see ``_scaled_statistics``) gives ``offset`` or NaN.
 """
 
 
