@@ -367,8 +367,8 @@ def test_gpt_unrolled_remat_is_reverse_mode_only(x64):
         return jnp.sum(jnp.tanh(nnx.merge(graphdef, params, rest)(idx)[0]))
 
     reference = flax_ln.GPT(GPT_SMALL, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
-    ref_graphdef, ref_params, ref_rest = nnx.split(reference, nnx.Param, ...)
     reference.eval()
+    ref_graphdef, ref_params, ref_rest = nnx.split(reference, nnx.Param, ...)
     ref_grads = jax.grad(lambda p: jnp.sum(jnp.tanh(nnx.merge(ref_graphdef, p, ref_rest)(idx)[0])))(ref_params)
     for a, b in zip(jax.tree.leaves(jax.grad(loss)(params)), jax.tree.leaves(ref_grads)):
         assert relative_error(a, b) <= EXACT_TOL
