@@ -281,7 +281,8 @@ def test_remat_gives_the_same_gradients(x64, scan_layers, remat):
 
     loss, grads, rng_state, plain = run(False)
     loss_r, grads_r, rng_state_r, jaxpr = run(remat)
-    assert "remat" not in str(plain) and "remat" in str(jaxpr)  # really checkpointed
+    # really checkpointed: the norms' backward is a checkpoint of its own, the blocks add more
+    assert str(jaxpr).count("remat") > str(plain).count("remat")
     assert relative_error(loss_r, loss) <= 1e-12
     for (path, g), g_r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads_r)):
         assert g_r.dtype == jnp.float64 and relative_error(g_r, g) <= 1e-12, path

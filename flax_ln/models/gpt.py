@@ -341,6 +341,15 @@ def checkpoint(fun, policy):
     dependency on the incoming cotangent that no compiler pass removes, costing one
     element-wise pass over the residuals. It changes nothing unless the cotangent holds a
     NaN, and then the gradients would be NaN anyway.
+
+    Being a ``jax.custom_vjp``, it supports reverse mode only (``jax.grad``, ``jax.vjp``,
+    ``jax.jacrev``, also nested); ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize`` and
+    ``jax.hessian`` raise. A data dependency on the cotangent cannot be expressed in a
+    rule that JAX transposes (``custom_jvp``), and without it XLA:CPU schedules the
+    recomputation inside the forward pass (measured: a stateful-RNG input that defeats
+    CSE alone still saved nothing). Only the unrolled layout uses it: the scanned
+    layout's recomputation sits in the backward loop, where plain ``jax.checkpoint``
+    works (:func:`_scan_blocks`).
     """
     remat_fun = jax.checkpoint(fun, policy=policy, prevent_cse=False)
 
@@ -364,9 +373,9 @@ def checkpoint(fun, policy):
     return wrapped
 
 
-def _pure_block(graphdef, pos, policy):
+def _pure_block(graphdef, pos, policy, remat=checkpoint):
     """``(block_state, x, cache) -> (x, cache, rng_state)``: one block on the functional split, rematerialised
-    with :func:`checkpoint` unless ``policy`` is ``None``.
+    with ``remat(fun, policy)`` (:func:`checkpoint` by default) unless ``policy`` is ``None``.
 
     Dropout masks are recomputed from the same keys, so the gradients are unchanged.
     """
@@ -376,7 +385,7 @@ def _pure_block(graphdef, pos, policy):
         x, cache = block.attend(x, cache, pos)
         return x, cache, nnx.state(block, nnx.RngState)
 
-    return run if policy is None else checkpoint(run, policy)
+    return run if policy is None else remat(run, policy)
 
 
 def _remat_block(block: Block, x, pos, policy):
@@ -392,13 +401,17 @@ def _scan_blocks(h: Block, x, cache, pos, policy=None):
     """Run stacked blocks (leading layer axis) with ``jax.lax.scan``; returns ``(x, cache)``.
 
     Each step merges one layer's slice into a fresh :class:`Block`, rematerialised with
-    ``policy`` unless it is ``None``. Only when some dropout is active is the advanced
+    plain ``jax.checkpoint`` and ``policy`` unless it is ``None`` (inside the backward
+    loop XLA cannot move the recomputation into the forward pass, and forward-mode
+    autodiff works through it). Only when some dropout is active is the advanced
     RNG state written back into ``h``, so in eval mode the module is never mutated,
     exactly like the unrolled path (NNX forbids mutating Variables from another trace
     level, e.g. a model closed over inside ``jax.grad``).
     """
     graphdef, state = nnx.split(h)
-    block = _pure_block(graphdef, pos, None if cache is not None else policy)  # decoding takes no gradients
+    block = _pure_block(  # decoding takes no gradients
+        graphdef, pos, None if cache is not None else policy, lambda fun, policy: jax.checkpoint(fun, policy=policy)
+    )
 
     def step(x, layer):
         layer_state, layer_cache = layer
@@ -429,6 +442,11 @@ class GPT(nnx.Module):
     what the policy saves (with ``remat=True``, each block's input) and recomputes the
     rest, trading about one more forward pass of the blocks for most of their activation
     memory (benchmarks/RESULTS.md). Outputs and gradients are unchanged.
+
+    Every JAX transformation works through the model (``jit``, ``vmap``, ``grad``,
+    ``jvp``, ``jacfwd``, ``hessian``, ``linearize``, ``scan``, ``checkpoint``), with one
+    exception: ``scan_layers=False`` with ``remat`` enabled is reverse mode only
+    (see :func:`checkpoint`); use ``scan_layers=True`` for forward mode with remat.
 
     Call ``model.eval()`` to switch dropout off (``model.train()`` to switch it back).
 
