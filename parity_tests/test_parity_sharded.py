@@ -20,7 +20,8 @@ SHARDED_CASES = textwrap.dedent("""
     assert jax.device_count() == 8, jax.devices()
     mesh = make_mesh(4)  # (data 2, fsdp 4)
     out = {}
-    for name, case in (("gpt", cases.gpt("float32", 2, 8, 0)), ("encoder-decoder", cases.encoder_decoder("float32", 2, 6, 0))):
+    for name, build, seq_len in (("gpt", cases.gpt, 8), ("encoder-decoder", cases.encoder_decoder, 6)):
+        case = build("float32", 2, seq_len, 0)
         report = engine.check_case(case, engine.TOLERANCES["float32"], mesh=mesh)
         failed = [(r.name, r.relative_error) for r in report.results if not r.passed]
         out[name] = {"passed": report.passed, "failed": failed, "sharding": report.sharding, "title": report.title}

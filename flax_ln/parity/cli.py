@@ -157,7 +157,8 @@ def _make_mesh(parser: argparse.ArgumentParser, args: argparse.Namespace):
         )
     fsdp = args.fsdp or 1
     if wanted % fsdp:
-        parser.error(f"--fsdp {fsdp} must divide --devices {wanted}: the mesh is (data, fsdp) = ({wanted} // fsdp, fsdp)")
+        parser.error(f"--fsdp {fsdp} must divide --devices {wanted}: the mesh is (data, fsdp) = "
+                     f"({wanted} // fsdp, fsdp)")
     mesh = make_mesh(fsdp, devices=devices[:wanted])
     if args.batch % mesh.shape[DATA]:
         parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({mesh.shape[DATA]} = "
