@@ -8,8 +8,8 @@ torch is imported here; importing :mod:`flax_ln` does not import this module.
 from __future__ import annotations
 
 import dataclasses
-import re
 import os
+import re
 from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
@@ -224,9 +224,9 @@ SEQ_LEN_LIMITS: dict[str, tuple[int, str] | None] = {
     "layernorm": None,
     "torch-layernorm": None,
     "encoder-decoder": (ENCODER_DECODER_POSITIONS, "positions in the positional-encoding table"),
-    "gpt": (GPT_CONFIG.block_size, "positions (block_size)"),
+    "gpt": (GPT_CONFIG.block_size, "positions (its block_size)"),
     "gpt2-xl-block": (flax_ln.GPTConfig.gpt2_xl().block_size, "positions (GPT-2XL's block_size, its causal mask)"),
-    "music": (MUSIC_CONFIG.block_size, "positions (block_size)"),
+    "music": (MUSIC_CONFIG.block_size, "positions (its block_size)"),
 }
 
 
