@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         "parity",
         help="load the same weights into torch_ref and flax_ln and compare outputs and gradients",
         description="Load the same weights into the PyTorch reference and the Flax port, then compare "
-        "every output and the gradient of every input and parameter. Exit code 0 only if all are "
-        "within tolerance; on failure, name the first submodule whose output diverges.",
+        "every output and the gradient of every input and parameter. Exit code 0 if all are within "
+        "tolerance, 1 if any is not (the first submodule whose output diverges is named), 2 for a usage "
+        "error or a refused checkpoint; every argument is checked before anything runs.",
     )
     parity.add_argument("--model", choices=[*MODEL_CHOICES, "all"], default="all",
                         help="which model to check (default: all, on small configs; gpt2-xl-block is full width)")
