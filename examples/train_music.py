@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -64,6 +65,7 @@ CONFIGS = {
     "music": GPTConfig.music(),  # the book's 6 layers, 8 heads, width 512, vocab 390, block 2048
     "tiny": GPTConfig.music(n_layer=2, n_head=4, n_embd=64, block_size=128),  # seconds on a CPU
 }
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # compute dtype; parameters stay float32
 KILL_ENV = "FLAX_LN_TEST_SIGKILL_AFTER_STEP"  # tests only: SIGKILL this process once this step is logged
 
 
@@ -93,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="take the prompt from this MIDI file instead of the held-out piece of the data")
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (mesh: devices//K x K)")
     p.add_argument("--seed", type=int, default=0, help="initialisation, dropout, data order and sampling seed")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="compute dtype (default float32); parameters, optimizer state, norm statistics, the "
+                   "attention softmax and the loss stay float32")
     p.add_argument("--data", default=None, help="folder of .mid/.midi files (default: music21's Bach chorales)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N MIDI files (quick runs)")
     p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
@@ -173,8 +178,8 @@ def open_checkpoints(args, expect: dict) -> Checkpointer:
     return ckpt
 
 
-def new_model(config: GPTConfig, seed: int) -> GPT:
-    model = GPT(config, rngs=nnx.Rngs(seed))
+def new_model(config: GPTConfig, seed: int, dtype: str = "float32") -> GPT:
+    model = GPT(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(seed))
     model.train()  # dropout on; its RNG state is split into state.rest and checkpointed with it
     return model
 
@@ -187,7 +192,7 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
     tx = gpt_adam()  # clip the global norm to 1 as torch does, then Adam(1e-4)
 
     def make_model() -> GPT:
-        return new_model(config, args.seed)
+        return new_model(config, args.seed, args.dtype)
 
     graphdef, abstract = jax.eval_shape(lambda: init_train_state(make_model(), tx))
     shardings = state_shardings(abstract, mesh)
@@ -269,12 +274,13 @@ def sample(args, model: GPT, prompt_file: Path) -> np.ndarray:
 def load_for_sampling(args, config: GPTConfig) -> GPT:
     """The model of ``--sample-only``: a torch state dict file or an orbax checkpoint folder of this example."""
     path = args.sample_only
-    model = new_model(config, args.seed)
+    model = new_model(config, args.seed, args.dtype)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         ckpt = Checkpointer(folder, create=False)
         try:
-            graphdef, abstract = jax.eval_shape(lambda: init_train_state(new_model(config, args.seed), gpt_adam()))
+            graphdef, abstract = jax.eval_shape(
+                lambda: init_train_state(new_model(config, args.seed, args.dtype), gpt_adam()))
             state, _ = ckpt.restore(abstract, expect={"config": dataclasses.asdict(config)})
         finally:
             ckpt.close()

@@ -238,14 +238,41 @@ def _run_torch(module, inputs, input_names, kwargs, forward, loss):
     return dict(named), cotangents, value.detach().numpy(), grads
 
 
-def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, param_names):
-    """Outputs, loss and gradients (same keys as :func:`_run_torch`) of the flax side, jitted."""
+def _on_mesh(mesh, params, rest, arrays):
+    """The flax side placed on a ``(data, fsdp)`` mesh, as training places it (:mod:`flax_ln.sharding`).
+
+    Parameters and the other state (buffers, RNG state) by the FSDP rule
+    (:func:`flax_ln.sharding.state_shardings`); every other array (inputs, masks) split
+    along its first axis over ``data`` when that axis divides evenly (the batch), else
+    replicated (a mask broadcast over the batch, a scalar).
+
+    Returns:
+      ``(params, rest, arrays)`` placed, and the ``sharding`` record of the report:
+      the mesh's axis sizes and each parameter's ``PartitionSpec`` (flax path -> str).
+    """
+    from flax_ln.sharding import DATA, batch_sharding, replicated, state_shardings
+
+    params = jax.device_put(params, state_shardings(params, mesh))
+    rest = jax.device_put(rest, state_shardings(rest, mesh))
+
+    def place(x):
+        split = x is not None and np.ndim(x) > 0 and np.shape(x)[0] % mesh.shape[DATA] == 0
+        return None if x is None else jax.device_put(x, batch_sharding(mesh) if split else replicated(mesh))
+
+    specs = {".".join(map(str, path)): str(var.get_value().sharding.spec) for path, var in nnx.to_flat_state(params)}
+    record = {"mesh": dict(mesh.shape), "params": specs}
+    return params, rest, jax.tree.map(place, arrays, is_leaf=lambda x: x is None), record
+
+
+def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, param_names, mesh=None):
+    """Outputs, loss and gradients (same keys as :func:`_run_torch`) of the flax side, jitted; on ``mesh``
+    (see :func:`_on_mesh`) when given. Also returns the sharding record (``None`` without a mesh)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     float_positions = [i for i, x in enumerate(inputs) if _is_float(x)]
     array_kwargs = {k: jnp.asarray(v) for k, v in kwargs.items() if isinstance(v, (np.ndarray, jax.Array))}
     static_kwargs = {k: v for k, v in kwargs.items() if k not in array_kwargs}
 
-    def objective(params, float_inputs, other_inputs, array_kwargs):
+    def objective(params, rest, float_inputs, other_inputs, array_kwargs):
         args = list(other_inputs)
         for i, x in zip(float_positions, float_inputs):
             args[i] = x
@@ -257,12 +284,16 @@ def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, par
 
     float_inputs = [jnp.asarray(inputs[i]) for i in float_positions]
     other_inputs = [None if i in float_positions else jnp.asarray(x) for i, x in enumerate(inputs)]
-    grad_fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
-    (value, outputs), (param_grads, input_grads) = grad_fn(params, float_inputs, other_inputs, array_kwargs)
+    sharding = None
+    if mesh is not None:
+        params, rest, (float_inputs, other_inputs, array_kwargs), sharding = _on_mesh(
+            mesh, params, rest, (float_inputs, other_inputs, array_kwargs))
+    grad_fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 2), has_aux=True))
+    (value, outputs), (param_grads, input_grads) = grad_fn(params, rest, float_inputs, other_inputs, array_kwargs)
     grads = {f"grad {input_names[i]}": np.asarray(g) for i, g in zip(float_positions, input_grads)}
     named = to_torch_state_dict(nnx.merge(graphdef, param_grads, rest))
     grads.update({k: v for k, v in named.items() if k in param_names})  # buffers are not trained
-    return {k: np.asarray(v) for k, v in named_outputs(outputs)}, np.asarray(value), grads
+    return {k: np.asarray(v) for k, v in named_outputs(outputs)}, np.asarray(value), grads, sharding
 
 
 # ---------------------------------------------------------------------------------------
@@ -362,7 +393,7 @@ def localize(torch_module, flax_module: nnx.Module, inputs, flax_inputs, kwargs,
 def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None, kwargs=None, loss=None,
              tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None,
              forward: Callable | None = None, input_names: Sequence[str] | None = None, name: str | None = None,
-             localize_failures: bool = True, capture_modules: bool = False) -> ParityReport:
+             localize_failures: bool = True, capture_modules: bool = False, mesh=None) -> ParityReport:
     """:func:`compare_modules`, plus what the book's cases need: one ``forward(module, *inputs, **kwargs)``
     used on both sides (default: calling the module), names for the inputs and the report."""
     start = time.perf_counter()
@@ -385,8 +416,8 @@ def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None,
         flax_eval.eval()
         param_names = [n for n, _ in torch_module.named_parameters()]
         t_out, cotangents, t_loss, t_grads = _run_torch(torch_module, inputs, input_names, kwargs, forward, loss)
-        f_out, f_loss, f_grads = _run_flax(flax_eval, flax_inputs, input_names, kwargs, forward, loss, cotangents,
-                                           set(param_names))
+        f_out, f_loss, f_grads, sharding = _run_flax(flax_eval, flax_inputs, input_names, kwargs, forward, loss,
+                                                     cotangents, set(param_names), mesh)
         for i, order in enumerate(orders):  # input gradients back into torch's axis order
             key = f"grad {input_names[i]}"
             if key in f_grads:
@@ -405,7 +436,7 @@ def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None,
         if "grads" in tolerances and all(k in f_grads for k in param_names):
             whole = [np.concatenate([g[k].ravel() for k in param_names]) for g in (f_grads, t_grads)]
             results.append(compare_tensors("all parameter gradients", "grads", *whole, tolerances["grads"]))
-        report = ParityReport(name or type(torch_module).__name__, dtype, results)
+        report = ParityReport(name or type(torch_module).__name__, dtype, results, sharding=sharding)
         if capture_modules or (localize_failures and not report.passed):
             report.module_errors, report.first_divergence = localize(
                 torch_module, flax_eval, inputs, flax_inputs, kwargs, forward, tolerances["output"])
@@ -414,7 +445,8 @@ def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None,
 
 
 def compare_modules(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None, kwargs=None, loss=None,
-                    tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None) -> ParityReport:
+                    tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None,
+                    mesh=None) -> ParityReport:
     """Compare a torch module with its NNX twin: every output, and the gradient of every floating input and parameter.
 
     The torch module's ``state_dict()`` is copied into ``flax_module`` through the strict
@@ -442,21 +474,26 @@ def compare_modules(torch_module, flax_module: nnx.Module, inputs, *, flax_input
       dtype: ``"float32"`` or ``"float64"`` (default: the torch parameters' dtype), or
         ``"bfloat16"``/``"float16"`` for a flax module that computes in half precision
         with float32 parameters, against the float32 torch module.
+      mesh: a ``(data, fsdp)`` mesh from :func:`flax_ln.sharding.make_mesh`: the flax side
+        then runs sharded, parameters by the training FSDP rule and inputs split over
+        ``data`` along their first (batch) axis where it divides; ``report.sharding``
+        records each parameter's ``PartitionSpec``. The torch side is unchanged.
 
     Returns:
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
     """
     return _compare(torch_module, flax_module, inputs, flax_inputs=flax_inputs, kwargs=kwargs, loss=loss,
-                    tolerances=tolerances, dtype=dtype)
+                    tolerances=tolerances, dtype=dtype, mesh=mesh)
 
 
 def assert_parity(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None, kwargs=None, loss=None,
-                  tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None) -> ParityReport:
+                  tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None,
+                  mesh=None) -> ParityReport:
     """:func:`compare_modules` for tests: raises ``AssertionError`` with the readable report
     (the worst tensors and the first divergence) unless everything is within tolerance.
     Returns the report when it passes."""
     report = compare_modules(torch_module, flax_module, inputs, flax_inputs=flax_inputs, kwargs=kwargs, loss=loss,
-                             tolerances=tolerances, dtype=dtype)
+                             tolerances=tolerances, dtype=dtype, mesh=mesh)
     if not report.passed:
         raise AssertionError("parity failed:\n" + str(report))
     return report
@@ -500,14 +537,18 @@ class Case:
     forward: Callable | None = None
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     train: TrainSpec | None = None
+    stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, named in the report
 
 
 def check_case(case: Case, tolerances: Mapping[str, Tolerance] | None = None, *, localize_failures: bool = True,
-               capture_modules: bool = False) -> ParityReport:
-    """:func:`compare_modules` on a case. ``capture_modules`` records every submodule's error even when all pass."""
-    return _compare(case.torch_model, case.flax_model, case.inputs, kwargs=case.kwargs, tolerances=tolerances,
-                    dtype=case.dtype, forward=case.forward, input_names=case.input_names, name=case.name,
-                    localize_failures=localize_failures, capture_modules=capture_modules)
+               capture_modules: bool = False, mesh=None) -> ParityReport:
+    """:func:`compare_modules` on a case (``mesh`` as there). ``capture_modules`` records every submodule's
+    error even when all pass."""
+    report = _compare(case.torch_model, case.flax_model, case.inputs, kwargs=case.kwargs, tolerances=tolerances,
+                      dtype=case.dtype, forward=case.forward, input_names=case.input_names, name=case.name,
+                      localize_failures=localize_failures, capture_modules=capture_modules, mesh=mesh)
+    report.stored_dtype = case.stored_dtype
+    return report
 
 
 def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) -> list[dict[str, Any]]:

@@ -92,6 +92,8 @@ class ParityReport:
     train_steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     module_errors: list[TensorResult] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, when it was upcast to ``dtype``
+    sharding: dict[str, Any] | None = None  # on a mesh: its axes and each flax parameter's PartitionSpec
 
     @property
     def passed(self) -> bool:
@@ -122,7 +124,19 @@ class ParityReport:
             },
             "module_errors": [r.to_json() for r in self.module_errors],
             "train_steps": [{k: _json_number(v) for k, v in s.items()} for s in self.train_steps],
+            "stored_dtype": self.stored_dtype,
+            "sharding": self.sharding,
         }
+
+    @property
+    def title(self) -> str:
+        """``name (dtype)``, with the stored dtype when it differs and the mesh when sharded."""
+        notes = [self.dtype]
+        if self.stored_dtype is not None and self.stored_dtype != self.dtype:
+            notes.append(f"stored {self.stored_dtype}")
+        if self.sharding is not None:
+            notes.append("mesh " + " x ".join(f"{axis} {size}" for axis, size in self.sharding["mesh"].items()))
+        return f"{self.name} ({', '.join(notes)})"
 
 
 def environment() -> dict[str, Any]:
@@ -173,7 +187,7 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
     others = sorted((r for r in results if r.kind != "output"), key=lambda r: -r.excess)
     shown = outputs + others[:worst]
     header = f"{'tensor':<44} {'kind':<11} {'shape':<16} {'max |d|':>9} {'at':<14} {'rel err':>9} {'rtol':>8}  status"
-    lines = [f"== {report.name} ({report.dtype}) " + "=" * max(0, 80 - len(report.name)), header]
+    lines = [f"== {report.title} " + "=" * max(0, 80 - len(report.title)), header]
     for r in shown:
         status = {None: "ok", "rtol": "ok", "atol": "ok (abs)", "gtol": "ok (zero grad)"}[r.passed_by] if r.passed \
             else ("MISMATCH" if r.problem else "NONFINITE" if r.nonfinite else "FAIL")
@@ -213,7 +227,7 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
         lines.append("no submodule output diverges: the difference arises in the backward pass or the loss")
     if quiet:
         lines = [line for line in lines if line.startswith(("summary:", "train step", "first divergence", "no submodule"))]
-        lines[0] = f"{report.name} ({report.dtype}) {lines[0]}"
+        lines[0] = f"{report.title} {lines[0]}"
     return "\n".join(lines)
 
 
@@ -257,7 +271,7 @@ def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
             if tol is not None:
                 ax.axhline(tol, color=color, lw=0.8, ls=":", label=label)
         ax.set_yscale("log")
-        ax.set_title(f"{report.name} ({report.dtype}): {'PASS' if report.passed else 'FAIL'}")
+        ax.set_title(f"{report.title}: {'PASS' if report.passed else 'FAIL'}")
         step = max(1, len(modules) // 40)
         ax.set_xticks(x[::step])
         ax.set_xticklabels(modules[::step], rotation=75, fontsize=6)
