@@ -20,6 +20,9 @@ and sequences may not be longer than the positional table. The :class:`Transform
 entry points (``__call__``, ``encode``, ``decode``, :func:`greedy_decode`) also check that
 concrete token ids lie in ``[0, vocab)``, and traced ones with ``debug_checks=True``
 (see :mod:`flax_ln.models.checks`); they validate once and call unchecked internals.
+
+A module stores only what its own forward reads; the sizes and options a constructor
+passes on to the submodules it builds live in those submodules.
 """
 
 from __future__ import annotations
@@ -141,10 +144,6 @@ class MultiHeadedAttention(nnx.Module):
             raise ValueError(f"d_model={d_model} must be divisible by the number of heads h={h}")
         self.h = h
         self.d_model = d_model
-        self.d_k = d_model // h
-        self.dropout_rate = dropout
-        self.dtype = dtype
-        self.param_dtype = param_dtype
         self.precision = precision
         self.linears = nnx.List([
             _linear(d_model, d_model, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -193,13 +192,7 @@ class PositionwiseFeedForward(nnx.Module):
                  dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
-        self.d_model = d_model
-        self.d_ff = d_ff
-        self.dropout_rate = dropout
         self.activation = activation
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.w_1 = _linear(d_model, d_ff, **kw)
         self.w_2 = _linear(d_ff, d_model, **kw)
@@ -228,10 +221,6 @@ class SublayerConnection(nnx.Module):
     """
 
     def __init__(self, size: int, *, dropout: float = 0.1, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.size = size
-        self.dropout_rate = dropout
-        self.dtype = dtype
-        self.param_dtype = param_dtype
         self.norm = LayerNorm(size, dtype=dtype, param_dtype=param_dtype)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
@@ -259,14 +248,6 @@ class EncoderLayer(nnx.Module):
 
     def __init__(self, size: int, h: int, d_ff: int, *, dropout: float = 0.1, ffn_activation: str | None = None,
                  dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.size = size
-        self.h = h
-        self.d_ff = d_ff
-        self.dropout_rate = dropout
-        self.ffn_activation = ffn_activation
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         kw = dict(dropout=dropout, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.self_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
         self.feed_forward = PositionwiseFeedForward(size, d_ff, activation=ffn_activation, precision=precision, **kw)
@@ -296,14 +277,6 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, size: int, h: int, d_ff: int, *, dropout: float = 0.1, ffn_activation: str | None = None,
                  dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.size = size
-        self.h = h
-        self.d_ff = d_ff
-        self.dropout_rate = dropout
-        self.ffn_activation = ffn_activation
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         kw = dict(dropout=dropout, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.self_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
         self.src_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
@@ -330,15 +303,6 @@ class _Stack(nnx.Module):
     def __init__(self, size: int, h: int, d_ff: int, N: int, *, dropout: float = 0.1,
                  ffn_activation: str | None = None, dtype=None, param_dtype=jnp.float32, precision=None,
                  rngs: nnx.Rngs):
-        self.size = size
-        self.h = h
-        self.d_ff = d_ff
-        self.N = N
-        self.dropout_rate = dropout
-        self.ffn_activation = ffn_activation
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         self.layers = nnx.List([
             self.layer_cls(size, h, d_ff, dropout=dropout, ffn_activation=ffn_activation, dtype=dtype,
                            param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -406,9 +370,6 @@ class Embeddings(nnx.Module):
 
     def __init__(self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.d_model = d_model
-        self.vocab = vocab
-        self.dtype = dtype
-        self.param_dtype = param_dtype
         self.lut = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=param_dtype, embedding_init=_xavier, rngs=rngs)
 
     def __call__(self, x: Int[Array, "B T"]) -> Float[Array, "B T d_model"]:
@@ -450,9 +411,7 @@ class PositionalEncoding(nnx.Module):
     def __init__(self, d_model: int, *, dropout: float = 0.1, max_len: int = 5000, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.d_model = d_model
-        self.dropout_rate = dropout
         self.max_len = max_len
-        self.param_dtype = param_dtype
         self.pe = Buffer(jnp.asarray(sinusoid_table(d_model, max_len), param_dtype))
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
@@ -483,11 +442,6 @@ class Generator(nnx.Module):
 
     def __init__(self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, precision=None,
                  rngs: nnx.Rngs):
-        self.d_model = d_model
-        self.vocab = vocab
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         self.proj = _linear(d_model, vocab, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
 
     def __call__(self, x: Float[Array, "*B d_model"]) -> Float[Array, "*B vocab"]:
