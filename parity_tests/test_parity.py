@@ -19,7 +19,7 @@ from flax_ln.parity.capture import WHOLE_MODEL, capture_flax
 from flax_ln.parity.cli import main
 
 JSON_TENSOR_KEYS = {"name", "kind", "shape", "max_abs_error", "max_error_index", "relative_error", "tolerance", "passed_by",
-                    "nonfinite", "passed", "problem"}
+                    "nonfinite", "passed", "problem", "torch_vs_float64", "flax_vs_float64"}
 
 
 # ---- compare_modules on a model of plain torch.nn / flax.nnx layers ------------------------------
