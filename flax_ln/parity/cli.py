@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--plot", metavar="PATH", help="save a chart of per-module output and gradient errors")
     parity.add_argument("--quiet", action="store_true", help="print only the summary lines")
     parity.add_argument("--worst", type=int, default=8, help="rows per table (default 8)")
+    parity.add_argument("--attribute", action="store_true",
+                        help="also run both models in float64 and give, for every failing tensor, torch's and "
+                        "flax's error against that float64 truth: which side is wrong")
+    ref = parity.add_argument_group("parity without torch on the machine")
+    ref.add_argument("--save-reference", metavar="FILE",
+                     help="write the torch side of every selected model (inputs, weights, cotangents, outputs, "
+                     "gradients, per-submodule records; float64 values with --attribute) to one safetensors file")
+    ref.add_argument("--reference", metavar="FILE",
+                     help="check the flax side against a file written by --save-reference; needs no torch "
+                     "(replaces --model/--checkpoint; dtype and sizes come from the file)")
     ckpt = parity.add_argument_group("checking a checkpoint of your own")
     ckpt.add_argument("--checkpoint", metavar="PATH",
                       help="a torch_ref GPT, encoder-decoder or LayerNorm state dict (.safetensors, or .pt/.pth/.bin "
@@ -64,18 +74,76 @@ def _positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--n-head must be at least 1, got {args.n_head}")
     if args.checkpoint and args.model != "all":
         parser.error("--checkpoint replaces --model; give one of them")
+    if args.reference and (args.checkpoint or args.model != "all" or args.save_reference or args.train_steps):
+        parser.error("--reference replaces --model, --checkpoint, --save-reference and --train-steps; "
+                     "the file says what to check")
+
+
+def _tolerances(args: argparse.Namespace, dtype: str) -> dict:
+    """The policy's tolerances for ``dtype``, with --rtol/--atol applied."""
+    import dataclasses
+
+    from flax_ln.parity import engine as parity
+
+    return {kind: dataclasses.replace(tol, rtol=tol.rtol if args.rtol is None else args.rtol,
+                                      atol=tol.atol if args.atol is None else args.atol)
+            for kind, tol in parity.TOLERANCES[dtype].items()}
+
+
+def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> int:
+    """The overall line, --json and --plot; the exit code."""
+    from flax_ln.parity import report as parity_report
+
+    passed = all(r.passed for r in reports)
+    print(f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
+          f"{'PASS' if passed else 'FAIL'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "dtype": dtype, "passed": passed,
+                       "models": [r.to_json() for r in reports]}, f, indent=1)
+    if args.plot:
+        parity_report.plot_errors(reports, args.plot)
+    return 0 if passed else 1
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    """``--reference FILE``: the flax side of every model in the file against its stored torch side; no torch."""
+    from flax_ln.parity import engine as parity
+    from flax_ln.parity import reference
+    from flax_ln.parity import report as parity_report
+
+    try:
+        settings, models = reference.load_reference(args.reference)
+    except reference.ReferenceError as err:
+        print(f"flax-ln parity: error: {err}", file=sys.stderr)
+        return 2
+    dtype = settings["dtype"]
+    reports = []
+    with parity.numerics(dtype):
+        env = parity_report.environment()
+        print(parity_report.format_environment(env) + f" | dtype {dtype} | reference {args.reference}", flush=True)
+        for index, model in enumerate(models, 1):
+            print(f"[{index}/{len(models)}] {model.side.name}: building, compiling and comparing ...",
+                  file=sys.stderr, flush=True)
+            report = reference.check_reference(model, _tolerances(args, dtype), capture_modules=bool(args.plot))
+            reports.append(report)
+            print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
+    return _finish(args, env, dtype, reports)
 
 
 def run_parity(args: argparse.Namespace) -> int:
-    import dataclasses
+    if args.reference:
+        return run_reference(args)
 
     from flax_ln.parity import cases as parity_cases
     from flax_ln.parity import engine as parity
     from flax_ln.parity import report as parity_report
 
     names = [args.checkpoint] if args.checkpoint else MODEL_CHOICES if args.model == "all" else [args.model]
+    from flax_ln.parity import reference as parity_reference
+
     progress = sys.stderr
-    reports = []
+    reports, saved = [], []
     with parity.numerics(args.dtype):
         env = parity_report.environment()
         print(parity_report.format_environment(env) + f" | dtype {args.dtype} | x64 {env['x64']}", flush=True)
@@ -92,30 +160,27 @@ def run_parity(args: argparse.Namespace) -> int:
             except ValueError as err:  # CheckpointError, or sizes the model cannot take
                 print(f"flax-ln parity: error: {err}", file=sys.stderr)
                 return 2
-            tolerances = {
-                kind: dataclasses.replace(
-                    tol,
-                    rtol=tol.rtol if args.rtol is None else args.rtol,
-                    atol=tol.atol if args.atol is None else args.atol,
-                )
-                for kind, tol in parity.TOLERANCES[args.dtype].items()
-            }
-            report = parity.check_case(case, tolerances, capture_modules=bool(args.plot))
+            tolerances = _tolerances(args, args.dtype)
+            if args.save_reference:
+                side = parity.torch_side_of_case(case, attribute=args.attribute, record=True)
+                saved.append(parity_reference.ReferenceModel(side, dict(case.spec), parity_reference.forward_name(
+                    case.forward), case.lm_logits))
+                report = parity.compare_side(side, case.flax_model, forward=case.forward, tolerances=tolerances,
+                                             capture_modules=bool(args.plot), lm_logits=case.lm_logits)
+            else:
+                report = parity.check_case(case, tolerances, capture_modules=bool(args.plot),
+                                           attribute=args.attribute)
             if args.train_steps and case.train is not None:
                 report.train_steps = parity.check_training(case, args.train_steps, tolerances)
             report.seconds = time.perf_counter() - start
             reports.append(report)
             print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
-    passed = all(r.passed for r in reports)
-    print(f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
-          f"{'PASS' if passed else 'FAIL'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "dtype": args.dtype, "passed": passed,
-                       "models": [r.to_json() for r in reports]}, f, indent=1)
-    if args.plot:
-        parity_report.plot_errors(reports, args.plot)
-    return 0 if passed else 1
+    if args.save_reference:
+        settings = {key: getattr(args, key) for key in ("model", "checkpoint", "dtype", "batch", "seq_len", "seed",
+                                                        "attribute")}
+        parity_reference.save_reference(args.save_reference, saved, settings)
+        print(f"reference: {len(saved)} model(s) written to {args.save_reference}")
+    return _finish(args, env, args.dtype, reports)
 
 
 def main(argv: list[str] | None = None) -> int:

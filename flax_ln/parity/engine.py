@@ -933,6 +933,15 @@ def check_case(case: Case, tolerances: Mapping[str, Tolerance] | None = None, *,
                     attribute=attribute, lm_logits=case.lm_logits)
 
 
+def torch_side_of_case(case: Case, *, mode: str = "grad", attribute: bool = False, record: bool = False) -> TorchSide:
+    """The torch side of a case (for a reference file: ``record=True``), compared later by :func:`compare_side`."""
+    dtype = _resolve_dtype(case.torch_model, case.dtype)
+    with numerics(dtype):
+        return run_torch_side(case.torch_model, _as_tuple(case.inputs), input_names=case.input_names,
+                              kwargs=dict(case.kwargs), forward=case.forward, loss=None, dtype=dtype, mode=mode,
+                              attribute=attribute, record=record, name=case.name)
+
+
 def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) -> list[dict[str, Any]]:
     """Run ``steps`` optimizer steps on both sides from the same weights, dropout off.
 
