@@ -15,7 +15,6 @@ torch is imported lazily: importing this module does not import it.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import math
@@ -503,12 +502,30 @@ def run_torch_side(torch_module, inputs, *, input_names, kwargs, forward, loss, 
     side = TorchSide(name or type(torch_module).__name__, dtype, mode, list(inputs), list(input_names), dict(kwargs),
                      state_dict, param_names, expected, kinds, cotangents, tangents)
     if attribute:
-        twin = copy.deepcopy(torch_module).double()
-        side.truth = _torch_results(twin, inputs, input_names, kwargs, forward, loss, mode, cotangents, tangents,
-                                    double=True)[0]
+        with _torch_in_float64(torch_module):
+            side.truth = _torch_results(torch_module, inputs, input_names, kwargs, forward, loss, mode, cotangents,
+                                        tangents, double=True)[0]
     if record:
         record_torch_side(side, torch_module, forward)
     return side
+
+
+@contextlib.contextmanager
+def _torch_in_float64(module) -> Iterator[None]:
+    """``module`` in float64 for this scope, then back in its dtype: float32/16 -> float64 -> back is exact.
+    (A deep copy is not always possible: torch refuses to copy non-leaf tensors held as attributes.)"""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    grads = [(p, p.grad) for p in module.parameters()]
+    for p, _ in grads:
+        p.grad = None
+    module.double()
+    try:
+        yield
+    finally:
+        if dtype is not None:
+            module.to(dtype)
+        for p, grad in grads:
+            p.grad = grad
 
 
 def record_torch_side(side: TorchSide, torch_module, forward) -> None:
