@@ -755,7 +755,11 @@ def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, 
         results = []
         for k, v in side.expected.items():
             kind = side.kinds[k]
-            check_dtype = str(v.dtype) if _is_float(v) and (exact or kind != "output") and kind != "loss" else None
+            # gradients come back in the parameter dtype; outputs and tangents in the compute dtype, which is
+            # torch's except in half precision; a loss is a scalar of either
+            values_in_compute_dtype = kind in ("output", "tangent")
+            check_dtype = str(v.dtype) if _is_float(v) and kind != "loss" and (exact or not values_in_compute_dtype) \
+                else None
             results.append(compare_tensors(k, kind, actual.get(k), v, tolerances[tolerance_of[kind]],
                                            dtype=check_dtype, gradient_norm=norm if kind == "param grad" else 0.0))
         param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]

@@ -189,6 +189,8 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise ReferenceError(f"--reference {path!r}: format {data.get('format')!r} version "
                                  f"{data.get('version')!r}, expected {FORMAT!r} version {VERSION}; {hint}")
+        if data["settings"]["dtype"] not in ("float32", "float64", "bfloat16", "float16"):
+            raise ReferenceError(f"--reference {path!r}: unknown dtype {data['settings']['dtype']!r}")
         models = []
         for entry in data["models"]:
             fields = {name: _unpack(packed, tensors) for name, packed in entry["side"].items()}
@@ -197,7 +199,7 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
             models.append(ReferenceModel(TorchSide(**fields), entry["spec"], entry["forward"], entry["lm_logits"]))
     except ReferenceError:
         raise
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ReferenceError(f"--reference {path!r}: malformed reference metadata ({type(err).__name__}: {err}); "
                              f"{hint}") from err
     return data["settings"], models

@@ -260,10 +260,16 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
         lines.append(f"attribution: float64 truth = {report.attribution['truth']}; flax's float64 twin is "
                      f"{_fmt(report.attribution['flax_float64_rel'])} from it "
                      f"(worst: {report.attribution['flax_float64_worst']})")
-        for r in failed:
-            if r.torch_vs_float64 is not None and r.flax_vs_float64 is not None:
-                lines.append(f"attribution: {r.name}: flax {_fmt(r.flax_vs_float64)}, torch "
-                             f"{_fmt(r.torch_vs_float64)} from float64 -> {_side_further_off(r)}")
+        attributed = [r for r in failed if r.torch_vs_float64 is not None and r.flax_vs_float64 is not None]
+        shown_ids = {id(r) for r in shown}
+        for r in (r for r in attributed if id(r) in shown_ids):
+            lines.append(f"attribution: {r.name}: flax {_fmt(r.flax_vs_float64)}, torch "
+                         f"{_fmt(r.torch_vs_float64)} from float64 -> {_side_further_off(r)}")
+        rest = [r for r in attributed if id(r) not in shown_ids]
+        if rest:
+            flax_worse = sum(r.flax_vs_float64 > r.torch_vs_float64 for r in rest)
+            lines.append(f"attribution: {len(rest)} more failing tensors (all in --json): flax further off on "
+                         f"{flax_worse}, torch on {len(rest) - flax_worse}")
     if report.first_divergence is not None:
         lines.append(report.first_divergence.describe())
     elif not report.passed and report.module_errors:
