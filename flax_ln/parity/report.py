@@ -300,8 +300,9 @@ def _module_of(param_name: str) -> str:
 
 
 def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
-    """Save a chart, one panel per model: each submodule's output error and the worst
-    gradient error of its parameters, in execution order, on a log scale with the tolerances."""
+    """Save a chart, one row per model: each submodule's output error, its own error run alone
+    (isolated mode) and the worst gradient error of its parameters, in execution order, on a
+    log scale with the tolerances; beside it, for language models, the KL divergence per position."""
     try:
         import matplotlib
 
@@ -331,6 +332,10 @@ def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
         outputs = {r.name: r.relative_error for r in report.module_errors}
         ax.plot(x, [max(outputs.get(m, np.nan), tiny) for m in modules], "o-", label="module output rel. error")
         ax.plot(x, [max(grads.get(m, np.nan), tiny) for m in modules], "s--", label="param grad rel. error (worst)")
+        if report.isolation is not None:  # each module run alone on torch's inputs: its own error
+            own = {r.name: r.relative_error for r in report.isolation.results}
+            ax.plot(x, [max(own.get(m, np.nan), tiny) for m in modules], "^", color="C3", ms=4,
+                    label="isolated: module's own output rel. error")
         for color, kind, label in (("C0", "output", "output tolerance"), ("C1", "param grad", "gradient tolerance")):
             tol = next((r.tolerance.rtol for r in report.results if r.kind == kind), None)
             if tol is not None:
