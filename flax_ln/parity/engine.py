@@ -9,6 +9,12 @@ every submodule's inputs and outputs recorded on both sides (:mod:`.capture`) an
 the first submodule, in execution order, whose output diverges. :func:`assert_parity`
 is the same for pytest. The book's cases and ``flax-ln parity`` run on the same function.
 
+The torch side of a run is a :class:`TorchSide` (every array the comparison needs), made
+live by :func:`run_torch_side` or read from a reference file; :func:`compare_side` puts
+the flax side against it. Options: forward mode (``mode="jvp"``: ``torch.func.jvp``
+against ``jax.jvp``), attribution against float64 truth (``attribute=True``), LM
+metrics (``lm_logits``) and, on failure, isolated localisation (:func:`isolate`).
+
 torch is imported lazily: importing this module does not import it.
 """
 
@@ -323,7 +329,8 @@ def _run_torch_jvp(module, inputs, input_names, kwargs, forward, tangents, *, do
 
 
 def _flax_split(model, inputs, kwargs):
-    """``(graphdef, params, rest)``, the floating input positions, and the kwargs split into arrays and static values."""
+    """``(graphdef, params, rest)``, the floating input positions and values, the other inputs,
+    and the kwargs split into arrays and static values."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     float_positions = [i for i, x in enumerate(inputs) if _is_float(x)]
     array_kwargs = {k: jnp.asarray(v) for k, v in kwargs.items() if isinstance(v, (np.ndarray, jax.Array))}
@@ -358,7 +365,8 @@ def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, par
 
 
 def _run_flax_jvp(model, inputs, input_names, kwargs, forward, tangents, state_dict, param_names):
-    """Outputs and output tangents (``tangent <output>``, as :func:`_run_torch_jvp`) of the flax side by ``jax.jvp``, jitted.
+    """Outputs and output tangents (``tangent <output>``, as :func:`_run_torch_jvp`) of the flax side:
+    ``jax.jvp``, jitted.
 
     The parameter tangents, keyed by torch name, go through the converter like weights
     (into a copy of the model), so they land in the flax layout; parameters without

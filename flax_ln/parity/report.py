@@ -277,8 +277,8 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
     if report.isolation is not None:
         lines.append(report.isolation.describe())
     if quiet:
-        lines = [line for line in lines if line.startswith(("summary:", "train step", "first divergence", "no submodule",
-                                                            "isolated:", "LM metrics", "attribution:"))]
+        kept = ("summary:", "train step", "first divergence", "no submodule", "isolated:", "LM metrics", "attribution:")
+        lines = [line for line in lines if line.startswith(kept)]
         lines[0] = f"{report.name} ({report.dtype}) {lines[0]}"
     return "\n".join(lines)
 
