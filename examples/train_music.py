@@ -4,6 +4,9 @@ Run (CPU, seconds):     python examples/train_music.py --config tiny --steps 500
 The book's model:       python examples/train_music.py --config music --steps 20000 --out out/music \
                             --data PATH/TO/maestro-v2.0.0
 Continue a run:         add --resume (same --out); it continues exactly where the last checkpoint left off.
+                        If the newest checkpoint cannot be read (damaged files), a one-line warning says
+                        why, the run resumes from the newest one that reads, and the damaged folder is
+                        renamed to STEP.unreadable (kept for inspection; orbax ignores it).
 Sample only:            python examples/train_music.py --config music --sample-only book_music.pt \
                             --data PATH/TO/maestro-v2.0.0 --out out/book-sample
 Several devices:        --fsdp K shards parameters and optimizer state over K devices and the batch over
@@ -47,12 +50,14 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from flax_ln import GPT, ConversionError, GPTConfig, generate, load_torch_state_dict, music
 from flax_ln.checkpoint import Checkpointer, CheckpointError, MetricsLog, plot_loss, read_metrics
+from flax_ln.checkpoint import FolderNotWritableError, check_writable_folder
 from flax_ln.sharding import batch_sharding, initialize_distributed, make_mesh, replicated, shard_batch, state_shardings
 from flax_ln.train import gpt_adam, gpt_loss, init_train_state, make_train_step
 
@@ -60,6 +65,7 @@ CONFIGS = {
     "music": GPTConfig.music(),  # the book's 6 layers, 8 heads, width 512, vocab 390, block 2048
     "tiny": GPTConfig.music(n_layer=2, n_head=4, n_embd=64, block_size=128),  # seconds on a CPU
 }
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # compute dtype; parameters stay float32
 KILL_ENV = "FLAX_LN_TEST_SIGKILL_AFTER_STEP"  # tests only: SIGKILL this process once this step is logged
 
 
@@ -75,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="global batch size (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: the block size)")
     p.add_argument("--out", default=None, help="output folder (default out/music-CONFIG)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the checkpoint folder")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest readable checkpoint in the checkpoint folder")
     p.add_argument("--ckpt-dir", default=None,
                    help="checkpoint folder (default OUT/checkpoints); on several hosts a shared one, e.g. gs://...")
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps and at the end")
@@ -88,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="take the prompt from this MIDI file instead of the held-out piece of the data")
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (mesh: devices//K x K)")
     p.add_argument("--seed", type=int, default=0, help="initialisation, dropout, data order and sampling seed")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="compute dtype (default float32); parameters, optimizer state, norm statistics, the "
+                   "attention softmax and the loss stay float32")
     p.add_argument("--data", default=None, help="folder of .mid/.midi files (default: music21's Bach chorales)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N MIDI files (quick runs)")
     p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
@@ -110,6 +120,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not ok:
             p.error(message)
     args.out = Path(args.out or f"out/music-{args.config}")
+    try:  # before any slow work: a run that cannot write its outputs fails now, not at its first save
+        check_writable_folder(args.out, "--out")
+        check_writable_folder(args.ckpt_dir or args.out / "checkpoints", "--ckpt-dir" if args.ckpt_dir else "--out")
+    except FolderNotWritableError as e:
+        p.error(str(e))
     return args
 
 
@@ -149,7 +164,7 @@ def open_checkpoints(args, expect: dict) -> Checkpointer:
     if args.resume:
         ckpt = Checkpointer(ckpt_dir, create=False)
         try:
-            ckpt.check(ckpt.read_meta(), expect)  # config, sequence length, seed; the data is checked on restore
+            ckpt.check(ckpt.newest_readable_meta(), expect)  # config, seq_len, seed; the data is checked on restore
         except CheckpointError:
             ckpt.close()
             raise
@@ -163,8 +178,8 @@ def open_checkpoints(args, expect: dict) -> Checkpointer:
     return ckpt
 
 
-def new_model(config: GPTConfig, seed: int) -> GPT:
-    model = GPT(config, rngs=nnx.Rngs(seed))
+def new_model(config: GPTConfig, seed: int, dtype: str = "float32") -> GPT:
+    model = GPT(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(seed))
     model.train()  # dropout on; its RNG state is split into state.rest and checkpointed with it
     return model
 
@@ -177,13 +192,16 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
     tx = gpt_adam()  # clip the global norm to 1 as torch does, then Adam(1e-4)
 
     def make_model() -> GPT:
-        return new_model(config, args.seed)
+        return new_model(config, args.seed, args.dtype)
 
     graphdef, abstract = jax.eval_shape(lambda: init_train_state(make_model(), tx))
     shardings = state_shardings(abstract, mesh)
     if args.resume:
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-        state, meta = ckpt.restore(target, expect=expect)
+        state, meta, skipped = ckpt.restore_newest_readable(target, expect=expect)
+        for error in skipped if is_main else ():
+            print(f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
+                  f"one to {ckpt.set_aside(error.step)}", file=sys.stderr)
         start, position = meta["step"], meta["data_position"]
     else:
         state = jax.jit(lambda: init_train_state(make_model(), tx)[1], out_shardings=shardings)()
@@ -256,12 +274,13 @@ def sample(args, model: GPT, prompt_file: Path) -> np.ndarray:
 def load_for_sampling(args, config: GPTConfig) -> GPT:
     """The model of ``--sample-only``: a torch state dict file or an orbax checkpoint folder of this example."""
     path = args.sample_only
-    model = new_model(config, args.seed)
+    model = new_model(config, args.seed, args.dtype)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         ckpt = Checkpointer(folder, create=False)
         try:
-            graphdef, abstract = jax.eval_shape(lambda: init_train_state(new_model(config, args.seed), gpt_adam()))
+            graphdef, abstract = jax.eval_shape(
+                lambda: init_train_state(new_model(config, args.seed, args.dtype), gpt_adam()))
             state, _ = ckpt.restore(abstract, expect={"config": dataclasses.asdict(config)})
         finally:
             ckpt.close()

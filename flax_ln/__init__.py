@@ -4,7 +4,13 @@
 inputs and the parity harness need it.
 """
 
-from flax_ln.convert import ConversionError, load_hf_gpt2, load_torch_state_dict, to_torch_state_dict
+from flax_ln.convert import (
+    ConversionError,
+    load_hf_gpt2,
+    load_torch_state_dict,
+    save_hf_gpt2,
+    to_torch_state_dict,
+)
 from flax_ln.models.encoder_decoder import (
     Transformer,
     greedy_decode,
@@ -53,6 +59,7 @@ __all__ = [
     "noam_adam",
     "noam_schedule",
     "normalize",
+    "save_hf_gpt2",
     "subsequent_mask",
     "to_torch_state_dict",
     "TorchLayerNorm",

@@ -21,17 +21,17 @@ from flax_ln.models import layernorm as _nnx
 from flax_ln.models.gpt import GPTConfig
 
 
-def LayerNorm(features: int, eps: float = 1e-6, *, robust: bool = False, dtype=None, param_dtype=jnp.float32, name=None):
+def LayerNorm(features: int, eps: float = 1e-6, *, dtype=None, param_dtype=jnp.float32, name=None):
     """Linen ``LayerNorm``: the book's chapter-9 norm (see :class:`flax_ln.LayerNorm`)."""
     return bridge.to_linen(
-        _nnx.LayerNorm, features, eps, robust=robust, dtype=dtype, param_dtype=param_dtype, name=name
+        _nnx.LayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name
     )
 
 
-def TorchLayerNorm(features: int, eps: float = 1e-5, *, robust: bool = False, dtype=None, param_dtype=jnp.float32, name=None):
+def TorchLayerNorm(features: int, eps: float = 1e-5, *, dtype=None, param_dtype=jnp.float32, name=None):
     """Linen ``TorchLayerNorm``: the ``torch.nn.LayerNorm`` twin (see :class:`flax_ln.TorchLayerNorm`)."""
     return bridge.to_linen(
-        _nnx.TorchLayerNorm, features, eps, robust=robust, dtype=dtype, param_dtype=param_dtype, name=name
+        _nnx.TorchLayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name
     )
 
 

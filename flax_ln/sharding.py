@@ -23,11 +23,12 @@ With ``fsdp=1`` this is plain data parallelism; with ``data=1`` plain FSDP. Typi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -75,6 +76,31 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     """A ``NamedSharding`` per array of ``abstract_state`` (arrays or ``ShapeDtypeStruct``), by :func:`fsdp_spec`."""
     size = mesh.shape[FSDP]
     return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, size)), abstract_state)
+
+
+def abstract_model(make: Callable[[], nnx.Module], mesh: Mesh | None = None) -> nnx.Module:
+    """``make()`` with abstract parameters, to be filled by a loader; nothing is randomly initialised.
+
+    Every ``nnx.Param`` holds a ``jax.ShapeDtypeStruct`` (from ``nnx.eval_shape``) that
+    carries the ``NamedSharding`` training would give it (:func:`state_shardings`) when
+    ``mesh`` is given, and no sharding (the default device) otherwise. The rest of the
+    state (dropout RNG keys and counts) is computed for real, placed by the same rules:
+    ``make`` runs once under ``jax.jit``, whose dead-code elimination drops the parameter
+    initialisers, so no parameter is ever materialised. Loaders such as
+    :func:`flax_ln.load_torch_state_dict` and :func:`flax_ln.load_hf_gpt2` then create
+    each parameter directly with the sharding its abstract value names.
+
+    Args:
+      make: builds the module, e.g. ``lambda: GPT(config, rngs=nnx.Rngs(0))``.
+      mesh: a ``(data, fsdp)`` mesh from :func:`make_mesh`, or ``None``.
+    """
+    graphdef, params, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    rest_shardings = None if mesh is None else state_shardings(rest, mesh)
+    rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], out_shardings=rest_shardings)()
+    if mesh is not None:
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              params, state_shardings(params, mesh))
+    return nnx.merge(graphdef, params, rest)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

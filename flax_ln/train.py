@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from flax_ln.models.checks import check_id_values
 from flax_ln.models.encoder_decoder import make_src_mask, make_std_mask
 
 Batch = Any
@@ -83,7 +84,8 @@ def gpt_adam(learning_rate: float = 1e-4, clip_norm: float = 1.0) -> optax.Gradi
 
 
 def label_smoothing_loss(
-    log_probs: Float[Array, "*N V"], target: Int[Array, "*N"], *, padding_idx: int, smoothing: float = 0.1
+    log_probs: Float[Array, "*N V"], target: Int[Array, "*N"], *, padding_idx: int, smoothing: float = 0.1,
+    debug_checks: bool = False,
 ) -> Float[Array, ""]:
     """Chapter 10's label-smoothed loss: ``KL(true_dist || p)`` summed over every token and class.
 
@@ -95,11 +97,16 @@ def label_smoothing_loss(
     loss. Unlike ``optax.smooth_labels`` + cross-entropy, the smoothing mass skips the
     padding class and the constant ``t log t`` (the target's entropy) is included.
 
+    Concrete targets outside ``[0, V)`` raise a ``ValueError`` (torch's ``scatter_`` fails on
+    them); traced ones are checked only with ``debug_checks`` (:mod:`flax_ln.models.checks`),
+    and otherwise match no class, giving a finite, wrong loss.
+
     Args:
       log_probs: log-probabilities, e.g. the :class:`~flax_ln.models.encoder_decoder.Generator` output.
-      target: class ids, the shape of ``log_probs`` without its last axis.
+      target: class ids in ``[0, V)``, the shape of ``log_probs`` without its last axis.
       padding_idx: the padding class id.
       smoothing: mass spread over the non-target classes, 0.1 in the book.
+      debug_checks: check traced targets with ``jax.experimental.checkify``.
     """
     if target.shape != log_probs.shape[:-1] or not jnp.issubdtype(target.dtype, jnp.integer):
         raise ValueError(
@@ -107,6 +114,7 @@ def label_smoothing_loss(
             f"axis), got shape {target.shape} dtype {target.dtype}."
         )
     size = log_probs.shape[-1]
+    check_id_values(target, "target", owner="label_smoothing_loss", vocab=size, debug=debug_checks)
     classes = jnp.arange(size)
     true_dist = jnp.where(target[..., None] == classes, 1.0 - smoothing, smoothing / (size - 2))  # (*N, V)
     true_dist = jnp.where((classes == padding_idx) | (target[..., None] == padding_idx), 0.0, true_dist)

@@ -281,7 +281,8 @@ def test_remat_gives_the_same_gradients(x64, scan_layers, remat):
 
     loss, grads, rng_state, plain = run(False)
     loss_r, grads_r, rng_state_r, jaxpr = run(remat)
-    assert "remat" not in str(plain) and "remat" in str(jaxpr)  # really checkpointed
+    # really checkpointed: the norms' backward is a checkpoint of its own, the blocks add more
+    assert str(jaxpr).count("remat") > str(plain).count("remat")
     assert relative_error(loss_r, loss) <= 1e-12
     for (path, g), g_r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads_r)):
         assert g_r.dtype == jnp.float64 and relative_error(g_r, g) <= 1e-12, path
@@ -643,7 +644,7 @@ def test_bad_inputs_raise_before_compute():
     ids = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(ValueError, match="integer token ids.*float32.*astype"):
         model(ids.astype(jnp.float32))
-    with pytest.raises(ValueError, match=r"shape \(batch, time\), got shape \(8,\)"):
+    with pytest.raises(ValueError, match=r"idx: expected .*\(batch, seq_len <= 16\), got shape \(8,\).*idx\[None\]"):
         model(ids[0])
     with pytest.raises(ValueError, match="sequence length 17 .*block_size 16"):
         model(jnp.zeros((1, 17), jnp.int32))
@@ -655,7 +656,7 @@ def test_bad_inputs_raise_before_compute():
         model(jnp.zeros((2, 0), jnp.int32))
     with pytest.raises(ValueError, match="targets shape"):
         model(ids, ids[:, :4])
-    with pytest.raises(ValueError, match="integer token ids in targets"):
+    with pytest.raises(ValueError, match="targets: expected integer token ids"):
         model(ids, ids.astype(jnp.float32))
     with pytest.raises(ValueError):
         torch_ref.GPT(SMALL)(torch.zeros(1, 17, dtype=torch.long))

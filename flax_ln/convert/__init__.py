@@ -2,10 +2,18 @@
 
 :mod:`flax_ln.convert.rules` holds the one rule table (standard ``torch.nn`` layers
 and the book's modules), its extension points and the strict loader;
-:mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 checkpoints through it.
+:mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 checkpoints through it (onto a mesh if
+given) and writes them back.
 """
 
-from flax_ln.convert.hf import HF_GPT2_KEYS, gpt_config_from_hf, load_hf_gpt2, read_hf_gpt2
+from flax_ln.convert.hf import (
+    HF_GPT2_KEYS,
+    gpt_config_from_hf,
+    hf_config_from_gpt,
+    load_hf_gpt2,
+    read_hf_gpt2,
+    save_hf_gpt2,
+)
 from flax_ln.convert.rules import (
     RULES,
     ConversionError,
@@ -33,12 +41,14 @@ __all__ = [
     "Permute",
     "RULES",
     "gpt_config_from_hf",
+    "hf_config_from_gpt",
     "load_hf_gpt2",
     "load_torch_state_dict",
     "read_hf_gpt2",
     "register_rename",
     "register_rule",
     "rule_for",
+    "save_hf_gpt2",
     "to_torch_state_dict",
     "torch_activation",
     "torch_module_paths",

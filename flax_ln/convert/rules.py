@@ -509,7 +509,10 @@ def load_torch_state_dict(
     dtypes are all listed in one :class:`ConversionError`, and a failed load leaves the
     model as it was. Persistent buffers that flax recomputes (:class:`DerivedBuffer`)
     must equal the recomputed value. A parameter that no rule covers raises
-    :class:`MissingRuleError` naming its module.
+    :class:`MissingRuleError` naming its module. Each value is placed with its variable's
+    sharding: a sharded model keeps its placement, and
+    ``flax_ln.sharding.abstract_model(make, mesh)`` gives a model to load onto a mesh
+    with training's FSDP shardings, never initialised.
 
     Args:
       model: the NNX model; its variables fix the expected shapes and dtypes.
@@ -561,11 +564,22 @@ def load_torch_state_dict(
         # An owned copy: torch's state_dict() shares memory with its parameters, and JAX
         # on the CPU may alias a NumPy buffer, so a later in-place torch update (an
         # optimizer step) would otherwise change the flax model behind its back.
-        value = jnp.asarray(np.array(new, dtype=old.dtype, copy=True))
-        if isinstance(old, jax.Array) and not old.is_fully_replicated:
-            value = jax.device_put(value, old.sharding)
+        # Placed with the variable's sharding: kept by a sharded model, named by an abstract
+        # one from flax_ln.sharding.abstract_model(make, mesh); None is the default device.
+        value = jax.device_put(np.array(new, dtype=old.dtype, copy=True), getattr(old, "sharding", None))
         var.set_value(value)
     return model
+
+
+def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None, Permute | None]]:
+    """``{torch key: (variable, layer, layout)}`` for every key ``model`` stores (derived buffers left out).
+
+    ``layer`` indexes the variable's stacked leading axis (``None`` if not stacked);
+    ``layout`` is the :class:`Leaf`'s (``None``: torch and flax agree). Reads only
+    shapes, so it works on an abstract model (``nnx.eval_shape``).
+    """
+    return {e.key: (getattr(e.module, e.leaf.flax), e.layer, e.leaf.layout)
+            for e in _entries(model) if isinstance(e.leaf, Leaf)}
 
 
 def to_torch_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:

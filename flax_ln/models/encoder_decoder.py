@@ -16,7 +16,13 @@ the generator's log-softmax are computed in at least float32.
 
 Inputs are validated on their static shapes and dtypes before any compute, also under
 ``jax.jit``: token ids must be integers, masks must broadcast to the attention shape,
-and sequences may not be longer than the positional table.
+and sequences may not be longer than the positional table. The :class:`Transformer`'s
+entry points (``__call__``, ``encode``, ``decode``, :func:`greedy_decode`) also check that
+concrete token ids lie in ``[0, vocab)``, and traced ones with ``debug_checks=True``
+(see :mod:`flax_ln.models.checks`); they validate once and call unchecked internals.
+
+A module stores only what its own forward reads; the sizes and options a constructor
+passes on to the submodules it builds live in those submodules.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
+from flax_ln.models.checks import check_scalar_id, check_token_ids
 from flax_ln.models.layernorm import LayerNorm
 
 MASK_VALUE = -1e9  # the book fills masked scores with -1e9: a fully masked row attends uniformly
@@ -61,23 +68,6 @@ def _linear(d_in: int, d_out: int, *, dtype, param_dtype, precision, rngs: nnx.R
 
 def _describe(x) -> str:
     return f"got shape {tuple(x.shape)} dtype {x.dtype}"
-
-
-def _check_tokens(name: str, x, max_len: int | None = None, batch: int | None = None) -> tuple[int, ...]:
-    """Integer token ids of shape (batch, seq_len) with seq_len <= max_len; returns the shape."""
-    want_batch = "batch" if batch is None else str(batch)
-    want_len = "seq_len" if max_len is None else f"seq_len <= {max_len}"
-    if (
-        not jnp.issubdtype(x.dtype, jnp.integer)
-        or x.ndim != 2
-        or (batch is not None and x.shape[0] != batch)
-        or (max_len is not None and x.shape[1] > max_len)
-    ):
-        raise ValueError(
-            f"{name}: expected integer token ids of shape ({want_batch}, {want_len}), {_describe(x)}. "
-            "Pass int32 ids (e.g. x.astype(jnp.int32)); longer sequences need a larger positional table (max_len)."
-        )
-    return tuple(x.shape)
 
 
 def _check_hidden(name: str, x, shape: tuple[int | None, ...]) -> None:
@@ -154,10 +144,6 @@ class MultiHeadedAttention(nnx.Module):
             raise ValueError(f"d_model={d_model} must be divisible by the number of heads h={h}")
         self.h = h
         self.d_model = d_model
-        self.d_k = d_model // h
-        self.dropout_rate = dropout
-        self.dtype = dtype
-        self.param_dtype = param_dtype
         self.precision = precision
         self.linears = nnx.List([
             _linear(d_model, d_model, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -206,13 +192,7 @@ class PositionwiseFeedForward(nnx.Module):
                  dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
-        self.d_model = d_model
-        self.d_ff = d_ff
-        self.dropout_rate = dropout
         self.activation = activation
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.w_1 = _linear(d_model, d_ff, **kw)
         self.w_2 = _linear(d_ff, d_model, **kw)
@@ -241,10 +221,6 @@ class SublayerConnection(nnx.Module):
     """
 
     def __init__(self, size: int, *, dropout: float = 0.1, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.size = size
-        self.dropout_rate = dropout
-        self.dtype = dtype
-        self.param_dtype = param_dtype
         self.norm = LayerNorm(size, dtype=dtype, param_dtype=param_dtype)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
@@ -272,14 +248,6 @@ class EncoderLayer(nnx.Module):
 
     def __init__(self, size: int, h: int, d_ff: int, *, dropout: float = 0.1, ffn_activation: str | None = None,
                  dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.size = size
-        self.h = h
-        self.d_ff = d_ff
-        self.dropout_rate = dropout
-        self.ffn_activation = ffn_activation
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         kw = dict(dropout=dropout, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.self_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
         self.feed_forward = PositionwiseFeedForward(size, d_ff, activation=ffn_activation, precision=precision, **kw)
@@ -309,14 +277,6 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, size: int, h: int, d_ff: int, *, dropout: float = 0.1, ffn_activation: str | None = None,
                  dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.size = size
-        self.h = h
-        self.d_ff = d_ff
-        self.dropout_rate = dropout
-        self.ffn_activation = ffn_activation
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         kw = dict(dropout=dropout, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.self_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
         self.src_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
@@ -343,21 +303,17 @@ class _Stack(nnx.Module):
     def __init__(self, size: int, h: int, d_ff: int, N: int, *, dropout: float = 0.1,
                  ffn_activation: str | None = None, dtype=None, param_dtype=jnp.float32, precision=None,
                  rngs: nnx.Rngs):
-        self.size = size
-        self.h = h
-        self.d_ff = d_ff
-        self.N = N
-        self.dropout_rate = dropout
-        self.ffn_activation = ffn_activation
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         self.layers = nnx.List([
             self.layer_cls(size, h, d_ff, dropout=dropout, ffn_activation=ffn_activation, dtype=dtype,
                            param_dtype=param_dtype, precision=precision, rngs=rngs)
             for _ in range(N)
         ])
         self.norm = LayerNorm(size, dtype=dtype, param_dtype=param_dtype)
+
+    @property
+    def size(self) -> int:
+        """The model width ``d_model`` (the final norm's features), read by the Transformer's checks."""
+        return self.norm.features
 
 
 class Encoder(_Stack):
@@ -419,13 +375,15 @@ class Embeddings(nnx.Module):
 
     def __init__(self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.d_model = d_model
-        self.vocab = vocab
-        self.dtype = dtype
-        self.param_dtype = param_dtype
         self.lut = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=param_dtype, embedding_init=_xavier, rngs=rngs)
 
+    @property
+    def vocab(self) -> int:
+        """The vocabulary size (the table's rows), read by the Transformer's token-id checks."""
+        return self.lut.num_embeddings
+
     def __call__(self, x: Int[Array, "B T"]) -> Float[Array, "B T d_model"]:
-        _check_tokens("x", x)
+        check_token_ids(x, "x", owner="Embeddings", vocab=None)  # static only; the Transformer checks values
         return self.lut(x) * math.sqrt(self.d_model)
 
 
@@ -463,9 +421,7 @@ class PositionalEncoding(nnx.Module):
     def __init__(self, d_model: int, *, dropout: float = 0.1, max_len: int = 5000, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.d_model = d_model
-        self.dropout_rate = dropout
         self.max_len = max_len
-        self.param_dtype = param_dtype
         self.pe = Buffer(jnp.asarray(sinusoid_table(d_model, max_len), param_dtype))
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
@@ -496,11 +452,6 @@ class Generator(nnx.Module):
 
     def __init__(self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, precision=None,
                  rngs: nnx.Rngs):
-        self.d_model = d_model
-        self.vocab = vocab
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
         self.proj = _linear(d_model, vocab, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
 
     def __call__(self, x: Float[Array, "*B d_model"]) -> Float[Array, "*B vocab"]:
@@ -516,35 +467,53 @@ class Transformer(nnx.Module):
     ``model.generator`` maps it to log-probabilities. ``model.eval()`` / ``model.train()``
     switch every dropout off / on, like torch.
 
+    ``src`` ids must lie in ``[0, src_vocab)`` and ``tgt`` ids in ``[0, tgt_vocab)``. Each entry
+    point checks every argument once, before any compute; concrete ids are checked by value
+    (``ValueError``), traced ones (under ``jit``) only with ``debug_checks=True``, through
+    ``checkify``; otherwise a negative id wraps around and an id >= vocab gives NaN
+    (:mod:`flax_ln.models.checks`).
+
     Args:
       encoder: an :class:`Encoder`.
       decoder: a :class:`Decoder`.
       src_embed: source embedding, ``Sequential(Embeddings, PositionalEncoding)``.
       tgt_embed: target embedding, the same.
       generator: a :class:`Generator`.
+      debug_checks: also check the values of traced token ids, with ``jax.experimental.checkify``
+        (wrap the jitted function in ``checkify.checkify``).
     """
 
     def __init__(self, encoder: Encoder, decoder: Decoder, src_embed: Sequential, tgt_embed: Sequential,
-                 generator: Generator):
+                 generator: Generator, *, debug_checks: bool = False):
         self.encoder = encoder
         self.decoder = decoder
         self.src_embed = src_embed
         self.tgt_embed = tgt_embed
         self.generator = generator
+        self.debug_checks = debug_checks
 
-    def _check_encode(self, src, src_mask) -> tuple[int, int]:
-        batch, src_len = _check_tokens("src", src, self.src_embed[1].max_len)
+    def _check_encode(self, src, src_mask, owner: str) -> jax.Array:
+        """``src`` as a JAX array, after checking it (shape, dtype, ids in ``[0, src_vocab)``) and ``src_mask``."""
+        src = check_token_ids(src, "src", owner=owner, vocab=self.src_embed[0].vocab,
+                              max_len=self.src_embed[1].max_len, debug=self.debug_checks)
+        batch, src_len = src.shape
         _check_mask("src_mask", src_mask, batch, src_len, src_len)
-        return batch, src_len
+        return src
 
-    def _check_decode(self, memory_shape: tuple[int, int, int], src_mask, tgt, tgt_mask) -> None:
+    def _check_decode(self, memory_shape: tuple[int, int, int], src_mask, tgt, tgt_mask, owner: str) -> jax.Array:
+        """``tgt`` as a JAX array, after checking it against the memory's shape, and both masks."""
         batch, src_len, _ = memory_shape
-        _, tgt_len = _check_tokens("tgt", tgt, self.tgt_embed[1].max_len, batch=batch)
+        tgt = check_token_ids(tgt, "tgt", owner=owner, vocab=self.tgt_embed[0].vocab,
+                              max_len=self.tgt_embed[1].max_len, batch=batch, debug=self.debug_checks)
+        tgt_len = tgt.shape[1]
         _check_mask("src_mask", src_mask, batch, tgt_len, src_len)
         _check_mask("tgt_mask", tgt_mask, batch, tgt_len, tgt_len)
+        return tgt
 
     def encode(self, src: Int[Array, "B S"], src_mask: Bool[Array, "#B #S S"]) -> Float[Array, "B S d_model"]:
-        self._check_encode(src, src_mask)
+        return self._encode(self._check_encode(src, src_mask, "Transformer.encode"), src_mask)
+
+    def _encode(self, src, src_mask):
         return self.encoder(self.src_embed(src), src_mask)
 
     def decode(
@@ -555,7 +524,10 @@ class Transformer(nnx.Module):
         tgt_mask: Bool[Array, "#B #T T"],
     ) -> Float[Array, "B T d_model"]:
         _check_hidden("memory", memory, (None, None, self.decoder.size))
-        self._check_decode(memory.shape, src_mask, tgt, tgt_mask)
+        tgt = self._check_decode(memory.shape, src_mask, tgt, tgt_mask, "Transformer.decode")
+        return self._decode(memory, src_mask, tgt, tgt_mask)
+
+    def _decode(self, memory, src_mask, tgt, tgt_mask):
         return self.decoder(self.tgt_embed(tgt), memory, src_mask, tgt_mask)
 
     def __call__(
@@ -565,14 +537,14 @@ class Transformer(nnx.Module):
         src_mask: Bool[Array, "#B 1 S"],
         tgt_mask: Bool[Array, "#B #T T"],
     ) -> Float[Array, "B T d_model"]:
-        batch, src_len = self._check_encode(src, src_mask)  # every argument checked before any compute
-        self._check_decode((batch, src_len, self.decoder.size), src_mask, tgt, tgt_mask)
-        return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
+        src = self._check_encode(src, src_mask, "Transformer")  # every argument checked once, before any compute
+        tgt = self._check_decode((*src.shape, self.decoder.size), src_mask, tgt, tgt_mask, "Transformer")
+        return self._decode(self._encode(src, src_mask), src_mask, tgt, tgt_mask)
 
 
 def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
                dropout: float = 0.1, ffn_activation: str | None = None, *, dtype=None, param_dtype=jnp.float32,
-               precision=None, rngs: nnx.Rngs) -> Transformer:
+               precision=None, debug_checks: bool = False, rngs: nnx.Rngs) -> Transformer:
     """The book's encoder-decoder, the twin of ``torch_ref.make_model``.
 
     Every parameter with more than one dimension is Xavier-uniform initialised, as in the
@@ -590,6 +562,7 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
       dtype: compute dtype; ``None`` follows the parameters.
       param_dtype: parameter dtype.
       precision: matmul precision.
+      debug_checks: also check traced token ids (see :class:`Transformer`).
       rngs: parameter initialisation and dropout keys.
     """
     kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -607,6 +580,7 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
         embed(src_vocab),
         embed(tgt_vocab),
         Generator(d_model, tgt_vocab, **kw),
+        debug_checks=debug_checks,
     )
 
 
@@ -642,25 +616,25 @@ def greedy_decode(
 
     Args:
       model: a :class:`Transformer` (e.g. from :func:`make_model`).
-      src: source token ids (B, S).
+      src: source token ids in ``[0, src_vocab)``, (B, S).
       src_mask: source mask, e.g. :func:`make_src_mask` (B, 1, S).
       max_len: length of the output, start symbol included (>= 1).
-      start_symbol: the first target token (the book's 1; a begin-of-sequence id).
+      start_symbol: the first target token, an int in ``[0, tgt_vocab)`` (the book's 1; a begin-of-sequence id).
 
     Returns:
       (B, max_len) token ids in ``src``'s dtype; column 0 is ``start_symbol``.
     """
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise ValueError(f"greedy_decode: max_len must be an int >= 1, got {max_len!r}")
-    src = jnp.asarray(src)
-    model._check_encode(src, jnp.asarray(src_mask))  # clear errors before tracing
+    src_mask = jnp.asarray(src_mask)
+    src = model._check_encode(src, src_mask, "greedy_decode")  # clear errors before tracing
+    start_symbol = check_scalar_id(start_symbol, "start_symbol", owner="greedy_decode", vocab=model.tgt_embed[0].vocab)
     if max_len > model.tgt_embed[1].max_len:
         raise ValueError(
             f"greedy_decode: max_len={max_len} exceeds the positional table ({model.tgt_embed[1].max_len} positions)"
         )
     graphdef, state = nnx.split(model)
-    return _greedy_decode(graphdef, state, src, jnp.asarray(src_mask), jnp.asarray(start_symbol, src.dtype),
-                          max_len=max_len)
+    return _greedy_decode(graphdef, state, src, src_mask, jnp.asarray(start_symbol, src.dtype), max_len=max_len)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
@@ -670,14 +644,14 @@ def _greedy_decode(graphdef, state, src, src_mask, start_symbol, *, max_len):
         m.eval()
         return m
 
-    memory = model(state).encode(src, src_mask)  # (B, S, d_model)
+    memory = model(state)._encode(src, src_mask)  # (B, S, d_model); greedy_decode checked the inputs
     ys = jnp.full((src.shape[0], max_len), start_symbol, src.dtype)  # (B, max_len)
     tgt_mask = subsequent_mask(max_len)  # (1, max_len, max_len)
 
     def step(i, carry):
         ys, state = carry
         m = model(state)
-        out = m.decode(memory, src_mask, ys, tgt_mask)  # (B, max_len, d_model)
+        out = m._decode(memory, src_mask, ys, tgt_mask)  # (B, max_len, d_model)
         h = jax.lax.dynamic_index_in_dim(out, i, axis=1, keepdims=False)  # (B, d_model)
         token = jnp.argmax(m.generator(h), axis=-1).astype(ys.dtype)  # (B,)
         return jax.lax.dynamic_update_index_in_dim(ys, token, i + 1, axis=1), state

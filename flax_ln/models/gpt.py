@@ -22,6 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
+from flax_ln.models.checks import check_token_ids
 from flax_ln.models.dropout import Dropout
 from flax_ln.models.layernorm import TorchLayerNorm
 
@@ -291,33 +292,12 @@ class Block(nnx.Module):
         return x + self.mlp(self.ln_2(x)), cache
 
 
-def _check_ids(idx, name: str, block_size: int | None) -> jax.Array:
-    """``idx`` as a JAX array, after checking rank 2, an integer dtype and 1 <= T <= block_size (if given)."""
-    idx = jnp.asarray(idx) if not isinstance(idx, jax.Array) else idx
-    if idx.ndim != 2:
-        raise ValueError(
-            f"GPT: expected {name} of shape (batch, time), got shape {tuple(idx.shape)}; "
-            f"add a batch axis with {name}[None] if it is a single sequence"
-        )
-    if not jnp.issubdtype(idx.dtype, jnp.integer):
-        raise ValueError(
-            f"GPT: expected integer token ids in {name}, got dtype {idx.dtype}; cast with {name}.astype(jnp.int32)"
-        )
-    if idx.shape[1] < 1:
-        raise ValueError(f"GPT: {name} has an empty time axis (shape {tuple(idx.shape)}); pass at least one token")
-    if block_size is not None and idx.shape[1] > block_size:
-        raise ValueError(
-            f"GPT: sequence length {idx.shape[1]} of {name} exceeds block_size {block_size}; "
-            f"crop to the last {block_size} tokens ({name}[:, -{block_size}:])"
-        )
-    return idx
-
-
 def cross_entropy(logits: jax.Array, targets: jax.Array, ignore_index: int) -> jax.Array:
     """Mean token cross-entropy over targets != ``ignore_index``, as ``F.cross_entropy``.
 
     Computed in at least float32. If every target is ignored the mean is 0/0 = NaN, as in
-    torch. Target values outside ``[0, vocab)`` cannot be checked under jit; don't pass them.
+    torch. Targets are not checked here (:meth:`GPT.__call__` checks them): one outside
+    ``[0, vocab)`` wraps around if in ``[-vocab, 0)`` and gives NaN otherwise (``jnp.take_along_axis``).
     """
     logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
     valid = targets != ignore_index
@@ -361,6 +341,15 @@ def checkpoint(fun, policy):
     dependency on the incoming cotangent that no compiler pass removes, costing one
     element-wise pass over the residuals. It changes nothing unless the cotangent holds a
     NaN, and then the gradients would be NaN anyway.
+
+    Being a ``jax.custom_vjp``, it supports reverse mode only (``jax.grad``, ``jax.vjp``,
+    ``jax.jacrev``, also nested); ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize`` and
+    ``jax.hessian`` raise. A data dependency on the cotangent cannot be expressed in a
+    rule that JAX transposes (``custom_jvp``), and without it XLA:CPU schedules the
+    recomputation inside the forward pass (measured: a stateful-RNG input that defeats
+    CSE alone still saved nothing). Only the unrolled layout uses it: the scanned
+    layout's recomputation sits in the backward loop, where plain ``jax.checkpoint``
+    works (:func:`_scan_blocks`).
     """
     remat_fun = jax.checkpoint(fun, policy=policy, prevent_cse=False)
 
@@ -384,9 +373,9 @@ def checkpoint(fun, policy):
     return wrapped
 
 
-def _pure_block(graphdef, pos, policy):
+def _pure_block(graphdef, pos, policy, remat=checkpoint):
     """``(block_state, x, cache) -> (x, cache, rng_state)``: one block on the functional split, rematerialised
-    with :func:`checkpoint` unless ``policy`` is ``None``.
+    with ``remat(fun, policy)`` (:func:`checkpoint` by default) unless ``policy`` is ``None``.
 
     Dropout masks are recomputed from the same keys, so the gradients are unchanged.
     """
@@ -396,7 +385,7 @@ def _pure_block(graphdef, pos, policy):
         x, cache = block.attend(x, cache, pos)
         return x, cache, nnx.state(block, nnx.RngState)
 
-    return run if policy is None else checkpoint(run, policy)
+    return run if policy is None else remat(run, policy)
 
 
 def _remat_block(block: Block, x, pos, policy):
@@ -412,13 +401,17 @@ def _scan_blocks(h: Block, x, cache, pos, policy=None):
     """Run stacked blocks (leading layer axis) with ``jax.lax.scan``; returns ``(x, cache)``.
 
     Each step merges one layer's slice into a fresh :class:`Block`, rematerialised with
-    ``policy`` unless it is ``None``. Only when some dropout is active is the advanced
+    plain ``jax.checkpoint`` and ``policy`` unless it is ``None`` (inside the backward
+    loop XLA cannot move the recomputation into the forward pass, and forward-mode
+    autodiff works through it). Only when some dropout is active is the advanced
     RNG state written back into ``h``, so in eval mode the module is never mutated,
     exactly like the unrolled path (NNX forbids mutating Variables from another trace
     level, e.g. a model closed over inside ``jax.grad``).
     """
     graphdef, state = nnx.split(h)
-    block = _pure_block(graphdef, pos, None if cache is not None else policy)  # decoding takes no gradients
+    block = _pure_block(  # decoding takes no gradients
+        graphdef, pos, None if cache is not None else policy, lambda fun, policy: jax.checkpoint(fun, policy=policy)
+    )
 
     def step(x, layer):
         layer_state, layer_cache = layer
@@ -450,7 +443,17 @@ class GPT(nnx.Module):
     rest, trading about one more forward pass of the blocks for most of their activation
     memory (benchmarks/RESULTS.md). Outputs and gradients are unchanged.
 
+    Every JAX transformation works through the model (``jit``, ``vmap``, ``grad``,
+    ``jvp``, ``jacfwd``, ``hessian``, ``linearize``, ``scan``, ``checkpoint``), with one
+    exception: ``scan_layers=False`` with ``remat`` enabled is reverse mode only
+    (see :func:`checkpoint`); use ``scan_layers=True`` for forward mode with remat.
+
     Call ``model.eval()`` to switch dropout off (``model.train()`` to switch it back).
+
+    Token ids (``idx``; ``targets``, which may also be ``config.ignore_index``) must lie in
+    ``[0, vocab_size)``. Concrete ids are checked before any compute (``ValueError``); traced
+    ids (under ``jit``) only with ``debug_checks=True``, through ``checkify``; otherwise a
+    negative id wraps around and an id >= vocab_size gives NaN (:mod:`flax_ln.models.checks`).
 
     Args:
       config: the :class:`GPTConfig`.
@@ -461,6 +464,8 @@ class GPT(nnx.Module):
         the loss stay at least float32. Logits come out in this dtype.
       param_dtype: parameter dtype.
       precision: matmul precision.
+      debug_checks: also check the values of traced token ids, with ``jax.experimental.checkify``
+        (wrap the jitted function in ``checkify.checkify``).
       rngs: ``params`` and ``dropout`` randomness.
     """
 
@@ -473,10 +478,12 @@ class GPT(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
+        debug_checks: bool = False,
         rngs: nnx.Rngs,
     ):
         _remat_policy(remat)  # validate early
         self.config = config = GPTConfig.from_any(config)
+        self.debug_checks = debug_checks
         self.scan_layers = scan_layers
         self.remat = remat
         self.dtype = dtype
@@ -502,9 +509,9 @@ class GPT(nnx.Module):
     def __call__(
         self, idx: Int[Array, "B T"], targets: Int[Array, "B T"] | None = None
     ) -> tuple[Float[Array, "B T V"], Float[Array, ""] | None]:
-        idx = _check_ids(idx, "idx", self.config.block_size)
+        idx = self._check_ids(idx, "idx", "GPT")
         if targets is not None:
-            targets = _check_ids(targets, "targets", self.config.block_size)
+            targets = self._check_ids(targets, "targets", "GPT", ignore=("ignore_index", self.config.ignore_index))
             if targets.shape != idx.shape:
                 raise ValueError(f"GPT: targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
         logits, _ = self._forward(idx, None, 0)
@@ -525,13 +532,22 @@ class GPT(nnx.Module):
         sequences (e.g. from earlier ``decode`` calls starting at 0). ``pos + T`` must not
         exceed ``block_size``; that is checked only when ``pos`` is a Python int.
         """
-        idx = _check_ids(idx, "idx", self.config.block_size)
+        idx = self._check_ids(idx, "idx", "GPT.decode")
         if isinstance(pos, int) and not 0 <= pos <= self.config.block_size - idx.shape[1]:
             raise ValueError(
                 f"GPT.decode: positions {pos}..{pos + idx.shape[1] - 1} do not fit block_size "
                 f"{self.config.block_size}; recompute on the last block_size tokens instead"
             )
         return self._forward(idx, cache, pos)
+
+    def _check_ids(self, ids, name: str, owner: str, *, any_length: bool = False, ignore=None) -> jax.Array:
+        """``ids`` checked by :func:`~flax_ln.models.checks.check_token_ids` against this model's vocabulary.
+
+        At most ``block_size`` tokens unless ``any_length``; ``ignore`` names one more legal value.
+        """
+        c = self.config
+        return check_token_ids(ids, name, owner=owner, vocab=c.vocab_size, max_len=None if any_length else c.block_size,
+                               limit_name="block_size", crop_hint=True, ignore=ignore, debug=self.debug_checks)
 
     def _forward(self, idx, cache: KVCache | None, pos):
         t = self.transformer
@@ -586,7 +602,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
     length = T0  # tokens known so far
     if T0 <= bs:  # cached phase: prefill, then one token at a time while the context fits
         m = model(state)
-        logits, cache = m.decode(idx, m.init_cache(B), 0)
+        logits, cache = m._forward(idx, m.init_cache(B), 0)  # ids were checked by generate()
         out = put(out, length, logits)
         length += 1
         n_cached = max(0, min(bs, total - 1) - length + 1)
@@ -595,7 +611,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
             out, cache, state = carry
             n = length + i
             token = jax.lax.dynamic_slice(out, (0, n - 1), (B, 1))  # (B, 1)
-            logits, cache = model(state).decode(token, cache, n - 1)
+            logits, cache = model(state)._forward(token, cache, n - 1)
             return put(out, n, logits), cache, state
 
         out, _, _ = jax.lax.fori_loop(0, n_cached, cached_step, (out, cache, state))
@@ -603,7 +619,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
 
     def window_step(n, carry):  # the context exceeds block_size: recompute on the last block_size tokens
         out, state = carry
-        logits, _ = model(state)(jax.lax.dynamic_slice(out, (0, n - bs), (B, bs)))
+        logits, _ = model(state)._forward(jax.lax.dynamic_slice(out, (0, n - bs), (B, bs)), None, 0)
         return put(out, n, logits), state
 
     if length < total:
@@ -637,7 +653,8 @@ def generate(
 
     Args:
       model: a :class:`GPT`.
-      idx: prompt token ids, (B, T), any length >= 1 (longer than block_size is cropped for context).
+      idx: prompt token ids in ``[0, vocab_size)``, (B, T), any length >= 1 (longer than block_size is
+        cropped for context); concrete ids are checked before anything is compiled.
       max_new_tokens: number of tokens to append.
       temperature: softmax temperature, > 0, or 0 for greedy decoding.
       top_k: keep only the k largest logits before sampling (1 <= k <= vocab_size).
@@ -647,7 +664,7 @@ def generate(
     Returns:
       (B, T + max_new_tokens) token ids, prompt included, in ``idx``'s dtype.
     """
-    idx = _check_ids(idx, "idx", None)
+    idx = model._check_ids(idx, "idx", "generate", any_length=True)  # longer prompts are cropped for context
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not temperature >= 0:

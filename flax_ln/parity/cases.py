@@ -8,8 +8,9 @@ torch is imported here; importing :mod:`flax_ln` does not import this module.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +21,7 @@ from flax import nnx
 import flax_ln
 import flax_ln.train
 import torch_ref
+from flax_ln.convert import load_torch_state_dict
 from flax_ln.parity.engine import Case, TrainSpec
 from flax_ln.parity.reference import decoder_output_and_log_probs, logits_and_loss
 
@@ -85,6 +87,7 @@ def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, s
     pad, d_model = 0, sizes["d_model"]
     src_vocab, vocab = sizes["src_vocab"], sizes["tgt_vocab"]
     seq_len = seq_len or 10
+    check_seq_len(name, seq_len, *SEQ_LEN_LIMITS["encoder-decoder"])
     if torch_model is None:
         torch.manual_seed(seed)
         torch_model = torch_ref.make_model(**sizes, dropout=0.1, ffn_activation=ffn_activation)
@@ -137,8 +140,7 @@ def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_
               pad_targets: bool, torch_model: torch.nn.Module | None = None) -> Case:
     """A torch_ref.GPT (random, or the given one) and a flax_ln.GPT on (idx, targets);
     the book's Adam(1e-4) + clip 1 for training."""
-    if seq_len > config.block_size:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
+    check_seq_len(name, seq_len, config.block_size, "positions (its block_size)")
     if torch_model is None:
         torch.manual_seed(seed)
         torch_model = torch_ref.GPT(config)
@@ -171,17 +173,20 @@ def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_
     )
 
 
+GPT_CONFIG = flax_ln.GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=50, block_size=32)
+MUSIC_CONFIG = flax_ln.GPTConfig.music(n_layer=2)
+ENCODER_DECODER_POSITIONS = 5000  # the book's positional table (max_len) on both sides
+
+
 def gpt(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
     """A small GPT (2 layers, 4 heads, width 64, vocab 50, block 32), chapter 11's loss (ignore_index -1)."""
-    config = flax_ln.GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=50, block_size=32)
-    return _gpt_case("gpt", config, dtype, batch, seq_len or 16, seed, pad_targets=False)
+    return _gpt_case("gpt", GPT_CONFIG, dtype, batch, seq_len or 16, seed, pad_targets=False)
 
 
 def music(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
     """Chapter 14's music Transformer at full width (8 heads, 512, vocab 390, block 2048) with 2 layers,
     loss ignoring the padding id 389."""
-    config = flax_ln.GPTConfig.music(n_layer=2)
-    return _gpt_case("music", config, dtype, batch, seq_len or 32, seed, pad_targets=True)
+    return _gpt_case("music", MUSIC_CONFIG, dtype, batch, seq_len or 32, seed, pad_targets=True)
 
 
 def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
@@ -190,11 +195,13 @@ def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Cas
     from torch_ref.gpt import Block as TorchBlock
 
     config = flax_ln.GPTConfig.gpt2_xl()
+    seq_len = seq_len or 32
+    check_seq_len("gpt2-xl-block", seq_len)
     torch.manual_seed(seed)
     torch_block = TorchBlock(config)
     _perturb(torch_block, seed, scale=0.02)
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, seq_len or 32, config.n_embd)).astype(dtype)
+    x = rng.standard_normal((batch, seq_len, config.n_embd)).astype(dtype)
     return Case(
         name="gpt2-xl-block",
         torch_model=torch_block.to(getattr(torch, dtype)),
@@ -205,6 +212,33 @@ def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Cas
         train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-4),
         spec={"builder": "Block", "config": dataclasses.asdict(config)},
     )
+
+
+# The longest sequence each book case takes (None: any), and what sets the limit.
+SEQ_LEN_LIMITS: dict[str, tuple[int, str] | None] = {
+    "layernorm": None,
+    "torch-layernorm": None,
+    "encoder-decoder": (ENCODER_DECODER_POSITIONS, "positions in the positional-encoding table"),
+    "gpt": (GPT_CONFIG.block_size, "positions (its block_size)"),
+    "gpt2-xl-block": (flax_ln.GPTConfig.gpt2_xl().block_size, "positions (GPT-2XL's block_size, its causal mask)"),
+    "music": (MUSIC_CONFIG.block_size, "positions (its block_size)"),
+}
+
+
+def check_seq_len(model: str, seq_len: int, limit: int | None = None, what: str | None = None) -> None:
+    """Raise ``ValueError`` naming the limit when ``seq_len`` exceeds what ``model`` takes.
+
+    ``limit`` and ``what`` default to the book case's entry in :data:`SEQ_LEN_LIMITS`;
+    a checkpoint passes its own (its ``block_size``). Called before any model is built.
+    """
+    if limit is None:
+        entry = SEQ_LEN_LIMITS.get(model)
+        if entry is None:
+            return
+        limit, what = entry
+    if seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} is too long for {model}: it takes at most {limit} {what}; "
+                         f"pass --seq-len {limit} or less")
 
 
 BUILDERS: dict[str, Callable[[str, int, int | None, int], Case]] = {
@@ -231,7 +265,6 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     ``torch.load`` runs with ``weights_only=True``: a file holding anything but tensors
     and plain containers is refused rather than executed.
     """
-    import os
     import pickle
 
     if not os.path.isfile(path):
@@ -279,16 +312,100 @@ GPT_PRESETS = {
 }
 
 
-def _count_layers(keys, prefix: str) -> int:
-    indices = {int(k[len(prefix):].split(".")[0]) for k in keys if k.startswith(prefix)}
-    return max(indices) + 1 if indices else 0
+def _shown(keys: list[str], limit: int = 6) -> str:
+    return ", ".join(keys[:limit]) + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype.is_floating_point:
+        return "floating"
+    return "complex" if dtype.is_complex else "bool" if dtype == torch.bool else "integer"
+
+
+def stored_dtypes(state: Mapping[str, torch.Tensor]) -> str:
+    """The floating dtype(s) a state dict is stored in, for the report: ``"bfloat16"``, ``"float16+float32"``."""
+    return "+".join(sorted({_dtype_name(t.dtype) for t in state.values() if t.is_floating_point()})) or "none"
+
+
+def check_dtypes(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], path: str) -> None:
+    """Refuse a checkpoint whose values are of another kind than the model's tensors under the same keys.
+
+    Floating parameters need floating values (any width: half precision is upcast
+    exactly); integer buffers (BatchNorm's ``num_batches_tracked``) need integers.
+    ``torch.nn.Module.load_state_dict`` would cast an int8 or bool weight silently, and
+    the check would then compare two copies of the same wrong weights. Keys the model
+    lacks are left to the strict load, which lists them.
+    """
+    wrong: dict[str, list[str]] = {}  # "int8 (the model's: float32)" -> keys
+    for key, value in state.items():
+        want = expected.get(key)
+        if want is not None and _dtype_kind(value.dtype) != _dtype_kind(want.dtype):
+            wrong.setdefault(f"{_dtype_name(value.dtype)} (the model's: {_dtype_name(want.dtype)})", []).append(key)
+    if wrong:
+        listed = "\n  ".join(f"{what}: {_shown(keys)}" for what, keys in wrong.items())
+        raise CheckpointError(
+            f"--checkpoint {path!r} stores weights of the wrong kind:\n  {listed}\nParameters must be floating "
+            "point (float16, bfloat16, float32 or float64) and integer buffers integers: casting integer or bool "
+            "values into the model would silently give wrong weights. Use the original floating-point checkpoint."
+        )
+
+
+def _check_structure(state: Mapping[str, torch.Tensor], path: str, architecture: str, required: Mapping[str, int],
+                     layer_prefixes: tuple[str, ...]) -> dict[str, int]:
+    """Layer counts per prefix, after checking the keys the sizes are read from; every problem listed at once.
+
+    Args:
+      required: key -> number of dimensions its tensor must have.
+      layer_prefixes: where numbered layers live (``"transformer.h."``); each must hold
+        layers ``0 .. n-1`` under integer indices.
+    """
+    problems = []
+    missing = [key for key in required if key not in state]
+    if missing:
+        problems.append(f"missing: {', '.join(missing)}")
+    problems += [f"malformed: {key} has shape {list(state[key].shape)}, expected a {ndim}-D tensor"
+                 for key, ndim in required.items() if key in state and state[key].ndim != ndim]
+    counts = {}
+    for prefix in layer_prefixes:
+        indices, malformed = set(), []
+        for key in state:
+            if key.startswith(prefix):
+                index = key[len(prefix):].split(".")[0]
+                if index.isascii() and index.isdigit():
+                    indices.add(int(index))
+                else:
+                    malformed.append(key)
+        if malformed:
+            problems.append(f"malformed: layer keys without an integer index after {prefix!r}: {_shown(malformed)}")
+        if not indices:
+            problems.append(f"missing: no layers ({prefix}0.*, {prefix}1.*, ...)")
+        elif len(indices) != max(indices) + 1:
+            gaps = sorted(set(range(max(indices) + 1)) - indices)
+            problems.append(f"missing: layers {_shown([f'{prefix}{i}.*' for i in gaps])}")
+        counts[prefix] = max(indices, default=-1) + 1
+    if problems:
+        raise CheckpointError(f"--checkpoint {path!r} looks like {architecture} but is incomplete or malformed:\n  "
+                              + "\n  ".join(problems))
+    return counts
+
+
+GPT_REQUIRED = {"transformer.wte.weight": 2, "transformer.wpe.weight": 2, "transformer.ln_f.weight": 1,
+                "transformer.ln_f.bias": 1, "lm_head.weight": 2}
+ENCODER_DECODER_REQUIRED = {"src_embed.0.lut.weight": 2, "tgt_embed.0.lut.weight": 2,
+                            "encoder.layers.0.feed_forward.w_1.weight": 2, "encoder.norm.a_2": 1,
+                            "decoder.norm.a_2": 1, "generator.proj.weight": 2}
 
 
 def _gpt_config_from_shapes(state: dict[str, torch.Tensor], preset: str | None, n_head: int | None,
                             path: str) -> flax_ln.GPTConfig:
     """Sizes from the tensor shapes; the head count (and loss settings) from ``--n-head`` or ``--preset``."""
+    n_layer = _check_structure(state, path, "a torch_ref GPT", GPT_REQUIRED, ("transformer.h.",))["transformer.h."]
     vocab_size, n_embd = state["transformer.wte.weight"].shape
-    sizes = dict(n_layer=_count_layers(state, "transformer.h."), n_embd=n_embd, vocab_size=vocab_size,
+    sizes = dict(n_layer=n_layer, n_embd=n_embd, vocab_size=vocab_size,
                  block_size=state["transformer.wpe.weight"].shape[0])
     base = {}
     if preset is not None:
@@ -307,12 +424,41 @@ def _gpt_config_from_shapes(state: dict[str, torch.Tensor], preset: str | None, 
         raise CheckpointError(f"--checkpoint {path!r}: {err}") from err
 
 
-def _load_strict(torch_model: torch.nn.Module, state: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
+def _build(make: Callable[[], torch.nn.Module], path: str) -> torch.nn.Module:
+    """The torch model of a checkpoint; sizes it cannot allocate are a :class:`CheckpointError`."""
+    try:
+        return make()
+    except MemoryError as err:  # torch_ref refuses a config larger than the machine's memory
+        raise CheckpointError(f"--checkpoint {path!r}: the model its tensor shapes describe is too large: {err}") \
+            from err
+
+
+def _load_checked(torch_model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str) -> torch.nn.Module:
+    """``load_state_dict(strict=True)`` after :func:`check_dtypes`; floating values are cast to the model's dtype."""
+    check_dtypes(state, torch_model.state_dict(), path)
     try:
         torch_model.load_state_dict(state, strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"--checkpoint {path!r} does not fit the inferred model:\n{err}") from err
     return torch_model
+
+
+def _flax_accepts(case: Case, state: Mapping[str, torch.Tensor], path: str) -> Case:
+    """The flax side's own check of the checkpoint: the strict converter on the stored tensors (names, shapes,
+    dtype kinds), not on the torch model's (already cast) copy. The engine then loads the torch copy."""
+    try:
+        load_torch_state_dict(case.flax_model, state)
+    except ValueError as err:  # ConversionError
+        raise CheckpointError(f"--checkpoint {path!r}: the flax side refuses it: {err}") from err
+    return case
+
+
+def _checkpoint_seq_len(name: str, seq_len: int | None, block_size: int) -> int:
+    """``--seq-len``, checked against the checkpoint's ``block_size``; default 16 (or ``block_size`` if smaller)."""
+    if seq_len is None:
+        return min(16, block_size)
+    check_seq_len(name, seq_len, block_size, "positions (its block_size)")
+    return seq_len
 
 
 def checkpoint_case(path: str, dtype: str, batch: int, seq_len: int | None, seed: int, *,
@@ -323,48 +469,71 @@ def checkpoint_case(path: str, dtype: str, batch: int, seq_len: int | None, seed
     The architecture is recognised from the keys and its sizes from the tensor shapes;
     the head count cannot be inferred and comes from ``n_head`` or a GPT ``preset``.
     The encoder-decoder's feed-forward activation is not visible in its weights either:
-    ``ffn_activation`` (default: the book's, none).
+    ``ffn_activation`` (default: the book's, none). Before any model is built, the keys
+    the sizes come from are checked (every missing or malformed one listed) and
+    ``seq_len`` is checked against the model's positions. Weights must be floating point
+    (:func:`check_dtypes`); half-precision ones are upcast to ``dtype`` and the stored
+    dtype is named in the report (``case.stored_dtype``).
     """
-    import os
-
     if os.path.isdir(path):
+        name = f"checkpoint {os.path.basename(os.path.normpath(path))}"
+        # Read first for the sizes and stored dtypes (torch_ref checks names, shapes and floating
+        # dtypes on the headers), then loaded by torch_ref's own loader (tying, mask buffers,
+        # float32): the files are read twice rather than the loader copied here.
+        unusable = f"--checkpoint {path!r}: not a usable Hugging Face GPT-2 folder"
+        try:
+            torch_config, _, state = torch_ref.read_hf_gpt2(path)
+        except (ValueError, OSError) as err:
+            raise CheckpointError(f"{unusable}: {err}") from err
+        config = flax_ln.GPTConfig.from_any(torch_config)
+        stored = stored_dtypes(state)
+        del state
+        seq_len = _checkpoint_seq_len(name, seq_len, config.block_size)
         try:
             torch_model = torch_ref.load_hf_gpt2(path)
         except (ValueError, OSError, RuntimeError, MemoryError) as err:
-            raise CheckpointError(f"--checkpoint {path!r}: not a usable Hugging Face GPT-2 folder: {err}") from err
-        config = flax_ln.GPTConfig.from_any(torch_model.config)  # torch_ref's own config, as plain data
-        return _gpt_case(f"checkpoint {os.path.basename(os.path.normpath(path))}", config, dtype, batch,
-                         min(seq_len or 16, config.block_size), seed, pad_targets=False, torch_model=torch_model)
+            raise CheckpointError(f"{unusable}: {err}") from err
+        case = _gpt_case(name, config, dtype, batch, seq_len, seed, pad_targets=False, torch_model=torch_model)
+        return dataclasses.replace(case, stored_dtype=stored)
     state = read_state_dict(path)
     name = f"checkpoint {os.path.basename(path)}"
     keys = set(state)
     if "transformer.wte.weight" in keys:
         config = _gpt_config_from_shapes(state, preset, n_head, path)
-        torch_model = _load_strict(torch_ref.GPT(config), state, path)
-        return _gpt_case(name, config, dtype, batch, min(seq_len or 16, config.block_size), seed,
-                         pad_targets=config.ignore_index >= 0, torch_model=torch_model)
-    if "src_embed.0.lut.weight" in keys:
+        seq_len = _checkpoint_seq_len(name, seq_len, config.block_size)
+        torch_model = _load_checked(_build(lambda: torch_ref.GPT(config), path), state, path)
+        case = _gpt_case(name, config, dtype, batch, seq_len, seed, pad_targets=config.ignore_index >= 0,
+                         torch_model=torch_model)
+    elif any(key.startswith(("src_embed.", "tgt_embed.", "encoder.layers.", "decoder.layers.")) for key in keys):
+        counts = _check_structure(state, path, "a torch_ref encoder-decoder", ENCODER_DECODER_REQUIRED,
+                                  ("encoder.layers.", "decoder.layers."))
         if n_head is None:
             raise CheckpointError(f"--checkpoint {path!r}: an encoder-decoder; its head count cannot be read from "
                                   "tensor shapes, pass --n-head N")
         src_vocab, d_model = state["src_embed.0.lut.weight"].shape
         sizes = dict(src_vocab=src_vocab, tgt_vocab=state["tgt_embed.0.lut.weight"].shape[0],
-                     N=_count_layers(state, "encoder.layers."), d_model=d_model,
+                     N=counts["encoder.layers."], d_model=d_model,
                      d_ff=state["encoder.layers.0.feed_forward.w_1.weight"].shape[0], h=n_head)
         if d_model % n_head:
             raise CheckpointError(f"--checkpoint {path!r}: d_model {d_model} is not divisible by --n-head {n_head}")
-        torch_model = _load_strict(torch_ref.make_model(**sizes, ffn_activation=ffn_activation), state, path)
-        return encoder_decoder(dtype, batch, seq_len, seed, sizes=sizes, torch_model=torch_model,
+        check_seq_len(name, seq_len or 10, *SEQ_LEN_LIMITS["encoder-decoder"])
+        torch_model = _load_checked(_build(lambda: torch_ref.make_model(**sizes, ffn_activation=ffn_activation), path),
+                                    state, path)
+        case = encoder_decoder(dtype, batch, seq_len, seed, sizes=sizes, torch_model=torch_model,
                                ffn_activation=ffn_activation, name=name)
-    for leaves, flax_cls, torch_cls in ((("a_2", "b_2"), flax_ln.LayerNorm, torch_ref.LayerNorm),
-                                        (("weight", "bias"), flax_ln.TorchLayerNorm, torch.nn.LayerNorm)):
-        if keys == set(leaves) and state[leaves[0]].ndim == 1:
-            features = state[leaves[0]].shape[0]
-            torch_norm = _load_strict(torch_cls(features), state, path)
-            return _norm_case(name, torch_norm, flax_cls, dtype, batch, seq_len or 16, seed, features, randomize=False)
-    shown = ", ".join(sorted(keys)[:6]) + (", ..." if len(keys) > 6 else "")
-    raise CheckpointError(
-        f"--checkpoint {path!r}: not a model flax-ln knows (keys: {shown}). Expected a torch_ref GPT "
-        "('transformer.wte.weight', ...), an encoder-decoder ('src_embed.0.lut.weight', ...), a LayerNorm "
-        "('a_2', 'b_2' or 'weight', 'bias') or a Hugging Face GPT-2 folder."
-    )
+    else:
+        for leaves, flax_cls, torch_cls in ((("a_2", "b_2"), flax_ln.LayerNorm, torch_ref.LayerNorm),
+                                            (("weight", "bias"), flax_ln.TorchLayerNorm, torch.nn.LayerNorm)):
+            if keys == set(leaves) and state[leaves[0]].ndim == 1:
+                features = state[leaves[0]].shape[0]
+                torch_norm = _load_checked(_build(lambda: torch_cls(features), path), state, path)
+                case = _norm_case(name, torch_norm, flax_cls, dtype, batch, seq_len or 16, seed, features,
+                                  randomize=False)
+                break
+        else:
+            raise CheckpointError(
+                f"--checkpoint {path!r}: not a model flax-ln knows (keys: {_shown(sorted(keys))}). Expected a "
+                "torch_ref GPT ('transformer.wte.weight', ...), an encoder-decoder ('src_embed.0.lut.weight', ...), "
+                "a LayerNorm ('a_2', 'b_2' or 'weight', 'bias') or a Hugging Face GPT-2 folder."
+            )
+    return dataclasses.replace(_flax_accepts(case, state, path), stored_dtype=stored_dtypes(state))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 
@@ -24,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         "parity",
         help="load the same weights into torch_ref and flax_ln and compare outputs and gradients",
         description="Load the same weights into the PyTorch reference and the Flax port, then compare "
-        "every output and the gradient of every input and parameter. Exit code 0 only if all are "
-        "within tolerance; on failure, name the first submodule whose output diverges.",
+        "every output and the gradient of every input and parameter. Exit code 0 if all are within "
+        "tolerance, 1 if any is not (the first submodule whose output diverges is named), 2 for a usage "
+        "error or a refused checkpoint; every argument is checked before anything runs.",
     )
     parity.add_argument("--model", choices=[*MODEL_CHOICES, "all"], default="all",
                         help="which model to check (default: all, on small configs; gpt2-xl-block is full width)")
@@ -38,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--rtol", type=float, default=None, help="override the relative tolerance of every tensor")
     parity.add_argument("--atol", type=float, default=None, help="override the absolute tolerance of every tensor")
     parity.add_argument("--json", metavar="PATH", help="write a machine-readable report with every number")
-    parity.add_argument("--plot", metavar="PATH", help="save a chart of per-module output and gradient errors")
+    parity.add_argument("--plot", metavar="PATH",
+                        help="save a chart of per-module output and gradient errors (.png, .pdf, .svg, ...)")
     parity.add_argument("--quiet", action="store_true", help="print only the summary lines")
     parity.add_argument("--worst", type=int, default=8, help="rows per table (default 8)")
     parity.add_argument("--attribute", action="store_true",
@@ -50,7 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "gradients, per-submodule records; float64 values with --attribute) to one safetensors file")
     ref.add_argument("--reference", metavar="FILE",
                      help="check the flax side against a file written by --save-reference; needs no torch "
-                     "(replaces --model/--checkpoint; dtype and sizes come from the file)")
+                     "(replaces --model/--checkpoint; dtype and sizes come from the file; --devices/--fsdp apply)")
+    mesh = parity.add_argument_group("running the flax side sharded")
+    mesh.add_argument("--devices", type=int, metavar="N",
+                      help="run the flax side on a (data, fsdp) mesh of the first N devices; on CPU, N devices are "
+                      "simulated (XLA's host device count, set before JAX starts)")
+    mesh.add_argument("--fsdp", type=int, metavar="K",
+                      help="FSDP size of the mesh (default 1; with --fsdp alone, the mesh spans every device): "
+                      "parameters are split K ways by the training rules, the batch over N // K")
     ckpt = parity.add_argument_group("checking a checkpoint of your own")
     ckpt.add_argument("--checkpoint", metavar="PATH",
                       help="a torch_ref GPT, encoder-decoder or LayerNorm state dict (.safetensors, or .pt/.pth/.bin "
@@ -63,20 +74,118 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("batch", "seq_len"):
+def _check_output_file(parser: argparse.ArgumentParser, option: str, path: str) -> None:
+    """Fail now, not after the run, when ``path`` cannot be written: a folder, a missing folder, no permission."""
+    if os.path.isdir(path):
+        parser.error(f"{option} {path!r} is a directory; give a file name inside it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path!r}: the folder {folder!r} does not exist; create it first")
+    try:
+        if os.path.exists(path):
+            open(path, "a").close()  # opening to append changes nothing
+        else:
+            open(path, "x").close()
+            os.remove(path)
+    except OSError as err:
+        parser.error(f"{option} {path!r} cannot be written: {err.strerror or err}")
+
+
+def _plot_formats() -> dict[str, str]:
+    """File extensions matplotlib can save to (extension -> description)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return FigureCanvasBase.get_supported_filetypes()
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every usage error, before anything slow runs; ``parser.error`` exits with code 2."""
+    for name in ("batch", "seq_len", "n_head", "devices", "fsdp"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.train_steps < 0:
         parser.error(f"--train-steps must be at least 0, got {args.train_steps}")
-    if args.n_head is not None and args.n_head < 1:
-        parser.error(f"--n-head must be at least 1, got {args.n_head}")
+    for name in ("rtol", "atol"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            parser.error(f"--{name} must be a finite number >= 0, got {value}")
     if args.checkpoint and args.model != "all":
         parser.error("--checkpoint replaces --model; give one of them")
-    if args.reference and (args.checkpoint or args.model != "all" or args.save_reference or args.train_steps):
-        parser.error("--reference replaces --model, --checkpoint, --save-reference and --train-steps; "
-                     "the file says what to check")
+    if args.reference:
+        if args.checkpoint or args.model != "all" or args.save_reference or args.train_steps or args.seq_len:
+            parser.error("--reference replaces --model, --checkpoint, --save-reference, --train-steps and --seq-len; "
+                         "the file says what to check")
+        if args.attribute:
+            parser.error("--reference takes attribution from the file: write it with --save-reference FILE "
+                         "--attribute (on the machine with torch)")
+        if not os.path.isfile(args.reference):
+            parser.error(f"--reference {args.reference!r}: no such file")
+    if args.save_reference:
+        _check_output_file(parser, "--save-reference", args.save_reference)
+    if args.json:
+        _check_output_file(parser, "--json", args.json)
+    if args.plot:
+        try:
+            formats = _plot_formats()
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install matplotlib")
+        extension = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        if extension not in formats:
+            what = f"extension .{extension}" if extension else "no file extension"
+            parser.error(f"--plot {args.plot!r} has {what}; matplotlib saves {', '.join('.' + f for f in formats)}")
+        _check_output_file(parser, "--plot", args.plot)
+    if args.seq_len is not None and not args.checkpoint:  # a checkpoint's limit is its block_size, checked on reading
+        from flax_ln.parity import cases as parity_cases
+
+        for name in _model_names(args):
+            try:
+                parity_cases.check_seq_len(name, args.seq_len)
+            except ValueError as err:
+                parser.error(str(err))
+    if (args.devices or args.fsdp) and args.train_steps:
+        parser.error("--train-steps runs unsharded; drop --devices/--fsdp to compare training steps")
+
+
+def _model_names(args: argparse.Namespace) -> list[str]:
+    return [args.checkpoint] if args.checkpoint else MODEL_CHOICES if args.model == "all" else [args.model]
+
+
+def _make_mesh(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The ``(data, fsdp)`` mesh of ``--devices``/``--fsdp``, or ``None`` without them.
+
+    On CPU, ``--devices N`` needs N simulated host devices, a setting JAX reads once when
+    it starts its backends: it is set here if JAX has not started yet (as when run from
+    the command line), and otherwise the error says how to set it.
+    """
+    if args.devices is None and args.fsdp is None:
+        return None
+    import jax
+
+    from flax_ln.sharding import DATA, make_mesh
+
+    if args.devices is not None:
+        try:
+            jax.config.update("jax_num_cpu_devices", args.devices)
+        except RuntimeError:  # JAX's backends already started: the CPU device count is fixed
+            pass
+    devices = jax.devices()
+    wanted = len(devices) if args.devices is None else args.devices
+    if wanted > len(devices):
+        parser.error(
+            f"--devices {wanted}: JAX sees {len(devices)} {jax.default_backend()} device(s). On CPU, start with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted} in the environment (JAX reads it when it "
+            "starts, so it cannot be changed in a running process); on an accelerator, use at most the devices it has"
+        )
+    fsdp = args.fsdp or 1
+    if wanted % fsdp:
+        parser.error(f"--fsdp {fsdp} must divide --devices {wanted}: the mesh is (data, fsdp) = "
+                     f"({wanted} // fsdp, fsdp)")
+    mesh = make_mesh(fsdp, devices=devices[:wanted])
+    if not args.reference and args.batch % mesh.shape[DATA]:  # a reference's batch is checked on reading it
+        parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({mesh.shape[DATA]} = "
+                     f"devices {wanted} // fsdp {fsdp}): the batch is split over it")
+    return mesh
 
 
 def _tolerances(args: argparse.Namespace, dtype: str) -> dict:
@@ -106,8 +215,9 @@ def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> i
     return 0 if passed else 1
 
 
-def run_reference(args: argparse.Namespace) -> int:
-    """``--reference FILE``: the flax side of every model in the file against its stored torch side; no torch."""
+def run_reference(args: argparse.Namespace, mesh=None) -> int:
+    """``--reference FILE``: the flax side of every model in the file against its stored torch side; no torch.
+    On ``mesh`` (``--devices``/``--fsdp``), the flax side runs sharded as in a live run."""
     from flax_ln.parity import engine as parity
     from flax_ln.parity import reference
     from flax_ln.parity import report as parity_report
@@ -117,6 +227,14 @@ def run_reference(args: argparse.Namespace) -> int:
     except reference.ReferenceError as err:
         print(f"flax-ln parity: error: {err}", file=sys.stderr)
         return 2
+    if mesh is not None:
+        from flax_ln.sharding import DATA
+
+        if settings["batch"] % mesh.shape[DATA]:
+            print(f"flax-ln parity: error: --reference {args.reference!r} holds batch {settings['batch']}, not a "
+                  f"multiple of the mesh's data axis ({mesh.shape[DATA]}): the batch is split over it; choose "
+                  "--devices/--fsdp to fit, or write the reference with a --batch that divides", file=sys.stderr)
+            return 2
     dtype = settings["dtype"]
     reports = []
     with parity.numerics(dtype):
@@ -125,23 +243,23 @@ def run_reference(args: argparse.Namespace) -> int:
         for index, model in enumerate(models, 1):
             print(f"[{index}/{len(models)}] {model.side.name}: building, compiling and comparing ...",
                   file=sys.stderr, flush=True)
-            report = reference.check_reference(model, _tolerances(args, dtype), capture_modules=bool(args.plot))
+            report = reference.check_reference(model, _tolerances(args, dtype), capture_modules=bool(args.plot),
+                                               mesh=mesh)
             reports.append(report)
             print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
     return _finish(args, env, dtype, reports)
 
 
-def run_parity(args: argparse.Namespace) -> int:
+def run_parity(args: argparse.Namespace, mesh=None) -> int:
     if args.reference:
-        return run_reference(args)
+        return run_reference(args, mesh)
 
     from flax_ln.parity import cases as parity_cases
     from flax_ln.parity import engine as parity
+    from flax_ln.parity import reference as parity_reference
     from flax_ln.parity import report as parity_report
 
-    names = [args.checkpoint] if args.checkpoint else MODEL_CHOICES if args.model == "all" else [args.model]
-    from flax_ln.parity import reference as parity_reference
-
+    names = _model_names(args)
     progress = sys.stderr
     reports, saved = [], []
     with parity.numerics(args.dtype):
@@ -164,12 +282,13 @@ def run_parity(args: argparse.Namespace) -> int:
             if args.save_reference:
                 side = parity.torch_side_of_case(case, attribute=args.attribute, record=True)
                 saved.append(parity_reference.ReferenceModel(side, dict(case.spec), parity_reference.forward_name(
-                    case.forward), case.lm_logits))
+                    case.forward), case.lm_logits, case.stored_dtype))
                 report = parity.compare_side(side, case.flax_model, forward=case.forward, tolerances=tolerances,
-                                             capture_modules=bool(args.plot), lm_logits=case.lm_logits)
+                                             capture_modules=bool(args.plot), lm_logits=case.lm_logits, mesh=mesh)
+                report.stored_dtype = case.stored_dtype
             else:
                 report = parity.check_case(case, tolerances, capture_modules=bool(args.plot),
-                                           attribute=args.attribute)
+                                           attribute=args.attribute, mesh=mesh)
             if args.train_steps and case.train is not None:
                 report.train_steps = parity.check_training(case, args.train_steps, tolerances)
             report.seconds = time.perf_counter() - start
@@ -189,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    _positive(parser, args)
-    return run_parity(args)
+    _validate(parser, args)
+    return run_parity(args, _make_mesh(parser, args))
 
 
 if __name__ == "__main__":

@@ -328,6 +328,32 @@ def _run_torch_jvp(module, inputs, input_names, kwargs, forward, tangents, *, do
     return named
 
 
+def _on_mesh(mesh, params, rest, arrays):
+    """The flax side placed on a ``(data, fsdp)`` mesh, as training places it (:mod:`flax_ln.sharding`).
+
+    Parameters and the other state (buffers, RNG state) by the FSDP rule
+    (:func:`flax_ln.sharding.state_shardings`); every other array (inputs, masks) split
+    along its first axis over ``data`` when that axis divides evenly (the batch), else
+    replicated (a mask broadcast over the batch, a scalar).
+
+    Returns:
+      ``(params, rest, arrays)`` placed, and the ``sharding`` record of the report:
+      the mesh's axis sizes and each parameter's ``PartitionSpec`` (flax path -> str).
+    """
+    from flax_ln.sharding import DATA, batch_sharding, replicated, state_shardings
+
+    params = jax.device_put(params, state_shardings(params, mesh))
+    rest = jax.device_put(rest, state_shardings(rest, mesh))
+
+    def place(x):
+        split = x is not None and np.ndim(x) > 0 and np.shape(x)[0] % mesh.shape[DATA] == 0
+        return None if x is None else jax.device_put(x, batch_sharding(mesh) if split else replicated(mesh))
+
+    specs = {".".join(map(str, path)): str(var.get_value().sharding.spec) for path, var in nnx.to_flat_state(params)}
+    record = {"mesh": dict(mesh.shape), "params": specs}
+    return params, rest, jax.tree.map(place, arrays, is_leaf=lambda x: x is None), record
+
+
 def _flax_split(model, inputs, kwargs):
     """``(graphdef, params, rest)``, the floating input positions and values, the other inputs,
     and the kwargs split into arrays and static values."""
@@ -340,12 +366,13 @@ def _flax_split(model, inputs, kwargs):
     return graphdef, params, rest, float_positions, float_inputs, other_inputs, array_kwargs, static_kwargs
 
 
-def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, param_names):
-    """Outputs, loss and gradients (same keys as :func:`_run_torch`) of the flax side, jitted."""
+def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, param_names, mesh=None):
+    """Outputs, loss and gradients (same keys as :func:`_run_torch`) of the flax side, jitted; on ``mesh``
+    (see :func:`_on_mesh`) when given. Also returns the sharding record (``None`` without a mesh)."""
     graphdef, params, rest, float_positions, float_inputs, other_inputs, array_kwargs, static_kwargs = \
         _flax_split(model, inputs, kwargs)
 
-    def objective(params, float_inputs, other_inputs, array_kwargs):
+    def objective(params, rest, float_inputs, other_inputs, array_kwargs):
         args = list(other_inputs)
         for i, x in zip(float_positions, float_inputs):
             args[i] = x
@@ -356,17 +383,22 @@ def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, par
                     if k in cotangents)
         return value, outputs
 
-    grad_fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
-    (value, outputs), (param_grads, input_grads) = grad_fn(params, float_inputs, other_inputs, array_kwargs)
+    sharding = None
+    if mesh is not None:
+        params, rest, (float_inputs, other_inputs, array_kwargs), sharding = _on_mesh(
+            mesh, params, rest, (float_inputs, other_inputs, array_kwargs))
+    grad_fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 2), has_aux=True))
+    (value, outputs), (param_grads, input_grads) = grad_fn(params, rest, float_inputs, other_inputs, array_kwargs)
     grads = {f"grad {input_names[i]}": np.asarray(g) for i, g in zip(float_positions, input_grads)}
     named = to_torch_state_dict(nnx.merge(graphdef, param_grads, rest))
     grads.update({k: v for k, v in named.items() if k in param_names})  # buffers are not trained
-    return {k: np.asarray(v) for k, v in named_outputs(outputs)}, np.asarray(value), grads
+    return {k: np.asarray(v) for k, v in named_outputs(outputs)}, np.asarray(value), grads, sharding
 
 
-def _run_flax_jvp(model, inputs, input_names, kwargs, forward, tangents, state_dict, param_names):
+def _run_flax_jvp(model, inputs, input_names, kwargs, forward, tangents, state_dict, param_names, mesh=None):
     """Outputs and output tangents (``tangent <output>``, as :func:`_run_torch_jvp`) of the flax side:
-    ``jax.jvp``, jitted.
+    ``jax.jvp``, jitted; on ``mesh`` (see :func:`_on_mesh`) when given, each tangent placed like its
+    primal. Also returns the sharding record (``None`` without a mesh).
 
     The parameter tangents, keyed by torch name, go through the converter like weights
     (into a copy of the model), so they land in the flax layout; parameters without
@@ -381,8 +413,15 @@ def _run_flax_jvp(model, inputs, input_names, kwargs, forward, tangents, state_d
     input_tangents = [jnp.asarray(tangents[f"tangent {input_names[i]}"], float_inputs[k].dtype)
                       for k, i in enumerate(float_positions)]
 
+    sharding = None
+    if mesh is not None:
+        params, rest, (float_inputs, other_inputs, array_kwargs), sharding = _on_mesh(
+            mesh, params, rest, (float_inputs, other_inputs, array_kwargs))
+        param_tangents, input_tangents = jax.device_put(
+            (param_tangents, input_tangents), jax.tree.map(lambda x: x.sharding, (params, float_inputs)))
+
     @jax.jit
-    def primal_and_tangent(params, float_inputs, param_tangents, input_tangents, other_inputs, array_kwargs):
+    def primal_and_tangent(params, rest, float_inputs, param_tangents, input_tangents, other_inputs, array_kwargs):
         def run(params, float_inputs):
             args = list(other_inputs)
             for i, x in zip(float_positions, float_inputs):
@@ -391,11 +430,11 @@ def _run_flax_jvp(model, inputs, input_names, kwargs, forward, tangents, state_d
 
         return jax.jvp(run, (params, float_inputs), (param_tangents, input_tangents))
 
-    outputs, output_tangents = primal_and_tangent(params, float_inputs, param_tangents, input_tangents,
+    outputs, output_tangents = primal_and_tangent(params, rest, float_inputs, param_tangents, input_tangents,
                                                   other_inputs, array_kwargs)
     named = {k: np.asarray(v) for k, v in named_outputs(outputs)}
     named.update({f"tangent {k}": np.asarray(v) for k, v in named_outputs(output_tangents) if _is_float(named[k])})
-    return named
+    return named, sharding
 
 
 def _resolve_dtype(torch_module, dtype: str | None) -> str:
@@ -711,8 +750,10 @@ def lm_metrics(flax_logits, torch_logits, output: str, top_k: int = 5) -> dict[s
 # the comparison
 
 
-def _flax_results(side: TorchSide, flax_eval: nnx.Module, flax_inputs, orders, forward, loss) -> dict[str, np.ndarray]:
-    """The flax side's values under the keys of ``side.expected`` (input gradients back in torch's axis order)."""
+def _flax_results(side: TorchSide, flax_eval: nnx.Module, flax_inputs, orders, forward, loss,
+                  mesh=None) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
+    """The flax side's values under the keys of ``side.expected`` (input gradients back in torch's axis order),
+    and the sharding record when it ran on ``mesh``."""
     names, kwargs = side.input_names, side.kwargs
     if side.mode == "jvp":
         tangents = dict(side.tangents)
@@ -721,24 +762,26 @@ def _flax_results(side: TorchSide, flax_eval: nnx.Module, flax_inputs, orders, f
             if key in tangents:
                 tangents[key] = np.transpose(tangents[key], order)
         return _run_flax_jvp(flax_eval, flax_inputs, names, kwargs, forward, tangents, side.state_dict,
-                             set(side.param_names))
-    outputs, value, grads = _run_flax(flax_eval, flax_inputs, names, kwargs, forward, loss, side.cotangents,
-                                      set(side.param_names))
+                             set(side.param_names), mesh)
+    outputs, value, grads, sharding = _run_flax(flax_eval, flax_inputs, names, kwargs, forward, loss,
+                                                side.cotangents, set(side.param_names), mesh)
     for i, order in enumerate(orders):
         key = f"grad {names[i]}"
         if key in grads:
             grads[key] = np.transpose(grads[key], np.argsort(order))
-    return {**outputs, **({"loss": value} if loss is not None else {}), **grads}
+    return {**outputs, **({"loss": value} if loss is not None else {}), **grads}, sharding
 
 
 def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, forward: Callable | None = None,
                  loss=None, tolerances: Mapping[str, Tolerance] | None = None, localize_failures: bool = True,
                  capture_modules: bool = False, lm_logits: str | None = None,
-                 record: Callable[[], None] | None = None) -> ParityReport:
+                 record: Callable[[], None] | None = None, mesh=None) -> ParityReport:
     """The flax side against a :class:`TorchSide`: the heart of :func:`compare_modules`, also used on reference files.
 
     ``record()`` fills ``side.records``/``side.calls`` when localisation needs them and
     they are missing (a live torch module); attribution runs when ``side.truth`` is set.
+    ``mesh``: the flax side runs sharded (as in :func:`compare_modules`); localisation,
+    isolated mode and the float64 twin of attribution run unsharded, eagerly or on one device.
     """
     start = time.perf_counter()
     dtype = side.dtype
@@ -754,7 +797,7 @@ def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, 
         load_torch_state_dict(flax_module, side.state_dict)
         flax_eval = nnx.clone(flax_module)  # eval mode on a copy: the caller's module keeps its mode
         flax_eval.eval()
-        actual = _flax_results(side, flax_eval, flax_inputs, orders, forward, loss)
+        actual, sharding = _flax_results(side, flax_eval, flax_inputs, orders, forward, loss, mesh)
 
         exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
         tolerance_of = {"output": "output", "loss": "output", "input grad": "grad", "param grad": "grad",
@@ -774,7 +817,7 @@ def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, 
         if "grads" in tolerances and param_grads and all(k in actual for k in param_grads):
             whole = [np.concatenate([np.ravel(g[k]) for k in param_grads]) for g in (actual, side.expected)]
             results.append(compare_tensors("all parameter gradients", "grads", *whole, tolerances["grads"]))
-        report = ParityReport(side.name, dtype, results, mode=side.mode)
+        report = ParityReport(side.name, dtype, results, mode=side.mode, sharding=sharding)
         if lm_logits is not None:
             if lm_logits not in side.expected or actual.get(lm_logits) is None:
                 raise ValueError(f"lm_logits={lm_logits!r} names no output; outputs: "
@@ -804,8 +847,8 @@ def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.nd
         twin = _float64_twin(flax_eval)
         twin_side = dataclasses.replace(side, cotangents=_float64(side.cotangents), tangents=_float64(side.tangents),
                                         state_dict=_float64(side.state_dict))
-        twin_values = _flax_results(twin_side, twin, [x.astype(np.float64) if _is_float(x) else x
-                                                      for x in flax_inputs], orders, forward, loss)
+        twin_values, _ = _flax_results(twin_side, twin, [x.astype(np.float64) if _is_float(x) else x
+                                                         for x in flax_inputs], orders, forward, loss)
     twin_errors = {k: relative_error(twin_values[k], t) for k, t in side.truth.items() if k in twin_values}
     worst = max(twin_errors, key=twin_errors.get, default=None)
     report.attribution = {"truth": "torch float64", "flax_float64_worst": worst,
@@ -822,7 +865,8 @@ def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None,
              tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None,
              forward: Callable | None = None, input_names: Sequence[str] | None = None, name: str | None = None,
              localize_failures: bool = True, capture_modules: bool = False, mode: str = "grad",
-             tangent_params: bool = True, attribute: bool = False, lm_logits: str | None = None) -> ParityReport:
+             tangent_params: bool = True, attribute: bool = False, lm_logits: str | None = None,
+             mesh=None) -> ParityReport:
     """:func:`compare_modules`, plus what the book's cases need: one ``forward(module, *inputs, **kwargs)``
     used on both sides (default: calling the module), names for the inputs and the report."""
     start = time.perf_counter()
@@ -839,7 +883,7 @@ def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None,
                               attribute=attribute, name=name)
     report = compare_side(side, flax_module, flax_inputs=flax_inputs, forward=forward, loss=loss,
                           tolerances=tolerances, localize_failures=localize_failures, capture_modules=capture_modules,
-                          lm_logits=lm_logits, record=lambda: record_torch_side(side, torch_module, forward))
+                          lm_logits=lm_logits, record=lambda: record_torch_side(side, torch_module, forward), mesh=mesh)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -847,7 +891,7 @@ def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None,
 def compare_modules(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None, kwargs=None, loss=None,
                     tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None,
                     mode: str = "grad", tangent_params: bool = True, attribute: bool = False,
-                    lm_logits: str | None = None) -> ParityReport:
+                    lm_logits: str | None = None, mesh=None) -> ParityReport:
     """Compare a torch module with its NNX twin: every output, and the gradient of every floating input and parameter.
 
     The torch module's ``state_dict()`` is copied into ``flax_module`` through the strict
@@ -891,19 +935,24 @@ def compare_modules(torch_module, flax_module: nnx.Module, inputs, *, flax_input
         (``torch_vs_float64``, ``flax_vs_float64``): which side is wrong.
       lm_logits: the name of an output holding next-token logits (or log-probabilities),
         vocabulary last: adds ``report.lm_metrics`` (:func:`lm_metrics`).
+      mesh: a ``(data, fsdp)`` mesh from :func:`flax_ln.sharding.make_mesh`: the flax side
+        then runs sharded (in either mode), parameters by the training FSDP rule and inputs
+        split over ``data`` along their first (batch) axis where it divides;
+        ``report.sharding`` records each parameter's ``PartitionSpec``. The torch side is
+        unchanged.
 
     Returns:
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
     """
     return _compare(torch_module, flax_module, inputs, flax_inputs=flax_inputs, kwargs=kwargs, loss=loss,
                     tolerances=tolerances, dtype=dtype, mode=mode, tangent_params=tangent_params,
-                    attribute=attribute, lm_logits=lm_logits)
+                    attribute=attribute, lm_logits=lm_logits, mesh=mesh)
 
 
 def assert_parity(torch_module, flax_module: nnx.Module, inputs, **options) -> ParityReport:
-    """:func:`compare_modules` (same arguments) for tests: raises ``AssertionError`` with the readable
-    report (the worst tensors and the localisation) unless everything is within tolerance.
-    Returns the report when it passes."""
+    """:func:`compare_modules` (same arguments, ``mesh`` included) for tests: raises ``AssertionError``
+    with the readable report (the worst tensors and the localisation) unless everything is within
+    tolerance. Returns the report when it passes."""
     report = compare_modules(torch_module, flax_module, inputs, **options)
     if not report.passed:
         raise AssertionError("parity failed:\n" + str(report))
@@ -950,16 +999,21 @@ class Case:
     train: TrainSpec | None = None
     lm_logits: str | None = None  # the output holding next-token logits, for the LM metrics
     spec: Mapping[str, Any] | None = None  # how to rebuild the flax side without torch (flax_ln.parity.reference)
+    stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, named in the report
 
 
 def check_case(case: Case, tolerances: Mapping[str, Tolerance] | None = None, *, localize_failures: bool = True,
-               capture_modules: bool = False, mode: str = "grad", attribute: bool = False) -> ParityReport:
+               capture_modules: bool = False, mode: str = "grad", attribute: bool = False,
+               mesh=None) -> ParityReport:
     """:func:`compare_modules` on a case (its LM metrics on ``case.lm_logits``). ``capture_modules`` records
-    every submodule's error even when all pass; ``mode`` and ``attribute`` as in :func:`compare_modules`."""
-    return _compare(case.torch_model, case.flax_model, case.inputs, kwargs=case.kwargs, tolerances=tolerances,
-                    dtype=case.dtype, forward=case.forward, input_names=case.input_names, name=case.name,
-                    localize_failures=localize_failures, capture_modules=capture_modules, mode=mode,
-                    attribute=attribute, lm_logits=case.lm_logits)
+    every submodule's error even when all pass; ``mode``, ``attribute`` and ``mesh`` as in
+    :func:`compare_modules`."""
+    report = _compare(case.torch_model, case.flax_model, case.inputs, kwargs=case.kwargs, tolerances=tolerances,
+                      dtype=case.dtype, forward=case.forward, input_names=case.input_names, name=case.name,
+                      localize_failures=localize_failures, capture_modules=capture_modules, mode=mode,
+                      attribute=attribute, lm_logits=case.lm_logits, mesh=mesh)
+    report.stored_dtype = case.stored_dtype
+    return report
 
 
 def torch_side_of_case(case: Case, *, mode: str = "grad", attribute: bool = False, record: bool = False) -> TorchSide:

@@ -140,6 +140,7 @@ class ReferenceModel:
     spec: dict[str, Any]
     forward: str
     lm_logits: str | None
+    stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, named in the report
 
 
 def save_reference(path: str, models: Sequence[ReferenceModel], settings: Mapping[str, Any]) -> None:
@@ -154,7 +155,7 @@ def save_reference(path: str, models: Sequence[ReferenceModel], settings: Mappin
         fields = {f.name: _pack(getattr(model.side, f.name), f"{index}/{f.name}", tensors)
                   for f in dataclasses.fields(model.side)}
         entries.append({"spec": model.spec, "forward": model.forward, "lm_logits": model.lm_logits,
-                        "side": fields})
+                        "stored_dtype": model.stored_dtype, "side": fields})
     metadata = {"format": FORMAT, "version": VERSION, "settings": dict(settings), "models": entries}
     save_file(tensors, path, metadata={METADATA_KEY: json.dumps(metadata)})
 
@@ -196,7 +197,8 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
             fields = {name: _unpack(packed, tensors) for name, packed in entry["side"].items()}
             if entry["forward"] not in FORWARDS:
                 raise ReferenceError(f"--reference {path!r}: unknown forward {entry['forward']!r}")
-            models.append(ReferenceModel(TorchSide(**fields), entry["spec"], entry["forward"], entry["lm_logits"]))
+            models.append(ReferenceModel(TorchSide(**fields), entry["spec"], entry["forward"], entry["lm_logits"],
+                                         entry.get("stored_dtype")))
     except ReferenceError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -205,15 +207,18 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
     return data["settings"], models
 
 
-def check_reference(model: ReferenceModel, tolerances=None, *, capture_modules: bool = False):
+def check_reference(model: ReferenceModel, tolerances=None, *, capture_modules: bool = False, mesh=None):
     """The flax side, rebuilt from the model's spec and stored weights, against the stored torch side.
 
     Same report as a live run (first divergence, isolated mode and attribution from the
-    stored records and float64 values); no torch is imported.
+    stored records and float64 values; on ``mesh``, sharded as in
+    :func:`flax_ln.parity.engine.compare_modules`); no torch is imported.
     """
     from flax_ln.parity.engine import compare_side, numerics
 
     with numerics(model.side.dtype):
         flax_model = build_flax_model(model.spec, model.side.dtype)
-    return compare_side(model.side, flax_model, forward=FORWARDS[model.forward], tolerances=tolerances,
-                        capture_modules=capture_modules, lm_logits=model.lm_logits)
+    report = compare_side(model.side, flax_model, forward=FORWARDS[model.forward], tolerances=tolerances,
+                          capture_modules=capture_modules, lm_logits=model.lm_logits, mesh=mesh)
+    report.stored_dtype = model.stored_dtype
+    return report

@@ -133,6 +133,8 @@ class ParityReport:
     isolation: Isolation | None = None
     lm_metrics: dict[str, Any] | None = None
     attribution: dict[str, Any] | None = None  # the float64 truth and how far flax's float64 twin is from it
+    stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, when it was upcast to ``dtype``
+    sharding: dict[str, Any] | None = None  # on a mesh: its axes and each flax parameter's PartitionSpec
 
     @property
     def passed(self) -> bool:
@@ -168,7 +170,20 @@ class ParityReport:
                                                                    for k, v in self.attribution.items()},
             "mode": self.mode,
             "train_steps": [{k: _json_number(v) for k, v in s.items()} for s in self.train_steps],
+            "stored_dtype": self.stored_dtype,
+            "sharding": self.sharding,
         }
+
+    @property
+    def title(self) -> str:
+        """``name (dtype)``, with the mode when it is not ``"grad"``, the stored dtype when it differs
+        and the mesh when sharded."""
+        notes = [self.dtype] + ([] if self.mode == "grad" else [self.mode])
+        if self.stored_dtype is not None and self.stored_dtype != self.dtype:
+            notes.append(f"stored {self.stored_dtype}")
+        if self.sharding is not None:
+            notes.append("mesh " + " x ".join(f"{axis} {size}" for axis, size in self.sharding["mesh"].items()))
+        return f"{self.name} ({', '.join(notes)})"
 
 
 def environment() -> dict[str, Any]:
@@ -219,8 +234,7 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
     others = sorted((r for r in results if r.kind != "output"), key=lambda r: -r.excess)
     shown = outputs + others[:worst]
     header = f"{'tensor':<44} {'kind':<11} {'shape':<16} {'max |d|':>9} {'at':<14} {'rel err':>9} {'rtol':>8}  status"
-    mode = "" if report.mode == "grad" else f", {report.mode}"
-    lines = [f"== {report.name} ({report.dtype}{mode}) " + "=" * max(0, 80 - len(report.name)), header]
+    lines = [f"== {report.title} " + "=" * max(0, 80 - len(report.title)), header]
     for r in shown:
         status = {None: "ok", "rtol": "ok", "atol": "ok (abs)", "gtol": "ok (zero grad)"}[r.passed_by] if r.passed \
             else ("MISMATCH" if r.problem else "NONFINITE" if r.nonfinite else "FAIL")
@@ -279,7 +293,7 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
     if quiet:
         kept = ("summary:", "train step", "first divergence", "no submodule", "isolated:", "LM metrics", "attribution:")
         lines = [line for line in lines if line.startswith(kept)]
-        lines[0] = f"{report.name} ({report.dtype}) {lines[0]}"
+        lines[0] = f"{report.title} {lines[0]}"
     return "\n".join(lines)
 
 
@@ -341,7 +355,7 @@ def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
             if tol is not None:
                 ax.axhline(tol, color=color, lw=0.8, ls=":", label=label)
         ax.set_yscale("log")
-        ax.set_title(f"{report.name} ({report.dtype}): {'PASS' if report.passed else 'FAIL'}")
+        ax.set_title(f"{report.title}: {'PASS' if report.passed else 'FAIL'}")
         step = max(1, len(modules) // 40)
         ax.set_xticks(x[::step])
         ax.set_xticklabels(modules[::step], rotation=75, fontsize=6)
