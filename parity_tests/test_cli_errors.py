@@ -240,3 +240,26 @@ def test_more_devices_than_jax_has_says_how_to_get_them(capsys):
 ])
 def test_mesh_arguments_are_checked(capsys, args, says):
     assert_usage_error(capsys, "--model", "layernorm", *args, says=says)
+
+
+# ---- reference-file options, checked like the others --------------------------------------
+
+
+def test_save_reference_into_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
+    assert_usage_error(capsys, "--model", "layernorm", "--save-reference", tmp_path / "nope" / "ref.safetensors",
+                       says=["--save-reference", "does not exist"])
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--model", "gpt"], "--reference replaces --model"),
+    (["--seq-len", "4"], "--reference replaces --model"),
+    (["--attribute"], "takes attribution from the file"),
+])
+def test_reference_refuses_what_the_file_decides(tmp_path, capsys, args, says):
+    ref = tmp_path / "ref.safetensors"
+    ref.write_bytes(b"")  # exists: only the combination is wrong
+    assert_usage_error(capsys, "--reference", ref, *args, says=says)
+
+
+def test_missing_reference_is_refused_before_the_run(tmp_path, capsys):
+    assert_usage_error(capsys, "--reference", tmp_path / "missing.safetensors", says="no such file")

@@ -16,10 +16,10 @@ from flax_ln.parity import Tolerance, assert_parity, compare_modules, compare_te
 from flax_ln.parity import cases as parity_cases
 from flax_ln.parity import engine as parity
 from flax_ln.parity.capture import WHOLE_MODEL, capture_flax
-from flax_ln.parity.cli import main
+from flax_ln.parity.cli import MODEL_CHOICES, main
 
 JSON_TENSOR_KEYS = {"name", "kind", "shape", "max_abs_error", "max_error_index", "relative_error", "tolerance", "passed_by",
-                    "nonfinite", "passed", "problem"}
+                    "nonfinite", "passed", "problem", "torch_vs_float64", "flax_vs_float64"}
 
 
 # ---- compare_modules on a model of plain torch.nn / flax.nnx layers ------------------------------
@@ -412,3 +412,180 @@ def test_checkpoint_errors_are_clear(tmp_path, problem):
 def test_checkpoint_and_model_are_exclusive():
     proc = run_cli("--checkpoint", "x.safetensors", "--model", "gpt")
     assert proc.returncode == 2 and "replaces --model" in proc.stderr
+
+
+# ---- forward mode, attribution, LM metrics, isolated mode, reference files ---------------------
+
+
+def test_forward_mode_matches_torch_jvp_and_central_differences():
+    torch_model, flax_model, ids, features, features_nlc = tagger_pair("float64", "dict")
+    report = compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), mode="jvp")
+    assert report.passed, str(report)
+    assert [r.name for r in report.results if r.kind == "tangent"] == ["tangent hidden", "tangent logits"]
+    assert report["tangent logits"].tolerance == parity.TOLERANCES["float64"]["grad"]
+    # the torch tangent the engine compared with equals float64 central differences along the same tangents
+    side = parity.run_torch_side(torch_model, (ids, features), input_names=["input 0", "input 1"], kwargs={},
+                                 forward=None, loss=None, dtype="float64", mode="jvp")
+    tangent_params = {n: torch.from_numpy(side.tangents[n]) for n, _ in torch_model.named_parameters()}
+    base = {n: p.detach().clone() for n, p in torch_model.named_parameters()}
+
+    def logits_at(h):
+        with torch.no_grad():
+            for n, p in torch_model.named_parameters():
+                p.copy_(base[n] + h * tangent_params[n])
+            x = torch.from_numpy(features + h * side.tangents["tangent input 1"])
+            return torch_model(torch.from_numpy(ids), x)["logits"].numpy()
+
+    h = 1e-6  # float64: truncation error ~h^2, rounding ~1e-16/h; both far below 1e-8
+    central = (logits_at(h) - logits_at(-h)) / (2 * h)
+    assert parity.relative_error(side.expected["tangent logits"], central) < 1e-8
+    # float32: the twins agree in forward mode too; a planted mistake shows in the outputs and tangents
+    report = compare_modules(torch_model.float(), FlaxTagger("dict", rngs=nnx.Rngs(0)), (ids, features.astype(np.float32)),
+                             flax_inputs=(ids, features_nlc.astype(np.float32)), mode="jvp")
+    assert report.passed, str(report)
+    bad = FlaxTagger("dict", rngs=nnx.Rngs(0))
+    bad.act.approximate = True
+    report = compare_modules(torch_model, bad, (ids, features.astype(np.float32)),
+                             flax_inputs=(ids, features_nlc.astype(np.float32)), mode="jvp")
+    assert not report["tangent hidden"].passed and report.first_divergence.module == "act"
+
+
+def test_forward_mode_through_torch_and_nnx_layernorm():
+    torch.manual_seed(0)
+    torch_norm = torch.nn.LayerNorm(6).double()
+    with torch.no_grad():
+        torch_norm.weight.normal_()
+        torch_norm.bias.normal_()
+    with jax.enable_x64(True):
+        flax_norm = nnx.LayerNorm(6, epsilon=1e-5, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(0).standard_normal((3, 6)) * 3 + 2
+    report = compare_modules(torch_norm, flax_norm, x, mode="jvp", tangent_params=False)
+    assert report.passed, str(report)
+    assert {r.name for r in report.results} == {"output", "tangent output"}
+
+
+def test_attribution_says_which_side_is_wrong():
+    torch_model, flax_model, ids, features, features_nlc = tagger_pair("float32", "dict")
+    flax_model.act.approximate = True  # flax's GELU is off; torch's float32 is only rounding away from float64
+    report = compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), attribute=True)
+    failing = [r for r in report.results if not r.passed]
+    assert failing
+    for r in failing:
+        assert r.torch_vs_float64 < 1e-5 < r.flax_vs_float64, r  # float32 rounding against a 1e-4-size mistake
+    assert report.attribution["flax_float64_rel"] > 1e-5  # the float64 twins disagree: the math differs
+    assert "logits: flax" in str(report) and "flax is further off" in str(report)
+    assert report.to_json()["tensors"][0]["flax_vs_float64"] == report.results[0].flax_vs_float64
+
+
+def test_lm_metrics_against_hand_computed_values():
+    torch_logits = np.log(np.array([[[0.5, 0.5, 1e-9], [0.7, 0.2, 0.1]]]))  # (B=1, T=2, V=3)
+    flax_logits = np.log(np.array([[[0.25, 0.75, 1e-9], [0.7, 0.2, 0.1]]]))
+    m = parity.lm_metrics(flax_logits, torch_logits, "logits")
+    kl0 = 0.5 * np.log(0.5 / 0.25) + 0.5 * np.log(0.5 / 0.75)  # position 0; position 1 is identical
+    assert np.isclose(m["kl_max"], kl0, rtol=1e-6) and np.isclose(m["kl_mean"], kl0 / 2, rtol=1e-6)
+    assert m["worst_position"] == [0, 0] and m["positions"] == 2
+    assert m["top1_agreement"] == 0.5  # position 0: torch's tie breaks to token 0, flax picks token 1
+    assert m["top3_agreement"] == 1.0  # vocabulary of 3: the top-5 sets are the whole vocabulary
+
+
+def test_book_cases_report_lm_metrics():
+    report = parity.check_case(parity_cases.gpt("float32", 2, 8, 0))
+    m = report.lm_metrics
+    assert m["output"] == "logits" and m["positions"] == 16
+    assert m["top1_agreement"] == 1.0 and m["top5_agreement"] == 1.0
+    assert m["kl_max"] < 1e-10  # float32 logits agree to ~4e-7 relative: KL ~ (1e-7)^2 scale
+    assert "LM metrics (logits, 16 positions)" in str(report)
+    assert report.to_json()["lm_metrics"]["worst_position"] == m["worst_position"]
+
+
+def test_isolated_mode_names_the_module_whose_own_computation_differs():
+    case = parity_cases.gpt("float32", 2, 8, 0)
+    case.flax_model.transformer.h[1].ln_2.eps = 1e-2  # torch keeps 1e-5
+    report = parity.check_case(case)
+    iso = report.isolation
+    assert iso.culprits == ["transformer.h.1.ln_2"]
+    by_name = {r.name: r for r in iso.results}
+    # every module above it fails too when run alone (it contains the bug); every other module passes
+    assert not by_name["transformer.h.1"].passed and not by_name[WHOLE_MODEL].passed
+    assert by_name["transformer.h.1.mlp"].passed and by_name["transformer.h.0"].passed
+    assert "isolated: transformer.h.1.ln_2 (own output rel" in str(report)
+    assert report.to_json()["isolated"]["culprits"] == ["transformer.h.1.ln_2"]
+
+
+TORCH_BLOCKER = """
+import runpy, sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"{name} is blocked: this run must not need torch")
+sys.meta_path.insert(0, NoTorch())
+sys.argv = ["flax-ln", *sys.argv[1:]]
+runpy.run_module("flax_ln", run_name="__main__")
+"""
+
+
+def run_without_torch(*args):
+    return subprocess.run([sys.executable, "-c", TORCH_BLOCKER, "parity", *args], capture_output=True, text=True)
+
+
+def test_reference_file_checks_flax_without_torch(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from flax_ln.parity.reference import METADATA_KEY
+
+    ref = tmp_path / "ref.safetensors"
+    assert main(["parity", "--model", "layernorm", "--seq-len", "4", "--attribute", "--save-reference", str(ref),
+                 "--quiet"]) == 0
+    proc = run_without_torch("--reference", str(ref), "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torch None" in proc.stdout and "overall: 1/1 models within tolerance -> PASS" in proc.stdout
+    report = json.loads((tmp_path / "r.json").read_text())["models"][0]
+    assert report["attribution"]["truth"] == "torch float64"  # the float64 values came from the file
+
+    # one output value changed: a parity failure, localised from the file's records alone
+    from safetensors import safe_open
+
+    with safe_open(str(ref), framework="numpy") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(ref))
+    key = next(k for k in tensors if k.endswith("/expected/output"))
+    tensors[key] = tensors[key].copy()
+    tensors[key][0, 0, 0] += 1.0
+    altered = tmp_path / "altered.safetensors"
+    save_file(tensors, str(altered), metadata=metadata)
+    proc = run_without_torch("--reference", str(altered))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout and "attribution: output: flax" in proc.stdout
+
+    # files that are not references: usage errors
+    stranger = tmp_path / "random.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(stranger))
+    text = tmp_path / "notes.txt"
+    text.write_text("not a reference\n")
+    for path, message in ((stranger, f"without '{METADATA_KEY}' metadata"), (text, "not a safetensors file"),
+                          (tmp_path / "missing.safetensors", "no such file")):
+        proc = run_without_torch("--reference", str(path))
+        assert proc.returncode == 2, (path, proc.stdout, proc.stderr)
+        assert message in proc.stderr
+
+
+def test_reference_with_all_models_in_one_file(tmp_path):
+    ref = tmp_path / "all.safetensors"
+    from flax_ln.parity.reference import load_reference
+
+    assert main(["parity", "--model", "all", "--seq-len", "4", "--batch", "1", "--save-reference", str(ref),
+                 "--quiet"]) == 0
+    settings, models = load_reference(str(ref))
+    assert [m.side.name for m in models] == MODEL_CHOICES
+    assert settings["model"] == "all" and settings["seq_len"] == 4
+    assert all(m.side.records and m.side.calls for m in models)  # per-submodule records travel with the file
+
+
+def test_forward_mode_book_models(x64):
+    """jvp through every book model in float64 against torch.func.jvp (needs the custom_jvp norms)."""
+    for build in (parity_cases.layernorm, parity_cases.torch_layernorm, parity_cases.gpt,
+                  parity_cases.encoder_decoder):
+        case = build("float64", 2, 4, 0)
+        report = parity.check_case(case, mode="jvp")
+        assert report.passed, str(report)
+        assert any(r.kind == "tangent" for r in report.results)

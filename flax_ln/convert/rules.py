@@ -296,13 +296,22 @@ def torch_activation(module: nnx.Module, array):
       module: the flax submodule that produced (or took) ``array``.
       array: a batched activation, ``(N, ...)``.
     """
+    layout = _activation_layout(module)
+    return array if layout is None else array.transpose(layout.to_torch(np.ndim(array)))
+
+
+def flax_activation(module: nnx.Module, array):
+    """The inverse of :func:`torch_activation`: a torch activation of ``module``'s twin in ``module``'s layout."""
+    layout = _activation_layout(module)
+    return array if layout is None else array.transpose(layout.to_flax(np.ndim(array)))
+
+
+def _activation_layout(module: nnx.Module) -> Permute | None:
     rule = rule_for(type(module))
     layout = None if rule is None else rule.activation_layout
     if layout is not None and not isinstance(layout, Permute):
         layout = layout(module)
-    if layout is None:
-        return array
-    return array.transpose(layout.to_torch(np.ndim(array)))
+    return layout
 
 
 class ConversionError(ValueError):

@@ -310,6 +310,11 @@ class _Stack(nnx.Module):
         ])
         self.norm = LayerNorm(size, dtype=dtype, param_dtype=param_dtype)
 
+    @property
+    def size(self) -> int:
+        """The model width ``d_model`` (the final norm's features), read by the Transformer's checks."""
+        return self.norm.features
+
 
 class Encoder(_Stack):
     """``norm(layers[N-1](... layers[0](x, mask) ..., mask))``: N :class:`EncoderLayer` then a final LayerNorm.
@@ -371,6 +376,11 @@ class Embeddings(nnx.Module):
     def __init__(self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.d_model = d_model
         self.lut = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=param_dtype, embedding_init=_xavier, rngs=rngs)
+
+    @property
+    def vocab(self) -> int:
+        """The vocabulary size (the table's rows), read by the Transformer's token-id checks."""
+        return self.lut.num_embeddings
 
     def __call__(self, x: Int[Array, "B T"]) -> Float[Array, "B T d_model"]:
         check_token_ids(x, "x", owner="Embeddings", vocab=None)  # static only; the Transformer checks values

@@ -28,6 +28,26 @@ from flax import nnx
 WHOLE_MODEL = "(whole model)"  # the path under which the root module's own call is recorded
 
 Records = dict[str, tuple[list[np.ndarray], list[np.ndarray]]]  # path -> (inputs, outputs)
+Calls = dict[str, tuple[list[Any], dict[str, Any]]]  # path -> (positional args, keyword args) of the first call
+
+
+class Unsupported(str):
+    """A recorded argument that is neither an array nor a plain value (a callable, a module): names its type."""
+
+
+def plain_value(value: Any) -> Any:
+    """A call argument as data: a NumPy array for a tensor, the value itself for None/bool/int/float/str
+    (and tuples/lists of those), else :class:`Unsupported` naming its type."""
+    if hasattr(value, "detach"):  # a torch.Tensor
+        return value.detach().numpy().copy()
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return np.asarray(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [plain_value(v) for v in value]
+        return next((v for v in items if isinstance(v, Unsupported)), type(value)(items))
+    return Unsupported(type(value).__name__)
 
 
 def floating_leaves(tree: Any) -> list[np.ndarray]:
@@ -45,10 +65,12 @@ def floating_leaves(tree: Any) -> list[np.ndarray]:
     return []
 
 
-def capture_torch(model, call: Callable[[], Any]) -> Records:
+def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None) -> Records:
     """Run ``call`` with forward hooks on every submodule of the torch ``model``: path -> (inputs, outputs).
 
-    Dict order is execution order (a module is recorded when its forward returns).
+    Dict order is execution order (a module is recorded when its forward returns). With
+    ``calls``, each module's first call is also stored there whole (every positional and
+    keyword argument, by :func:`plain_value`), so the module can be called again on it.
     """
     import torch
 
@@ -56,10 +78,12 @@ def capture_torch(model, call: Callable[[], Any]) -> Records:
     handles = []
     for name, module in model.named_modules():
 
-        def hook(mod, args, output, name=name or WHOLE_MODEL):
+        def hook(mod, args, kwargs, output, name=name or WHOLE_MODEL):
+            if name not in records and calls is not None:
+                calls[name] = ([plain_value(a) for a in args], {k: plain_value(v) for k, v in kwargs.items()})
             records.setdefault(name, (floating_leaves(args), floating_leaves(output)))
 
-        handles.append(module.register_forward_hook(hook))
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
             call()

@@ -23,6 +23,7 @@ import flax_ln.train
 import torch_ref
 from flax_ln.convert import load_torch_state_dict
 from flax_ln.parity.engine import Case, TrainSpec
+from flax_ln.parity.reference import decoder_output_and_log_probs, logits_and_loss
 
 
 def _perturb(module: torch.nn.Module, seed: int, scale: float = 0.1, *, replace: bool = False) -> None:
@@ -62,6 +63,7 @@ def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, bat
         input_names=["x"],
         dtype=dtype,
         train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-2),
+        spec={"builder": flax_cls.__name__, "features": features, "eps": torch_norm.eps},
     )
 
 
@@ -125,19 +127,9 @@ def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, s
         dtype=dtype,
         forward=decoder_output_and_log_probs,
         train=TrainSpec((torch_loss, flax_loss), torch_optimizer, flax_ln.noam_adam(d_model, 1.0, 400)),
+        lm_logits="log probs",
+        spec={"builder": "make_model", "sizes": dict(sizes), "ffn_activation": ffn_activation},
     )
-
-
-def decoder_output_and_log_probs(model, src, tgt, src_mask, tgt_mask):
-    """The encoder-decoder's forward for either framework (the module trees mirror each other)."""
-    out = model(src, tgt, src_mask, tgt_mask)
-    return {"decoder output": out, "log probs": model.generator(out)}
-
-
-def logits_and_loss(model, idx, targets):
-    """A GPT's forward for either framework, with named outputs."""
-    logits, loss = model(idx, targets)
-    return {"logits": logits, "loss": loss}
 
 
 def _the_loss(outputs):
@@ -176,6 +168,8 @@ def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_
             optax_optimizer=flax_ln.train.gpt_adam(1e-4, clip_norm=1.0),
             clip_norm=1.0,
         ),
+        lm_logits="logits",
+        spec={"builder": "GPT", "config": dataclasses.asdict(config)},
     )
 
 
@@ -216,6 +210,7 @@ def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Cas
         input_names=["x"],
         dtype=dtype,
         train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-4),
+        spec={"builder": "Block", "config": dataclasses.asdict(config)},
     )
 
 

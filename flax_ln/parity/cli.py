@@ -45,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="save a chart of per-module output and gradient errors (.png, .pdf, .svg, ...)")
     parity.add_argument("--quiet", action="store_true", help="print only the summary lines")
     parity.add_argument("--worst", type=int, default=8, help="rows per table (default 8)")
+    parity.add_argument("--attribute", action="store_true",
+                        help="also run both models in float64 and give, for every failing tensor, torch's and "
+                        "flax's error against that float64 truth: which side is wrong")
+    ref = parity.add_argument_group("parity without torch on the machine")
+    ref.add_argument("--save-reference", metavar="FILE",
+                     help="write the torch side of every selected model (inputs, weights, cotangents, outputs, "
+                     "gradients, per-submodule records; float64 values with --attribute) to one safetensors file")
+    ref.add_argument("--reference", metavar="FILE",
+                     help="check the flax side against a file written by --save-reference; needs no torch "
+                     "(replaces --model/--checkpoint; dtype and sizes come from the file; --devices/--fsdp apply)")
     mesh = parity.add_argument_group("running the flax side sharded")
     mesh.add_argument("--devices", type=int, metavar="N",
                       help="run the flax side on a (data, fsdp) mesh of the first N devices; on CPU, N devices are "
@@ -102,6 +112,17 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             parser.error(f"--{name} must be a finite number >= 0, got {value}")
     if args.checkpoint and args.model != "all":
         parser.error("--checkpoint replaces --model; give one of them")
+    if args.reference:
+        if args.checkpoint or args.model != "all" or args.save_reference or args.train_steps or args.seq_len:
+            parser.error("--reference replaces --model, --checkpoint, --save-reference, --train-steps and --seq-len; "
+                         "the file says what to check")
+        if args.attribute:
+            parser.error("--reference takes attribution from the file: write it with --save-reference FILE "
+                         "--attribute (on the machine with torch)")
+        if not os.path.isfile(args.reference):
+            parser.error(f"--reference {args.reference!r}: no such file")
+    if args.save_reference:
+        _check_output_file(parser, "--save-reference", args.save_reference)
     if args.json:
         _check_output_file(parser, "--json", args.json)
     if args.plot:
@@ -161,22 +182,86 @@ def _make_mesh(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"--fsdp {fsdp} must divide --devices {wanted}: the mesh is (data, fsdp) = "
                      f"({wanted} // fsdp, fsdp)")
     mesh = make_mesh(fsdp, devices=devices[:wanted])
-    if args.batch % mesh.shape[DATA]:
+    if not args.reference and args.batch % mesh.shape[DATA]:  # a reference's batch is checked on reading it
         parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({mesh.shape[DATA]} = "
                      f"devices {wanted} // fsdp {fsdp}): the batch is split over it")
     return mesh
 
 
-def run_parity(args: argparse.Namespace, mesh=None) -> int:
+def _tolerances(args: argparse.Namespace, dtype: str) -> dict:
+    """The policy's tolerances for ``dtype``, with --rtol/--atol applied."""
     import dataclasses
+
+    from flax_ln.parity import engine as parity
+
+    return {kind: dataclasses.replace(tol, rtol=tol.rtol if args.rtol is None else args.rtol,
+                                      atol=tol.atol if args.atol is None else args.atol)
+            for kind, tol in parity.TOLERANCES[dtype].items()}
+
+
+def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> int:
+    """The overall line, --json and --plot; the exit code."""
+    from flax_ln.parity import report as parity_report
+
+    passed = all(r.passed for r in reports)
+    print(f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
+          f"{'PASS' if passed else 'FAIL'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "dtype": dtype, "passed": passed,
+                       "models": [r.to_json() for r in reports]}, f, indent=1)
+    if args.plot:
+        parity_report.plot_errors(reports, args.plot)
+    return 0 if passed else 1
+
+
+def run_reference(args: argparse.Namespace, mesh=None) -> int:
+    """``--reference FILE``: the flax side of every model in the file against its stored torch side; no torch.
+    On ``mesh`` (``--devices``/``--fsdp``), the flax side runs sharded as in a live run."""
+    from flax_ln.parity import engine as parity
+    from flax_ln.parity import reference
+    from flax_ln.parity import report as parity_report
+
+    try:
+        settings, models = reference.load_reference(args.reference)
+    except reference.ReferenceError as err:
+        print(f"flax-ln parity: error: {err}", file=sys.stderr)
+        return 2
+    if mesh is not None:
+        from flax_ln.sharding import DATA
+
+        if settings["batch"] % mesh.shape[DATA]:
+            print(f"flax-ln parity: error: --reference {args.reference!r} holds batch {settings['batch']}, not a "
+                  f"multiple of the mesh's data axis ({mesh.shape[DATA]}): the batch is split over it; choose "
+                  "--devices/--fsdp to fit, or write the reference with a --batch that divides", file=sys.stderr)
+            return 2
+    dtype = settings["dtype"]
+    reports = []
+    with parity.numerics(dtype):
+        env = parity_report.environment()
+        print(parity_report.format_environment(env) + f" | dtype {dtype} | reference {args.reference}", flush=True)
+        for index, model in enumerate(models, 1):
+            print(f"[{index}/{len(models)}] {model.side.name}: building, compiling and comparing ...",
+                  file=sys.stderr, flush=True)
+            report = reference.check_reference(model, _tolerances(args, dtype), capture_modules=bool(args.plot),
+                                               mesh=mesh)
+            reports.append(report)
+            print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
+    return _finish(args, env, dtype, reports)
+
+
+def run_parity(args: argparse.Namespace, mesh=None) -> int:
+    if args.reference:
+        return run_reference(args, mesh)
 
     from flax_ln.parity import cases as parity_cases
     from flax_ln.parity import engine as parity
+    from flax_ln.parity import reference as parity_reference
     from flax_ln.parity import report as parity_report
 
     names = _model_names(args)
     progress = sys.stderr
-    reports = []
+    reports, saved = [], []
     with parity.numerics(args.dtype):
         env = parity_report.environment()
         print(parity_report.format_environment(env) + f" | dtype {args.dtype} | x64 {env['x64']}", flush=True)
@@ -193,30 +278,28 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
             except ValueError as err:  # CheckpointError, or sizes the model cannot take
                 print(f"flax-ln parity: error: {err}", file=sys.stderr)
                 return 2
-            tolerances = {
-                kind: dataclasses.replace(
-                    tol,
-                    rtol=tol.rtol if args.rtol is None else args.rtol,
-                    atol=tol.atol if args.atol is None else args.atol,
-                )
-                for kind, tol in parity.TOLERANCES[args.dtype].items()
-            }
-            report = parity.check_case(case, tolerances, capture_modules=bool(args.plot), mesh=mesh)
+            tolerances = _tolerances(args, args.dtype)
+            if args.save_reference:
+                side = parity.torch_side_of_case(case, attribute=args.attribute, record=True)
+                saved.append(parity_reference.ReferenceModel(side, dict(case.spec), parity_reference.forward_name(
+                    case.forward), case.lm_logits, case.stored_dtype))
+                report = parity.compare_side(side, case.flax_model, forward=case.forward, tolerances=tolerances,
+                                             capture_modules=bool(args.plot), lm_logits=case.lm_logits, mesh=mesh)
+                report.stored_dtype = case.stored_dtype
+            else:
+                report = parity.check_case(case, tolerances, capture_modules=bool(args.plot),
+                                           attribute=args.attribute, mesh=mesh)
             if args.train_steps and case.train is not None:
                 report.train_steps = parity.check_training(case, args.train_steps, tolerances)
             report.seconds = time.perf_counter() - start
             reports.append(report)
             print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
-    passed = all(r.passed for r in reports)
-    print(f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
-          f"{'PASS' if passed else 'FAIL'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "dtype": args.dtype, "passed": passed,
-                       "models": [r.to_json() for r in reports]}, f, indent=1)
-    if args.plot:
-        parity_report.plot_errors(reports, args.plot)
-    return 0 if passed else 1
+    if args.save_reference:
+        settings = {key: getattr(args, key) for key in ("model", "checkpoint", "dtype", "batch", "seq_len", "seed",
+                                                        "attribute")}
+        parity_reference.save_reference(args.save_reference, saved, settings)
+        print(f"reference: {len(saved)} model(s) written to {args.save_reference}")
+    return _finish(args, env, args.dtype, reports)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,8 @@ class TensorResult:
     passed: bool
     passed_by: str | None = None  # which criterion held: "rtol", "atol" or "gtol"
     problem: str | None = None  # why the values could not be compared: shape, dtype, missing
+    torch_vs_float64: float | None = None  # with attribution: torch's relative error against float64 truth
+    flax_vs_float64: float | None = None  # with attribution: flax's relative error against float64 truth
 
     @property
     def excess(self) -> float:
@@ -78,6 +80,41 @@ class FirstDivergence:
 
 
 @dataclasses.dataclass
+class Isolation:
+    """Isolated mode: each flax submodule run alone on its torch twin's recorded inputs.
+
+    ``results`` holds each module's own output error (by torch path, execution order),
+    ``skipped`` why a module could not be run alone, ``culprits`` the failing modules
+    none of whose submodules fails: the modules whose own computation differs.
+    """
+
+    results: list[TensorResult]
+    skipped: dict[str, str]
+    culprits: list[str]
+
+    def describe(self) -> str:
+        by_name = {r.name: r for r in self.results}
+        if not self.culprits:
+            return (f"isolated: every module agrees on torch's inputs ({len(self.results)} run alone, "
+                    f"{len(self.skipped)} skipped)")
+        named = ", ".join(f"{m} (own output rel {_fmt(by_name[m].relative_error)})" for m in self.culprits)
+        return f"isolated: {named}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"culprits": self.culprits, "modules": [r.to_json() for r in self.results], "skipped": self.skipped}
+
+
+def _side_further_off(r: TensorResult) -> str:
+    """Which side is further from float64 truth, by how much."""
+    t, f = r.torch_vs_float64, r.flax_vs_float64
+    if f > t:
+        return f"flax is further off (x{f / t:.3g})" if t > 0 else "flax is further off (torch exact)"
+    if t > f:
+        return f"torch is further off (x{t / f:.3g})" if f > 0 else "torch is further off (flax exact)"
+    return "both equally far"
+
+
+@dataclasses.dataclass
 class ParityReport:
     """Everything one comparison found: ``passed``, every tensor's result and, on failure, the first divergence.
 
@@ -92,6 +129,10 @@ class ParityReport:
     train_steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     module_errors: list[TensorResult] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    mode: str = "grad"  # "grad": reverse-mode gradients; "jvp": forward-mode output tangents
+    isolation: Isolation | None = None
+    lm_metrics: dict[str, Any] | None = None
+    attribution: dict[str, Any] | None = None  # the float64 truth and how far flax's float64 twin is from it
     stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, when it was upcast to ``dtype``
     sharding: dict[str, Any] | None = None  # on a mesh: its axes and each flax parameter's PartitionSpec
 
@@ -123,6 +164,11 @@ class ParityReport:
                 "outputs": [r.to_json() for r in self.first_divergence.outputs],
             },
             "module_errors": [r.to_json() for r in self.module_errors],
+            "isolated": None if self.isolation is None else self.isolation.to_json(),
+            "lm_metrics": self.lm_metrics,
+            "attribution": None if self.attribution is None else {k: _json_number(v)
+                                                                   for k, v in self.attribution.items()},
+            "mode": self.mode,
             "train_steps": [{k: _json_number(v) for k, v in s.items()} for s in self.train_steps],
             "stored_dtype": self.stored_dtype,
             "sharding": self.sharding,
@@ -130,8 +176,9 @@ class ParityReport:
 
     @property
     def title(self) -> str:
-        """``name (dtype)``, with the stored dtype when it differs and the mesh when sharded."""
-        notes = [self.dtype]
+        """``name (dtype)``, with the mode when it is not ``"grad"``, the stored dtype when it differs
+        and the mesh when sharded."""
+        notes = [self.dtype] + ([] if self.mode == "grad" else [self.mode])
         if self.stored_dtype is not None and self.stored_dtype != self.dtype:
             notes.append(f"stored {self.stored_dtype}")
         if self.sharding is not None:
@@ -221,14 +268,41 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
             f"({step['worst_param']}) -> {'ok' if step['passed'] else 'FAIL'}"
             + (f"; {len(step['noise_only'])} zero-gradient params not compared" if step["noise_only"] else "")
         )
+    if report.lm_metrics is not None:
+        lines.append(format_lm_metrics(report.lm_metrics))
+    if report.attribution is not None:
+        lines.append(f"attribution: float64 truth = {report.attribution['truth']}; flax's float64 twin is "
+                     f"{_fmt(report.attribution['flax_float64_rel'])} from it "
+                     f"(worst: {report.attribution['flax_float64_worst']})")
+        attributed = [r for r in failed if r.torch_vs_float64 is not None and r.flax_vs_float64 is not None]
+        shown_ids = {id(r) for r in shown}
+        for r in (r for r in attributed if id(r) in shown_ids):
+            lines.append(f"attribution: {r.name}: flax {_fmt(r.flax_vs_float64)}, torch "
+                         f"{_fmt(r.torch_vs_float64)} from float64 -> {_side_further_off(r)}")
+        rest = [r for r in attributed if id(r) not in shown_ids]
+        if rest:
+            flax_worse = sum(r.flax_vs_float64 > r.torch_vs_float64 for r in rest)
+            lines.append(f"attribution: {len(rest)} more failing tensors (all in --json): flax further off on "
+                         f"{flax_worse}, torch on {len(rest) - flax_worse}")
     if report.first_divergence is not None:
         lines.append(report.first_divergence.describe())
     elif not report.passed and report.module_errors:
         lines.append("no submodule output diverges: the difference arises in the backward pass or the loss")
+    if report.isolation is not None:
+        lines.append(report.isolation.describe())
     if quiet:
-        lines = [line for line in lines if line.startswith(("summary:", "train step", "first divergence", "no submodule"))]
+        kept = ("summary:", "train step", "first divergence", "no submodule", "isolated:", "LM metrics", "attribution:")
+        lines = [line for line in lines if line.startswith(kept)]
         lines[0] = f"{report.title} {lines[0]}"
     return "\n".join(lines)
+
+
+def format_lm_metrics(m: Mapping[str, Any]) -> str:
+    """One line: per-position KL (mean, max, where), top-1 and top-k agreement."""
+    top_k = next(k for k in m if k.startswith("top") and k != "top1_agreement")
+    return (f"LM metrics ({m['output']}, {m['positions']} positions): KL mean {_fmt(m['kl_mean'])}, max "
+            f"{_fmt(m['kl_max'])} at position {tuple(m['worst_position'])}; top-1 agreement {m['top1_agreement']:.3f}, "
+            f"{top_k.split('_')[0]} agreement {m[top_k]:.3f}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -240,8 +314,9 @@ def _module_of(param_name: str) -> str:
 
 
 def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
-    """Save a chart, one panel per model: each submodule's output error and the worst
-    gradient error of its parameters, in execution order, on a log scale with the tolerances."""
+    """Save a chart, one row per model: each submodule's output error, its own error run alone
+    (isolated mode) and the worst gradient error of its parameters, in execution order, on a
+    log scale with the tolerances; beside it, for language models, the KL divergence per position."""
     try:
         import matplotlib
 
@@ -250,9 +325,14 @@ def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
     except ImportError as err:  # pragma: no cover - matplotlib ships with the test extra
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from err
 
-    fig, axes = plt.subplots(len(reports), 1, figsize=(14, 3.6 * len(reports)), squeeze=False)
+    lm = any(r.lm_metrics is not None for r in reports)
+    fig, axes = plt.subplots(len(reports), 2 if lm else 1, figsize=(19 if lm else 14, 3.6 * len(reports)),
+                             squeeze=False, gridspec_kw={"width_ratios": [3, 1]} if lm else None)
     tiny = 1e-18  # exact zeros are drawn at the bottom of the log scale
-    for ax, report in zip(axes[:, 0], reports):
+    for row, report in enumerate(reports):
+        if lm:
+            _plot_lm_metrics(axes[row, 1], report.lm_metrics, tiny)
+        ax = axes[row, 0]
         modules = [r.name for r in report.module_errors]
         grads: dict[str, float] = {}
         for r in report.results:
@@ -266,6 +346,10 @@ def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
         outputs = {r.name: r.relative_error for r in report.module_errors}
         ax.plot(x, [max(outputs.get(m, np.nan), tiny) for m in modules], "o-", label="module output rel. error")
         ax.plot(x, [max(grads.get(m, np.nan), tiny) for m in modules], "s--", label="param grad rel. error (worst)")
+        if report.isolation is not None:  # each module run alone on torch's inputs: its own error
+            own = {r.name: r.relative_error for r in report.isolation.results}
+            ax.plot(x, [max(own.get(m, np.nan), tiny) for m in modules], "^", color="C3", ms=4,
+                    label="isolated: module's own output rel. error")
         for color, kind, label in (("C0", "output", "output tolerance"), ("C1", "param grad", "gradient tolerance")):
             tol = next((r.tolerance.rtol for r in report.results if r.kind == kind), None)
             if tol is not None:
@@ -279,4 +363,19 @@ def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_lm_metrics(ax, metrics: Mapping[str, Any] | None, tiny: float) -> None:
+    """KL divergence per position (flattened batch x position), with top-1/top-k agreement in the title."""
+    if metrics is None:
+        ax.axis("off")
+        return
+    kl = np.maximum(np.asarray(metrics["kl_per_position"]), tiny)
+    ax.plot(np.arange(kl.size), kl, ".-", color="C2")
+    ax.set_yscale("log")
+    top_k = next(k for k in metrics if k.startswith("top") and k != "top1_agreement")
+    ax.set_title(f"KL(torch || flax) per position ({metrics['output']}): mean {_fmt(metrics['kl_mean'])}\n"
+                 f"top-1 {metrics['top1_agreement']:.3f}, {top_k.split('_')[0]} {metrics[top_k]:.3f}, worst "
+                 f"{tuple(metrics['worst_position'])}", fontsize=8)
+    ax.set_xlabel("position (batch-major)", fontsize=7)
 
