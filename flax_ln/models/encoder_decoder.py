@@ -494,7 +494,7 @@ class Transformer(nnx.Module):
 
     def _check_encode(self, src, src_mask, owner: str) -> jax.Array:
         """``src`` as a JAX array, after checking it (shape, dtype, ids in ``[0, src_vocab)``) and ``src_mask``."""
-        src = check_token_ids(src, "src", owner=owner, vocab=self.src_embed[0].lut.num_embeddings,
+        src = check_token_ids(src, "src", owner=owner, vocab=self.src_embed[0].vocab,
                               max_len=self.src_embed[1].max_len, debug=self.debug_checks)
         batch, src_len = src.shape
         _check_mask("src_mask", src_mask, batch, src_len, src_len)
@@ -503,7 +503,7 @@ class Transformer(nnx.Module):
     def _check_decode(self, memory_shape: tuple[int, int, int], src_mask, tgt, tgt_mask, owner: str) -> jax.Array:
         """``tgt`` as a JAX array, after checking it against the memory's shape, and both masks."""
         batch, src_len, _ = memory_shape
-        tgt = check_token_ids(tgt, "tgt", owner=owner, vocab=self.tgt_embed[0].lut.num_embeddings,
+        tgt = check_token_ids(tgt, "tgt", owner=owner, vocab=self.tgt_embed[0].vocab,
                               max_len=self.tgt_embed[1].max_len, batch=batch, debug=self.debug_checks)
         tgt_len = tgt.shape[1]
         _check_mask("src_mask", src_mask, batch, tgt_len, src_len)
@@ -523,7 +523,7 @@ class Transformer(nnx.Module):
         tgt: Int[Array, "B T"],
         tgt_mask: Bool[Array, "#B #T T"],
     ) -> Float[Array, "B T d_model"]:
-        _check_hidden("memory", memory, (None, None, self.decoder.norm.features))
+        _check_hidden("memory", memory, (None, None, self.decoder.size))
         tgt = self._check_decode(memory.shape, src_mask, tgt, tgt_mask, "Transformer.decode")
         return self._decode(memory, src_mask, tgt, tgt_mask)
 
@@ -538,7 +538,7 @@ class Transformer(nnx.Module):
         tgt_mask: Bool[Array, "#B #T T"],
     ) -> Float[Array, "B T d_model"]:
         src = self._check_encode(src, src_mask, "Transformer")  # every argument checked once, before any compute
-        tgt = self._check_decode((*src.shape, self.decoder.norm.features), src_mask, tgt, tgt_mask, "Transformer")
+        tgt = self._check_decode((*src.shape, self.decoder.size), src_mask, tgt, tgt_mask, "Transformer")
         return self._decode(self._encode(src, src_mask), src_mask, tgt, tgt_mask)
 
 
@@ -628,7 +628,7 @@ def greedy_decode(
         raise ValueError(f"greedy_decode: max_len must be an int >= 1, got {max_len!r}")
     src_mask = jnp.asarray(src_mask)
     src = model._check_encode(src, src_mask, "greedy_decode")  # clear errors before tracing
-    start_symbol = check_scalar_id(start_symbol, "start_symbol", owner="greedy_decode", vocab=model.tgt_embed[0].lut.num_embeddings)
+    start_symbol = check_scalar_id(start_symbol, "start_symbol", owner="greedy_decode", vocab=model.tgt_embed[0].vocab)
     if max_len > model.tgt_embed[1].max_len:
         raise ValueError(
             f"greedy_decode: max_len={max_len} exceeds the positional table ({model.tgt_embed[1].max_len} positions)"
