@@ -14,8 +14,10 @@ pool, so a ratio taken while other jobs run measures neither framework. Before e
 benchmark the runner waits (cools down) until the 1-minute load average falls below
 ``--quiet-load`` (default 1.0 on this 2-core machine), for at most ``--max-wait``
 seconds, and prints the load before and after every benchmark. A benchmark that starts
-or ends above the threshold is marked INVALID: rerun it on a quiet machine. ``--quick``
-(the CI smoke run) only marks, never waits.
+at or above the threshold (the load never fell: something else is running) is marked
+INVALID: rerun it on a quiet machine. The load after a benchmark includes its own
+threads (about 2 here), so it is recorded, not judged. ``--quick`` (the CI smoke run)
+only marks, never waits.
 """
 
 from __future__ import annotations
@@ -68,12 +70,15 @@ def cool_down(threshold: float, max_wait: float) -> float | None:
 
 
 def load_note(before: float | None, after: float | None, threshold: float) -> str:
-    """The per-benchmark load line, with INVALID when either end was at or above ``threshold``."""
+    """The per-benchmark load line, with INVALID when the benchmark started at or above ``threshold``.
+
+    ``after`` includes the benchmark's own threads, so it is reported but not judged.
+    """
     if before is None or after is None:
         return "Load average: unknown on this platform."
-    verdict = "quiet" if max(before, after) < threshold else \
-        f"INVALID: load >= {threshold:g}; ratios under load favour XLA, rerun on a quiet machine"
-    return f"Load average (1 min): {before:.2f} before, {after:.2f} after -> {verdict}"
+    verdict = "quiet start" if before < threshold else \
+        f"INVALID: load >= {threshold:g} at the start; ratios under load favour XLA, rerun on a quiet machine"
+    return f"Load average (1 min): {before:.2f} before, {after:.2f} after (includes its own threads) -> {verdict}"
 
 
 def main(argv=None) -> int:

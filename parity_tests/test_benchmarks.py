@@ -38,9 +38,10 @@ def test_load_note_marks_a_loaded_run_invalid():
         import run as bench_run
     finally:
         sys.path.pop(0)
-    assert bench_run.load_note(0.4, 0.9, 1.0).endswith("-> quiet")
-    assert "INVALID" in bench_run.load_note(0.4, 1.3, 1.0)  # loaded at the end
-    assert "INVALID" in bench_run.load_note(2.0, 0.5, 1.0)  # loaded at the start
+    assert bench_run.load_note(0.4, 0.9, 1.0).endswith("-> quiet start")
+    assert bench_run.load_note(0.4, 2.1, 1.0).endswith("-> quiet start")  # its own two threads, after
+    assert "INVALID" in bench_run.load_note(1.0, 0.5, 1.0)  # the load never fell below the threshold
+    assert "INVALID" in bench_run.load_note(2.0, 2.5, 1.0)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="gpu.sh is a bash script")
