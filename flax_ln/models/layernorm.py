@@ -44,58 +44,47 @@ def _check_features(x: jax.Array, features: int, module: str) -> None:
         )
 
 
-# Rows whose magnitude (the larger of |first element| and |mean|) exceeds this are scaled down
-# to it before squaring; below it the scale is exactly 1 and changes no rounding.
-_SCALE_THRESHOLD = 2.0**40
+# The pivot is the mean of a row's first few elements: a point inside the row's spread.
+_PIVOT_WIDTH = 8
 
 
-def _scaled_statistics(x: jax.Array, ddof: int):
-    """Centred, scaled rows, their variance and the scale: ``((x - mean) * k, var * k**2, k)``.
+def _row_statistics(x: jax.Array, eps: float, ddof: int):
+    """``(pivot, shifted_mean, sigma)``, each (..., 1): the row's mean is ``pivot + shifted_mean``.
 
-    The two-pass algorithm with two cheap changes, each a few element-wise operations
-    inside the same fused kernel (XLA:CPU keeps the whole normalisation in one), that
-    make it accurate to a few roundings whatever a row's mean is against its spread:
+    The two-pass algorithm on the row shifted by a pivot: ``d = x - pivot``, ``shifted_mean
+    = sum(d) / n``, ``var = sum((d - shifted_mean)**2) / (n - ddof)`` and ``sigma = sqrt(var
+    + eps)``. The pivot, the mean of the row's first eight elements, lies within the row's
+    spread, so on a row whose mean is large against its spread ``x - pivot`` is exact
+    (Sterbenz) and ``shifted_mean`` is of the order of the spread: its float32 rounding
+    is a rounding of a small number, not of the large mean. Plain two-pass (and torch's
+    kernels) round the large mean itself, and that error, shared by every ``x - mean``,
+    is what limits them on such rows. The pivot costs one subtraction per element inside
+    the same fused kernel; a mean of eight elements rather than the first element keeps
+    ``shifted_mean`` (and its rounding) small on well-conditioned rows too.
 
-    1. **Shift and correct.** ``mean0 = pivot + mean(x - pivot)`` with ``pivot =
-       x[..., :1]``, then ``c = x - mean0`` and ``c -= mean(c)``. A float32 mean is at
-       best ``ulp(mean) / 2`` from the truth, and on a row whose mean is large against
-       its spread that error, shared by every ``x - mean``, is what limits the plain
-       two-pass algorithm and torch's kernels. Here ``x - mean0`` is exact (Sterbenz)
-       on such rows, so ``mean(c)`` recovers the mean's error from small numbers. The
-       pivot makes ``x - pivot`` and ``mean0`` accurate to begin with; the sum is taken
-       at the pivot's scale (the ``k`` below, from ``|pivot|`` alone) so that it cannot
-       overflow.
-    2. **Scale.** ``c`` is multiplied by ``k = T / max(magnitude, T)`` with
-       ``magnitude = max(|pivot|, |mean0|)`` and ``T = 2**40``: ``k`` is exactly 1
-       below ``T``, and above it keeps ``c**2`` finite for rows up to the float32
-       maximum (``x * 1e30``). The normalised row ``c / sqrt(var + eps * k**2)`` does
-       not depend on ``k``.
-
-    ``pivot``, the correction ``mean(c)`` and ``k`` are held constant for
-    differentiation: the normalised row does not depend on them mathematically (shift
-    and scale invariance; the correction is a rounding error), so its derivatives are
-    those of the book's formula. A row whose squares overflow even after scaling
-    (values beyond 1e17, with a first element and a mean both below about 1e-5 of the
-    row's spread) gets an infinite variance, and its normalised row is 0 or NaN.
+    The pivot is held constant for differentiation (the normalised row does not depend on
+    it: shift invariance); ``shifted_mean`` and ``sigma`` are differentiable, so rules
+    built on them can be differentiated again (Hessians).
     """
     n = x.shape[-1]
-    pivot = jax.lax.stop_gradient(x[..., :1])  # (..., 1)
-    # Summed at the pivot's scale (1 below T), so that the sum cannot overflow near the float maximum.
-    pivot_scale = _SCALE_THRESHOLD / jnp.maximum(jnp.abs(pivot), _SCALE_THRESHOLD)  # (..., 1)
-    mean0 = pivot + jnp.sum((x - pivot) * pivot_scale, axis=-1, keepdims=True) / (n * pivot_scale)
-    magnitude = jax.lax.stop_gradient(jnp.maximum(jnp.abs(pivot), jnp.abs(mean0)))
-    k = _SCALE_THRESHOLD / jnp.maximum(magnitude, _SCALE_THRESHOLD)  # (..., 1)
-    centered = (x - mean0) * k
-    centered = centered - jax.lax.stop_gradient(jnp.mean(centered, axis=-1, keepdims=True))
+    pivot = jax.lax.stop_gradient(jnp.mean(x[..., :_PIVOT_WIDTH], axis=-1, keepdims=True))  # (..., 1)
+    shifted = x - pivot
+    shifted_mean = jnp.sum(shifted, axis=-1, keepdims=True) / n  # (..., 1)
+    centered = shifted - shifted_mean
     var = jnp.sum(centered * centered, axis=-1, keepdims=True) / (n - ddof)  # (..., 1)
-    return centered, var, k
+    return pivot, shifted_mean, jnp.sqrt(var + eps)
+
+
+def _centered(x, pivot, shifted_mean):
+    """``x - mean`` as ``(x - pivot) - shifted_mean``: the association that keeps it accurate."""
+    return (x - pivot) - shifted_mean
 
 
 def _normalize_forward(x, scale, offset, eps, ddof):
     """The book's formula on ``x``, ``scale`` and ``offset`` already in the compute dtype."""
-    centered, var, k = _scaled_statistics(x, ddof)
+    pivot, shifted_mean, sigma = _row_statistics(x, eps, ddof)
     # Same association as the book: (scale * centered) / sqrt(var + eps) + offset.
-    return scale * centered / jnp.sqrt(var + eps * k * k) + offset
+    return scale * _centered(x, pivot, shifted_mean) / sigma + offset
 
 
 _affine_normalize = jax.custom_jvp(_normalize_forward, nondiff_argnums=(3, 4))
@@ -111,15 +100,16 @@ def _affine_normalize_jvp(eps, ddof, primals, tangents):
     (``m(x̂ * dx)`` equals ``m(x̂ * (dx - mean(dx)))`` because ``sum(x̂) = 0``).
 
     The two tangent terms that need ``x̂`` are each a ``jax.checkpoint`` of ``x``: in
-    reverse mode the backward pass keeps only ``x`` (alive anyway) and ``scale`` and
+    reverse mode the backward pass keeps only ``x`` (alive anyway) and ``scale``, and
     recomputes the row statistics inside each of its two kernels, ``d_scale =
-    sum_rows(g * x̂)`` and ``d_x``. Their optimisation barriers keep XLA from sharing
-    the recomputed ``x̂`` between the two, which made XLA:CPU store it (and ``x -
-    mean``) as full-size temporaries: 32-64 MB for a float32 8192x1024 forward+backward
-    against 0.2 MB this way. Plain autodiff of the forward code would also
-    differentiate the shift, the mean correction and the scaling (all with zero derivative).
+    sum_rows(g * x̂)`` and ``d_x``, where they cost two row reductions of data the
+    kernel reads anyway. Their optimisation barriers keep XLA from sharing ``x̂`` or the
+    statistics between kernels, which made XLA:CPU store ``x - pivot`` or ``x̂`` as
+    full-size temporaries (32-64 MB for a float32 8192x1024 forward+backward). Plain
+    autodiff of the forward code would also differentiate the pivot (zero derivative).
     The rule is plain JAX, so it can be differentiated again in either mode
-    (``jax.hessian``, Hessian-vector products).
+    (``jax.hessian``, Hessian-vector products): the statistics inside it are
+    differentiable functions of ``x``.
     """
     x, scale, offset = primals
     dx, dscale, doffset = tangents
@@ -128,10 +118,14 @@ def _affine_normalize_jvp(eps, ddof, primals, tangents):
 
 
 def _normalized(x, eps: float, ddof: int):
-    """``(x̂, 1/σ)``: the normalised rows ``(x - mean) / sqrt(var + eps)`` and ``1/σ`` per row, (..., 1)."""
-    centered, var, k = _scaled_statistics(x, ddof)
-    sigma = jnp.sqrt(var + eps * k * k)  # (..., 1), of the scaled row
-    return centered / sigma, k / sigma
+    """``(x̂, 1/σ)``: the normalised rows ``(x - mean) / σ`` and ``1/σ`` per row, (..., 1).
+
+    For the derivatives only: multiplying by ``1/σ`` is one rounding more than the
+    forward's division, and cheaper than a division per element.
+    """
+    pivot, shifted_mean, sigma = _row_statistics(x, eps, ddof)
+    inv_sigma = 1 / sigma  # (..., 1)
+    return _centered(x, pivot, shifted_mean) * inv_sigma, inv_sigma
 
 
 @functools.partial(jax.checkpoint, static_argnums=(0, 1))
@@ -166,13 +160,11 @@ def normalize(
     accumulate in half precision. The result is cast to ``dtype`` last; ``dtype=None``
     follows flax's convention, the result type of ``x``, ``scale`` and ``offset``.
 
-    The statistics are those of the pivot-shifted row, with the mean's own rounding
-    error taken out by one more row sum and rows beyond 2**40 scaled down before
-    squaring (see :func:`_scaled_statistics`): the same math and the same passes over
-    ``x`` (in one fused kernel on XLA:CPU) as the plain two-pass algorithm, but
-    accurate to a few roundings on rows whose mean is large against their spread
-    (where the plain algorithm and torch lose digits to the rounding of the mean),
-    and finite for inputs up to the float maximum.
+    The statistics are those of the row shifted by a pivot inside it (see
+    :func:`_row_statistics`): the same two row reductions as the plain two-pass
+    algorithm, in one fused kernel on XLA:CPU, plus one subtraction per element, but
+    accurate to a few roundings on rows whose mean is large against their spread, where
+    the plain algorithm and torch lose digits to the rounding of the mean.
 
     Derivatives come from a ``jax.custom_jvp`` rule (:func:`_affine_normalize_jvp`),
     so every transformation applies: ``jax.grad``/``vjp``/``jacrev`` (by transposing
@@ -194,14 +186,10 @@ _ACCURACY_NOTE = """
     rounding of the mean: against float64 truth the flax error is never above torch's
     (or a few float32 roundings, whichever is larger).
 
-    Inputs near the float32 maximum (e.g. ``x * 1e30``) deliberately deviate from
-    torch: torch's variance overflows and it returns NaN (``nn.LayerNorm``) or zeros
-    (the book's formula), where the exact answer is an ordinary normalised row. Here
-    the row is scaled down before squaring, so the output (and its gradient, where
-    that is a normal float32) is the finite float64-truth answer whenever the row's
-    values and ``x - mean`` are representable. Mirroring the book's *math* is the
-    contract (DESIGN §5); reproducing an overflow is not. A row whose squares still
-    overflow after that scaling (see ``_scaled_statistics``) gives ``offset`` or NaN.
+    Rows whose squared deviations from the mean overflow float32 (values beyond about
+    1e19) get an infinite variance and normalise to ``offset``, as the book's torch
+    formula does (``torch.nn.LayerNorm`` gives NaN). Scaling such rows down before
+    squaring would cost an extra multiply per element on every row.
 """
 
 
