@@ -660,3 +660,36 @@ def test_bad_inputs_raise_before_compute():
         model(ids, ids.astype(jnp.float32))
     with pytest.raises(ValueError):
         torch_ref.GPT(SMALL)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_global_norm_and_clip_match_torch(x64):
+    """``gpt_adam``'s clip: the global norm of every leaf (one produced column-major by a
+    transposed matmul under jit, as GPT-2's head gradient is) and torch's clip + Adam steps."""
+    import optax
+
+    from flax_ln.train import global_norm
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(6, 5)), rng.normal(size=(6, 7))
+    tree = {"head": jnp.asarray(a.T @ b), "bias": jnp.asarray(rng.normal(size=7)), "half": jnp.ones(3, jnp.bfloat16)}
+    transposed_dot = jax.jit(lambda a, b, t: global_norm({**t, "head": jnp.einsum("ti,tj->ij", a, b)}))
+    expected = math.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in tree.values()))
+    # float64 sums of the same numbers in another order: a few float64 roundings.
+    np.testing.assert_allclose(float(transposed_dot(jnp.asarray(a), jnp.asarray(b), tree)), expected, rtol=1e-13)
+    np.testing.assert_allclose(float(global_norm(tree)), float(optax.global_norm(tree)), rtol=1e-13)
+
+    params = {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=3)}
+    grads = [{k: 5 * rng.normal(size=v.shape) for k, v in params.items()} for _ in range(2)]  # norm > 1: clipping on
+    tx = flax_ln.gpt_adam()
+    state, p = tx.init(params), {k: jnp.asarray(v) for k, v in params.items()}
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    opt = torch.optim.Adam(list(tp.values()), lr=1e-4)
+    for g in grads:
+        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, p)
+        p = optax.apply_updates(p, updates)
+        for k, v in tp.items():
+            v.grad = torch.tensor(g[k])
+        torch.nn.utils.clip_grad_norm_(list(tp.values()), 1.0)
+        opt.step()
+    for k in params:  # float64 Adam with the same formula in another operation order: float64 roundings
+        np.testing.assert_allclose(np.asarray(p[k]), tp[k].detach().numpy(), rtol=1e-12, atol=1e-15)
