@@ -60,7 +60,8 @@ def torch_music_step(model, x: np.ndarray, y: np.ndarray, forward=None):
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=1e-4)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=PAD)
-    x_t, y_t = torch.as_tensor(x), torch.as_tensor(y)
+    device = next(model.parameters()).device
+    x_t, y_t = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
     forward = forward or model
 
     def run() -> float:
@@ -70,7 +71,7 @@ def torch_music_step(model, x: np.ndarray, y: np.ndarray, forward=None):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        return loss.item()
+        return loss.item()  # waits for the step (also on a GPU)
 
     return run
 
@@ -80,6 +81,7 @@ def music_throughput(cfg: Config) -> list[Table]:
     import torch
 
     import torch_ref
+    from bench_encdec import torch_device
     from bench_gpt import FlaxStep
 
     if cfg.quick:
@@ -93,11 +95,12 @@ def music_throughput(cfg: Config) -> list[Table]:
     x, y = music_batch(config.vocab_size, batch, seq_len)
     torch.manual_seed(0)
     reference = torch_ref.GPT(config).train()
+    device = torch_device()
 
     def torch_twin():
         model = torch_ref.GPT(config).train()
         model.load_state_dict(reference.state_dict())
-        return model
+        return model.to(device)
 
     flax_model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
     flax_ln.load_torch_state_dict(flax_model, reference.state_dict())
@@ -131,7 +134,7 @@ def music_throughput(cfg: Config) -> list[Table]:
         f"{config.n_head} heads, n_embd {config.n_embd}, vocab {config.vocab_size}, block_size {config.block_size}; "
         f"B={batch}, T={seq_len} ({tokens} tokens per step), float32, dropout {config.attn_pdrop} on in both "
         f"frameworks; median of {repeats} interleaved steps after {warmup} warm-up; "
-        f"torch threads {torch.get_num_threads()}; JAX {jax.default_backend()}"
+        f"torch on {device} ({torch.get_num_threads()} CPU threads); JAX on {jax.default_backend()}"
     ))
     return [
         Table("Music Transformer training throughput (chapter 14 loop, higher tokens/s is better)",
