@@ -39,6 +39,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
 from flax_ln.models.checks import check_scalar_id, check_token_ids
+from flax_ln.models.dropout import Dropout
 from flax_ln.models.layernorm import LayerNorm
 
 MASK_VALUE = -1e9  # the book fills masked scores with -1e9: a fully masked row attends uniformly
@@ -149,7 +150,7 @@ class MultiHeadedAttention(nnx.Module):
             _linear(d_model, d_model, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
             for _ in range(4)
         ])
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(
         self,
@@ -196,7 +197,7 @@ class PositionwiseFeedForward(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.w_1 = _linear(d_model, d_ff, **kw)
         self.w_2 = _linear(d_ff, d_model, **kw)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: Float[Array, "*B d_model"]) -> Float[Array, "*B d_model"]:
         h = self.w_1(x)
@@ -222,7 +223,7 @@ class SublayerConnection(nnx.Module):
 
     def __init__(self, size: int, *, dropout: float = 0.1, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.norm = LayerNorm(size, dtype=dtype, param_dtype=param_dtype)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(
         self, x: Float[Array, "B T size"], sublayer: Callable[[jax.Array], jax.Array]
@@ -423,7 +424,7 @@ class PositionalEncoding(nnx.Module):
         self.d_model = d_model
         self.max_len = max_len
         self.pe = Buffer(jnp.asarray(sinusoid_table(d_model, max_len), param_dtype))
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: Float[Array, "B T d_model"]) -> Float[Array, "B T d_model"]:
         _check_hidden("x", x, (None, None, self.d_model))
