@@ -621,6 +621,8 @@ def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_li
 def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k, vocab_limit):
     # The model is merged afresh inside every traced scope (loop bodies get `state` through
     # their carry), because NNX refuses Variables that hold tracers of an outer trace.
+    # Carrying `state` costs nothing: XLA passes unchanged loop-carried buffers through
+    # without copying (checked in the optimised HLO; the cache is what must not be copied).
     def model(state):
         m = nnx.merge(graphdef, state)
         m.eval()
@@ -686,9 +688,11 @@ def generate(
     the ``top_k`` largest logits (ties with the k-th value are kept, as in torch); with
     ``temperature == 0`` it is the argmax instead (greedy; ``rng`` is then unused). The
     context is the last ``block_size`` tokens. While the sequence fits in ``block_size``
-    a KV cache preallocated to ``block_size`` gives each step in O(block_size) work;
-    beyond that every position shifts, so each step recomputes the last ``block_size``
-    tokens, exactly like the book. The whole loop is one jitted function with static
+    a KV cache gives each step in O(S) work, S = min(block_size, prompt + max_new_tokens - 1)
+    being the cache's preallocated length (each layer's new keys and values are written
+    in place); beyond that every position shifts, so each step recomputes the last
+    ``block_size`` tokens, exactly like the book. The prefill and those recomputations
+    apply the head to the last position only. The whole loop is one jitted function with static
     shapes (compiled once per prompt shape, ``max_new_tokens``, ``top_k`` and greedy or
     not). Dropout is always off, whatever the model's mode; ``model`` is not modified.
 
