@@ -141,10 +141,19 @@ def gelu(x: jax.Array) -> jax.Array:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, preallocated to ``block_size``: each (n_layer, B, nh, block_size, hs)."""
+    """Keys and values of every layer, preallocated: each (n_layer, B, nh, S, hs), S <= block_size slots."""
 
     k: jax.Array
     v: jax.Array
+
+
+def _cache_write(buffer: jax.Array, new: jax.Array, layer, pos) -> jax.Array:
+    """``buffer`` (L, B, nh, S, hs) with ``new`` (B, nh, T, hs) written at layer ``layer``, slots ``pos..pos+T-1``.
+
+    One ``dynamic_update_slice`` into the whole buffer, which XLA performs in place; slicing
+    the layer out, updating it and setting it back would copy the buffer once per layer.
+    """
+    return jax.lax.dynamic_update_slice(buffer, new[None].astype(buffer.dtype), (layer, 0, 0, pos, 0))
 
 
 def _init_fns(config: GPTConfig):
@@ -208,21 +217,22 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         return self.attend(x, None, 0)[0]
 
-    def attend(self, x, cache: tuple[jax.Array, jax.Array] | None, pos):
+    def attend(self, x, cache: KVCache | None, pos, layer=0):
         """``(y, cache)``: attention of ``x`` at absolute positions ``pos..pos+T-1``.
 
-        With ``cache = (k, v)``, each (B, nh, block_size, hs), the new keys and values are
-        written at ``pos`` and the queries attend to every cached position up to their own;
-        with ``cache=None`` they attend to ``x`` alone (``pos`` must then be 0).
+        With ``cache``, the :class:`KVCache` of every layer (each (L, B, nh, S, hs)), the new
+        keys and values are written into layer ``layer`` at ``pos`` (one in-place
+        ``dynamic_update_slice`` of T slots per buffer) and the queries attend to that
+        layer's S cached positions up to their own; with ``cache=None`` they attend to
+        ``x`` alone (``pos`` must then be 0). ``layer`` may be traced (a scan over layers).
         """
         T = x.shape[1]
         q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)  # 3 x (B, T, C)
         q, k, v = (split_heads(t, self.n_head) for t in (q, k, v))  # 3 x (B, nh, T, hs)
         if cache is not None:
-            start = (0, 0, pos, 0)
-            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)  # (B, nh, block, hs)
-            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)  # (B, nh, block, hs)
-            cache = (k, v)
+            cache = KVCache(_cache_write(cache.k, k, layer, pos), _cache_write(cache.v, v, layer, pos))
+            k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)  # (B, nh, S, hs)
+            v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)  # (B, nh, S, hs)
         y = scaled_dot_product_attention(
             q, k, v, causal_mask(T, k.shape[2], pos), mask_value=-jnp.inf,
             dropout=self.attn_dropout, precision=self.precision,
@@ -285,9 +295,10 @@ class Block(nnx.Module):
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         return self.attend(x, None, 0)[0]
 
-    def attend(self, x, cache, pos):
-        """``(x, cache)`` with an optional per-layer KV cache; see :meth:`CausalSelfAttention.attend`."""
-        y, cache = self.attn.attend(self.ln_1(x), cache, pos)
+    def attend(self, x, cache, pos, layer=0):
+        """``(x, cache)`` with an optional all-layer KV cache, this block being ``layer``; see
+        :meth:`CausalSelfAttention.attend`."""
+        y, cache = self.attn.attend(self.ln_1(x), cache, pos, layer)
         x = x + y
         return x + self.mlp(self.ln_2(x)), cache
 
@@ -374,15 +385,15 @@ def checkpoint(fun, policy):
 
 
 def _pure_block(graphdef, pos, policy, remat=checkpoint):
-    """``(block_state, x, cache) -> (x, cache, rng_state)``: one block on the functional split, rematerialised
+    """``(block_state, x, cache, layer) -> (x, cache, rng_state)``: one block on the functional split, rematerialised
     with ``remat(fun, policy)`` (:func:`checkpoint` by default) unless ``policy`` is ``None``.
 
     Dropout masks are recomputed from the same keys, so the gradients are unchanged.
     """
 
-    def run(block_state, x, cache):
+    def run(block_state, x, cache, layer=0):
         block = nnx.merge(graphdef, block_state)
-        x, cache = block.attend(x, cache, pos)
+        x, cache = block.attend(x, cache, pos, layer)
         return x, cache, nnx.state(block, nnx.RngState)
 
     return run if policy is None else remat(run, policy)
@@ -400,7 +411,10 @@ def _remat_block(block: Block, x, pos, policy):
 def _scan_blocks(h: Block, x, cache, pos, policy=None):
     """Run stacked blocks (leading layer axis) with ``jax.lax.scan``; returns ``(x, cache)``.
 
-    Each step merges one layer's slice into a fresh :class:`Block`, rematerialised with
+    The KV cache (all layers) rides in the carry and each step writes its own layer in
+    place; scanning over per-layer cache slices instead would rebuild the whole cache as
+    the stacked output at every call. Each step merges one layer's slice into a fresh
+    :class:`Block`, rematerialised with
     plain ``jax.checkpoint`` and ``policy`` unless it is ``None`` (inside the backward
     loop XLA cannot move the recomputation into the forward pass, and forward-mode
     autodiff works through it). Only when some dropout is active is the advanced
@@ -413,12 +427,14 @@ def _scan_blocks(h: Block, x, cache, pos, policy=None):
         graphdef, pos, None if cache is not None else policy, lambda fun, policy: jax.checkpoint(fun, policy=policy)
     )
 
-    def step(x, layer):
-        layer_state, layer_cache = layer
-        x, layer_cache, rng_state = block(layer_state, x, layer_cache)
-        return x, (rng_state, layer_cache)
+    def step(carry, layer):
+        x, cache = carry
+        layer_state, index = layer
+        x, cache, rng_state = block(layer_state, x, cache, index)
+        return (x, cache), rng_state
 
-    x, (rng_state, cache) = jax.lax.scan(step, x, (state, cache))
+    n_layer = jax.tree.leaves(state)[0].shape[0]
+    (x, cache), rng_state = jax.lax.scan(step, (x, cache), (state, jnp.arange(n_layer)))
     if _dropout_active(h):
         nnx.update(h, rng_state)
     return x, cache
@@ -518,25 +534,43 @@ class GPT(nnx.Module):
         loss = None if targets is None else cross_entropy(logits, targets, self.config.ignore_index)
         return logits, loss
 
-    def init_cache(self, batch_size: int, dtype=None) -> KVCache:
-        """A zeroed :class:`KVCache` for ``batch_size`` sequences of up to ``block_size`` tokens."""
+    def init_cache(self, batch_size: int, dtype=None, *, length: int | None = None) -> KVCache:
+        """A zeroed :class:`KVCache` for ``batch_size`` sequences of up to ``length`` tokens.
+
+        Each cached token costs every later step a read of its keys and values, so a
+        sequence known to stay shorter than ``block_size`` decodes faster with a cache of
+        just its length (:func:`generate` does this).
+
+        Args:
+          batch_size: number of sequences B.
+          dtype: cache dtype; default the model's compute dtype, else its parameter dtype.
+          length: number of positions S, 1 <= S <= block_size; ``None``: ``block_size``.
+        """
         c = self.config
+        length = c.block_size if length is None else length
+        if not isinstance(length, int) or not 1 <= length <= c.block_size:
+            raise ValueError(f"GPT.init_cache: length must be an int in [1, block_size={c.block_size}] or None, "
+                             f"got {length!r}")
         dtype = dtype or self.dtype or self.param_dtype
-        shape = (c.n_layer, batch_size, c.n_head, c.block_size, c.head_size)  # (L, B, nh, block, hs)
+        shape = (c.n_layer, batch_size, c.n_head, length, c.head_size)  # (L, B, nh, S, hs)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     def decode(self, idx: Int[Array, "B T"], cache: KVCache, pos) -> tuple[Float[Array, "B T V"], KVCache]:
         """Logits of ``idx`` placed at absolute positions ``pos..pos+T-1``, reading and extending ``cache``.
 
-        The cache must hold the keys/values of positions ``0..pos-1`` of the same
-        sequences (e.g. from earlier ``decode`` calls starting at 0). ``pos + T`` must not
-        exceed ``block_size``; that is checked only when ``pos`` is a Python int.
+        The cache (from :meth:`init_cache`) must hold the keys/values of positions
+        ``0..pos-1`` of the same sequences (e.g. from earlier ``decode`` calls starting at
+        0). ``pos + T`` must not exceed the cache's length S (``block_size`` by default);
+        that is checked only when ``pos`` is a Python int (a traced ``pos`` beyond it
+        would be clamped by ``dynamic_update_slice``, silently).
         """
         idx = self._check_ids(idx, "idx", "GPT.decode")
-        if isinstance(pos, int) and not 0 <= pos <= self.config.block_size - idx.shape[1]:
+        length = cache.k.shape[3]
+        if isinstance(pos, int) and not 0 <= pos <= length - idx.shape[1]:
+            limit = f"block_size {length}" if length == self.config.block_size else f"the cache's length {length}"
             raise ValueError(
-                f"GPT.decode: positions {pos}..{pos + idx.shape[1] - 1} do not fit block_size "
-                f"{self.config.block_size}; recompute on the last block_size tokens instead"
+                f"GPT.decode: positions {pos}..{pos + idx.shape[1] - 1} do not fit {limit}; recompute on "
+                f"the last block_size tokens instead, or make a longer cache with init_cache(length=...)"
             )
         return self._forward(idx, cache, pos)
 
@@ -549,7 +583,9 @@ class GPT(nnx.Module):
         return check_token_ids(ids, name, owner=owner, vocab=c.vocab_size, max_len=None if any_length else c.block_size,
                                limit_name="block_size", crop_hint=True, ignore=ignore, debug=self.debug_checks)
 
-    def _forward(self, idx, cache: KVCache | None, pos):
+    def _forward(self, idx, cache: KVCache | None, pos, *, last_only: bool = False):
+        """``(logits, cache)`` of ``idx`` at positions ``pos..``; only the last position's logits
+        (B, 1, V) with ``last_only`` (sampling needs no more, and the head is a large share of a prefill)."""
         t = self.transformer
         x = t.drop(t.wte(idx) + t.wpe(pos + jnp.arange(idx.shape[1])))  # (B, T, C)
         policy = _remat_policy(self.remat)
@@ -560,11 +596,11 @@ class GPT(nnx.Module):
                 if cache is None and policy is not None:
                     x = _remat_block(block, x, pos, policy)
                     continue
-                x, kv = block.attend(x, None if cache is None else (cache.k[i], cache.v[i]), pos)
-                if cache is not None:
-                    cache = KVCache(cache.k.at[i].set(kv[0]), cache.v.at[i].set(kv[1]))
-        logits = self.lm_head(t.ln_f(x))  # (B, T, V)
-        return logits, None if cache is None else KVCache(*cache)
+                x, cache = block.attend(x, cache, pos, i)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
+        logits = self.lm_head(t.ln_f(x))  # (B, T or 1, V)
+        return logits, cache
 
 
 def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_limit: int | None):
@@ -574,7 +610,9 @@ def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_li
         return jnp.argmax(logits, axis=-1)
     logits = logits / temperature
     if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (B, 1)
+        # the k-th largest logit as the min of the top k: slicing out the last value instead makes
+        # XLA:CPU lower top_k as a full sort of the vocabulary (measured: ~100x slower at V=50257)
+        kth = jnp.min(jax.lax.top_k(logits, top_k)[0], axis=-1, keepdims=True)  # (B, 1)
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1)
 
@@ -583,6 +621,8 @@ def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_li
 def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k, vocab_limit):
     # The model is merged afresh inside every traced scope (loop bodies get `state` through
     # their carry), because NNX refuses Variables that hold tracers of an outer trace.
+    # Carrying `state` costs nothing: XLA passes unchanged loop-carried buffers through
+    # without copying (checked in the optimised HLO; the cache is what must not be copied).
     def model(state):
         m = nnx.merge(graphdef, state)
         m.eval()
@@ -602,7 +642,9 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
     length = T0  # tokens known so far
     if T0 <= bs:  # cached phase: prefill, then one token at a time while the context fits
         m = model(state)
-        logits, cache = m._forward(idx, m.init_cache(B), 0)  # ids were checked by generate()
+        # slots for every token fed to the model while it fits: positions 0..min(bs, total - 1) - 1
+        cache = m.init_cache(B, length=min(bs, total - 1))
+        logits, cache = m._forward(idx, cache, 0, last_only=True)  # ids were checked by generate()
         out = put(out, length, logits)
         length += 1
         n_cached = max(0, min(bs, total - 1) - length + 1)
@@ -619,7 +661,8 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
 
     def window_step(n, carry):  # the context exceeds block_size: recompute on the last block_size tokens
         out, state = carry
-        logits, _ = model(state)._forward(jax.lax.dynamic_slice(out, (0, n - bs), (B, bs)), None, 0)
+        context = jax.lax.dynamic_slice(out, (0, n - bs), (B, bs))  # (B, block)
+        logits, _ = model(state)._forward(context, None, 0, last_only=True)
         return put(out, n, logits), state
 
     if length < total:
@@ -645,9 +688,11 @@ def generate(
     the ``top_k`` largest logits (ties with the k-th value are kept, as in torch); with
     ``temperature == 0`` it is the argmax instead (greedy; ``rng`` is then unused). The
     context is the last ``block_size`` tokens. While the sequence fits in ``block_size``
-    a KV cache preallocated to ``block_size`` gives each step in O(block_size) work;
-    beyond that every position shifts, so each step recomputes the last ``block_size``
-    tokens, exactly like the book. The whole loop is one jitted function with static
+    a KV cache gives each step in O(S) work, S = min(block_size, prompt + max_new_tokens - 1)
+    being the cache's preallocated length (each layer's new keys and values are written
+    in place); beyond that every position shifts, so each step recomputes the last
+    ``block_size`` tokens, exactly like the book. The prefill and those recomputations
+    apply the head to the last position only. The whole loop is one jitted function with static
     shapes (compiled once per prompt shape, ``max_new_tokens``, ``top_k`` and greedy or
     not). Dropout is always off, whatever the model's mode; ``model`` is not modified.
 
