@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import Config, Table, interleaved, ratio_row, register, timing_rows
+from common import Config, Table, interleaved, ratio_row, register, timing_rows, torch_device
 from flax import nnx
 
 import flax_ln
@@ -42,20 +42,6 @@ WARMUP = 2000  # chapter 10's Noam warm-up
 BOOK_SIZES = dict(src_vocab=11055, tgt_vocab=11239, N=6, d_model=256, d_ff=1024, h=8)
 TOY_SIZES = dict(src_vocab=64, tgt_vocab=72, N=1, d_model=32, d_ff=64, h=4)
 MAX_REPEATS = 5  # keeps the full row under a few minutes on 2 cores
-
-
-def torch_device() -> str:
-    """``"cuda"`` when JAX runs on a GPU and torch sees one, else ``"cpu"``: both frameworks on the same device.
-
-    On a GPU both sides get TF32 matmuls for float32 (JAX's default precision there;
-    torch is set to ``"high"``), so they do the same arithmetic.
-    """
-    import torch
-
-    if jax.default_backend() == "gpu" and torch.cuda.is_available():
-        torch.set_float32_matmul_precision("high")
-        return "cuda"
-    return "cpu"
 
 
 def sentence_batch(sizes: dict, batch: int, seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

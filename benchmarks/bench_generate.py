@@ -32,7 +32,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import Config, Table, interleaved, ratio_row, register
+from common import Config, Table, interleaved, ratio_row, register, torch_device
 
 import flax_ln
 
@@ -45,7 +45,8 @@ def candidates_for(hf_model, ours, reference, prompt: np.ndarray, new: int, gree
     from torch_ref.gpt import generate as reference_generate
 
     idx_jax = jnp.asarray(prompt, jnp.int32)
-    idx_torch = torch.as_tensor(prompt, dtype=torch.long)
+    device = next(hf_model.parameters()).device
+    idx_torch = torch.as_tensor(prompt, dtype=torch.long, device=device)
     mask = torch.ones_like(idx_torch)
     key = jax.random.key(0)
     sampling = {"temperature": 0.0} if greedy else {"temperature": 1.0, "top_k": TOP_K}
@@ -59,13 +60,13 @@ def candidates_for(hf_model, ours, reference, prompt: np.ndarray, new: int, gree
         def run():
             out = hf_model.generate(idx_torch, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                     use_cache=True, pad_token_id=hf_model.config.eos_token_id, **hf_sampling)
-            return out.numpy()
+            return out.cpu().numpy()
         return run
 
     def reference_call(n):
         def run():
             with torch.no_grad():
-                return reference_generate(reference, idx_torch, n, **sampling).numpy()
+                return reference_generate(reference, idx_torch, n, **sampling).cpu().numpy()
         return run
 
     main = {}
@@ -96,12 +97,15 @@ def gpt2_generate(cfg: Config) -> list[Table]:
         hf_model.save_pretrained(folder, safe_serialization=True)
         ours = flax_ln.load_hf_gpt2(folder)
         reference = torch_ref.load_hf_gpt2(folder)
+    device = torch_device()
+    hf_model.to(device)
+    reference.to(device)
 
     summary, detail = [], []
     notes = [
         f"{hf_config.n_layer} layers, n_embd {hf_config.n_embd}, vocab {hf_config.vocab_size}, float32, the same "
         f"weights everywhere; prompt {prompt_len}, {new} new tokens; sampled = temperature 1, top_k {TOP_K}; "
-        f"median of {repeats} interleaved rounds after 1 warm-up; torch threads {torch.get_num_threads()}",
+        f"median of {repeats} interleaved rounds after 1 warm-up; torch on {device}, {torch.get_num_threads()} threads",
         "time to first token = a max_new_tokens=1 call; per token = (t_new - t1) / (new - 1)",
         "torch_ref.gpt.generate recomputes the whole context per token (the book's loop): B=1 only, one timed call",
     ]

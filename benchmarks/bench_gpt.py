@@ -37,7 +37,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import Config, Table, interleaved, ratio_row, register, timing_rows
+from common import Config, Table, interleaved, ratio_row, register, timing_rows, torch_device
 from flax import nnx
 
 import flax_ln
@@ -97,7 +97,8 @@ def torch_step(model, idx, targets):
 
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=1e-4)
-    idx_t, targets_t = torch.as_tensor(idx), torch.as_tensor(targets)
+    device = params[0].device
+    idx_t, targets_t = torch.as_tensor(idx, device=device), torch.as_tensor(targets, device=device)
 
     def run(forward=model):
         opt.zero_grad(set_to_none=True)
@@ -202,6 +203,17 @@ def gpt_train_step(cfg: Config) -> list[Table]:
 GPT2_CASES = [(4, 128), (8, 128), (4, 1024), (8, 1024)]  # (B, T)
 
 
+def gpt2_cases() -> list[tuple[int, int]]:
+    """``GPT2_CASES``, or the ``BxT`` list in ``FLAX_LN_GPT2_CASES`` (e.g. ``4x128,8x1024``) to run a subset."""
+    spec = os.environ.get("FLAX_LN_GPT2_CASES")
+    if not spec:
+        return GPT2_CASES
+    try:
+        return [tuple(int(v) for v in case.split("x")) for case in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"FLAX_LN_GPT2_CASES: expected e.g. '4x128,8x1024', got {spec!r}") from None
+
+
 @register("gpt2-train-step")
 def gpt2_train_step(cfg: Config) -> list[Table]:
     """GPT-2 124M training steps (dropout on, clip + Adam 1e-4) against torch_ref eager and ``torch.compile``."""
@@ -210,18 +222,21 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
     import torch_ref
 
     config = tiny_config(block_size=64) if cfg.quick else GPTConfig.gpt2()
-    cases = [(2, 32)] if cfg.quick else GPT2_CASES
+    cases = [(2, 32)] if cfg.quick else gpt2_cases()
     torch.manual_seed(0)
     reference = torch_ref.GPT(config).train()
+    state_dict = reference.state_dict()  # copied into flax before the torch model moves to the device
+    device = torch_device()
     rows, raw, notes = [], [], []
     for batch, seq_len in cases:
         # T=1024 steps take tens of seconds on 2 cores: fewer rounds there.
         repeats = cfg.repeats if cfg.quick else min(cfg.repeats, 3 if seq_len <= 128 else 2)
         idx, targets = token_batch(config, batch, seq_len)
         model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
-        flax_ln.load_torch_state_dict(model, reference.state_dict())
+        flax_ln.load_torch_state_dict(model, state_dict)
         ours = FlaxStep(model, idx, targets)
         del model
+        reference.to(device)
         t0 = time.perf_counter()
         ours.run()
         first = time.perf_counter() - t0
@@ -246,7 +261,7 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
     model_name = "64-wide toy (--quick)" if cfg.quick else "GPT-2 124M"
     notes.insert(0, (f"{model_name}: {config.n_layer} layers, width {config.n_embd}, vocab {config.vocab_size}, "
                      f"float32, dropout {config.attn_pdrop} on in both; flax_ln unrolled layers, jitted step with the "
-                     f"state donated; torch_ref with torch.optim.Adam(1e-4) after clip_grad_norm_(1), "
+                     f"state donated; torch_ref ({device}) with torch.optim.Adam(1e-4) after clip_grad_norm_(1), "
                      f"{torch.get_num_threads()} threads; torch.compile compiles the model, the optimizer stays eager"))
     return [
         Table(f"{model_name} training step (fwd+bwd+clip+Adam): ratios (lower is better)",

@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import Config, Table, interleaved, register, timing_rows
+from common import Config, Table, interleaved, register, timing_rows, torch_device
 from flax import nnx
 
 import flax_ln
@@ -81,7 +81,6 @@ def music_throughput(cfg: Config) -> list[Table]:
     import torch
 
     import torch_ref
-    from bench_encdec import torch_device
     from bench_gpt import FlaxStep
 
     if cfg.quick:

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -113,3 +115,17 @@ def ratio_row(workload: str, ours: str, ours_t: Timing, ref: str, ref_t: Timing,
     ratio = ours_t.median / ref_t.median
     met = "" if target is None else ("yes" if ratio <= target else "no")
     return [workload, f"{ours} vs {ref}", ratio, "" if target is None else f"<= {target:g}x", met]
+
+
+def torch_device() -> str:
+    """``"cuda"`` when JAX runs on a GPU and torch sees one, else ``"cpu"``: both frameworks on the same device.
+
+    On a GPU both sides get TF32 matmuls for float32 (JAX's default precision there;
+    torch is set to ``"high"``), so they do the same arithmetic.
+    """
+    import torch
+
+    if jax.default_backend() == "gpu" and torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+        return "cuda"
+    return "cpu"

@@ -7,9 +7,10 @@
 #
 # Steps: 1. environment; 2. LayerNorm bandwidth vs a device copy, and the GPT-2
 # 124M bf16 training step's tokens/s and MFU (benchmarks/gpu_bench.py); 2b. the
-# chapter-10 encoder-decoder step and the chapter-14 music throughput against torch_ref
-# on the same GPU (benchmarks/run.py rows encdec-train-step, music-throughput; --quick in
-# the dry run), within ROWS_TIMEOUT seconds (default 300); 3. the
+# GPT-2 124M float32 training step and generation, the chapter-10 encoder-decoder step
+# and the chapter-14 music throughput against torch on the same GPU (benchmarks/run.py
+# rows gpt2-train-step, gpt2-generate, encdec-train-step, music-throughput; one --quick
+# row in the dry run), within ROWS_TIMEOUT seconds (default 300); 3. the
 # parity suite with JAX on the GPU at matmul precision "highest"
 # (parity_tests/conftest.py sets it). The measurements
 # come first so that a slow parity run cannot cost them. If $OUT is set (the device
@@ -43,9 +44,13 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 echo "== 2. LayerNorm bandwidth and the GPT-2 124M bf16 training step (tokens/s, MFU)"
 "$PY" benchmarks/gpu_bench.py $DRY_RUN ${OUT_DIR:+--json "$OUT_DIR/gpu_bench.json"} || status=1
 
-echo "== 2b. encoder-decoder training step and music throughput vs torch_ref (benchmarks/run.py rows)"
-ROWS=(encdec-train-step music-throughput)
-if [[ -n "$DRY_RUN" ]]; then ROW_ARGS=(--quick); else ROW_ARGS=(--repeats 10 --max-wait 0 --quiet-load "$(nproc)"); fi
+echo "== 2b. GPT-2 124M training and generation, encoder-decoder step, music throughput vs torch on the same GPU"
+if [[ -n "$DRY_RUN" ]]; then  # the wiring only: benchmarks/run.py --quick (a test) covers every row's code
+  ROWS=(gpt2-train-step); ROW_ARGS=(--quick)
+else
+  ROWS=(gpt2-train-step gpt2-generate encdec-train-step music-throughput)
+  ROW_ARGS=(--repeats 10 --max-wait 0 --quiet-load "$(nproc)")
+fi
 timeout "${ROWS_TIMEOUT:-300}" "$PY" benchmarks/run.py "${ROW_ARGS[@]}" --only "${ROWS[@]}" \
   | tee ${OUT_DIR:+"$OUT_DIR/rows.md"} || { echo "rows: FAILED or timed out (rc $?)"; status=1; }
 
