@@ -29,7 +29,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import Config, Table, interleaved, ratio_row, register, timing_rows, torch_device
+from common import (Config, Table, add_torch_compile, interleaved, one_thread, ratio_row, register, timing_rows,
+                    torch_device)
 from flax import nnx
 
 import flax_ln
@@ -143,28 +144,14 @@ def encdec_train_step(cfg: Config) -> list[Table]:
     eager = torch_encdec_step(torch_twin(), src, tgt, sizes["d_model"])
     torch_first = eager()
     notes.append(f"first-step losses (dropout on, different masks): flax_ln {first_loss:.4f}, torch {torch_first:.4f}")
-    threads = torch.get_num_threads()
-
-    def eager_one_thread():  # on a loaded 2-core machine torch's spinning OpenMP threads can lose to one thread
-        torch.set_num_threads(1)
-        try:
-            return eager()
-        finally:
-            torch.set_num_threads(threads)
 
     name = "flax_ln (jit)"
     candidates = {name: ours.run, "torch_ref eager": eager}
     if device == "cpu":
-        candidates["torch_ref eager, 1 thread"] = eager_one_thread
+        candidates["torch_ref eager, 1 thread"] = one_thread(eager)
     if cfg.torch_compile:
         compiled = torch_encdec_step(torch_twin(), src, tgt, sizes["d_model"], compile_forward=True)
-        try:
-            t0 = time.perf_counter()
-            compiled()
-            notes.append(f"torch.compile(forward + generator + criterion): first step {time.perf_counter() - t0:.1f} s")
-            candidates["torch.compile(torch_ref)"] = compiled
-        except Exception as e:  # noqa: BLE001 - reported, not raised
-            notes.append(f"torch.compile FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        add_torch_compile(candidates, notes, "torch.compile(forward + generator + criterion)", compiled)
     else:
         notes.append("torch.compile skipped (--quick or --no-torch-compile)")
     t = interleaved(candidates, repeats, cfg.warmup)
@@ -175,7 +162,7 @@ def encdec_train_step(cfg: Config) -> list[Table]:
         f"source and target length {seq_len} (rows padded after a random length), float32, dropout 0.1 on in both "
         f"frameworks; label smoothing {SMOOTHING} / ntokens, Adam(0.9, 0.98, 1e-9) at the Noam rate "
         f"(warm-up {WARMUP}); median of {repeats} interleaved steps after {cfg.warmup} warm-up; "
-        f"torch on {device} ({threads} CPU threads); JAX on {jax.default_backend()}"
+        f"torch on {device} ({torch.get_num_threads()} CPU threads); JAX on {jax.default_backend()}"
     ))
     best_eager = min((k for k in ("torch_ref eager", "torch_ref eager, 1 thread") if k in t), key=lambda k: t[k].median)
     if device == "cpu":

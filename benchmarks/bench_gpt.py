@@ -37,7 +37,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import Config, Table, interleaved, ratio_row, register, timing_rows, torch_device
+from common import (Config, Table, add_torch_compile, interleaved, one_thread, ratio_row, register, timing_rows,
+                    torch_device)
 from flax import nnx
 
 import flax_ln
@@ -144,29 +145,13 @@ def gpt_train_step(cfg: Config) -> list[Table]:
     scanned.run()
     before.run()
     eager = torch_step(torch_twin(), idx, targets)
-    threads = torch.get_num_threads()
-
-    def eager_one_thread():  # on a loaded 2-core machine torch's spinning OpenMP threads can lose to one thread
-        torch.set_num_threads(1)
-        try:
-            return eager()
-        finally:
-            torch.set_num_threads(threads)
-
     candidates = {"flax_ln (jit, unrolled layers)": ours.run, "flax_ln (jit, scan_layers)": scanned.run,
                   "flax_ln with nnx.Dropout masks (before)": before.run,
-                  "torch_ref eager": eager, "torch_ref eager, 1 thread": eager_one_thread}
+                  "torch_ref eager": eager, "torch_ref eager, 1 thread": one_thread(eager)}
     if cfg.torch_compile:
         compiled_model = torch_twin()
-        compiled = torch_step(compiled_model, idx, targets)
-        forward = torch.compile(compiled_model)
-        try:
-            t0 = time.perf_counter()
-            compiled(forward)
-            notes.append(f"torch.compile(model): first step {time.perf_counter() - t0:.1f} s")
-            candidates["torch.compile(torch_ref)"] = lambda: compiled(forward)
-        except Exception as e:  # noqa: BLE001 - reported, not raised
-            notes.append(f"torch.compile FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        compiled, forward = torch_step(compiled_model, idx, targets), torch.compile(compiled_model)
+        add_torch_compile(candidates, notes, "torch.compile(model)", lambda: compiled(forward))
     else:
         notes.append("torch.compile skipped (--quick or --no-torch-compile)")
     t = interleaved(candidates, cfg.repeats, cfg.warmup)
@@ -244,10 +229,8 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
         candidates = {"flax_ln": ours.run, "torch_ref eager": eager}
         if cfg.torch_compile:
             forward = torch.compile(reference)
-            t0 = time.perf_counter()
-            eager(forward)
-            notes.append(f"B={batch} T={seq_len}: torch.compile first step {time.perf_counter() - t0:.0f} s")
-            candidates["torch.compile(torch_ref)"] = lambda eager=eager, forward=forward: eager(forward)
+            add_torch_compile(candidates, notes, f"B={batch} T={seq_len}: torch.compile(model)",
+                              lambda eager=eager, forward=forward: eager(forward))
         t = interleaved(candidates, repeats, 1)
         notes.append(f"B={batch} T={seq_len}: flax_ln first step (trace + compile + run) {first:.0f} s; "
                      f"median of {repeats} interleaved steps after 1 warm-up")

@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import Config, Table, interleaved, register, timing_rows, torch_device
+from common import Config, Table, add_torch_compile, interleaved, register, timing_rows, torch_device
 from flax import nnx
 
 import flax_ln
@@ -115,13 +115,7 @@ def music_throughput(cfg: Config) -> list[Table]:
     if cfg.torch_compile:
         compiled_model = torch_twin()
         compiled = torch_music_step(compiled_model, x, y, forward=torch.compile(compiled_model))
-        try:
-            t0 = time.perf_counter()
-            compiled()
-            notes.append(f"torch.compile(model): first step {time.perf_counter() - t0:.1f} s")
-            candidates["torch.compile(torch_ref)"] = compiled
-        except Exception as e:  # noqa: BLE001 - reported, not raised
-            notes.append(f"torch.compile FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        add_torch_compile(candidates, notes, "torch.compile(model)", compiled)
     else:
         notes.append("torch.compile skipped (--quick or --no-torch-compile)")
     warmup = cfg.warmup if cfg.quick else 1  # every candidate has already run once

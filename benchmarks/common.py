@@ -129,3 +129,32 @@ def torch_device() -> str:
         torch.set_float32_matmul_precision("high")
         return "cuda"
     return "cpu"
+
+
+def one_thread(run: Callable[[], Any]) -> Callable[[], Any]:
+    """``run`` with torch limited to one thread: on a loaded 2-core machine torch's spinning
+    OpenMP threads can lose to one thread, so eager targets are taken against the faster."""
+
+    def wrapped():
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return run()
+        finally:
+            torch.set_num_threads(threads)
+
+    return wrapped
+
+
+def add_torch_compile(candidates: dict, notes: list[str], label: str, run: Callable[[], Any]) -> None:
+    """Run the ``torch.compile`` step ``run`` once (it compiles) and add it to ``candidates`` as
+    ``"torch.compile(torch_ref)"``, noting the first step's time, or note why it failed."""
+    try:
+        t0 = time.perf_counter()
+        run()
+        notes.append(f"{label}: first step {time.perf_counter() - t0:.1f} s")
+        candidates["torch.compile(torch_ref)"] = run
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        notes.append(f"{label} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
