@@ -62,7 +62,7 @@ def torch_music_step(model, x: np.ndarray, y: np.ndarray, forward=None):
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=PAD)
     device = next(model.parameters()).device
     x_t, y_t = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
-    forward = forward or model
+    forward = model if forward is None else forward  # a compiled module has no truth value
 
     def run() -> float:
         opt.zero_grad(set_to_none=True)
