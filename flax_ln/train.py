@@ -20,6 +20,7 @@ step. It is generic over the loss and the optax transformation::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -115,9 +116,15 @@ def label_smoothing_loss(
     loss. Unlike ``optax.smooth_labels`` + cross-entropy, the smoothing mass skips the
     padding class and the constant ``t log t`` (the target's entropy) is included.
 
+    ``true_dist`` takes two values, so the sum is computed in closed form per position,
+    without building the (tokens, V) target: the target's entropy (a constant) minus
+    ``confidence * log_probs[target] + u * (sum(log_probs) - log_probs[target] -
+    log_probs[padding_idx])``, ``u = smoothing / (V - 2)``. Equal to the book's sum up to
+    float rounding; on non-finite ``log_probs`` the two can differ (``0 * -inf`` terms).
+
     Concrete targets outside ``[0, V)`` raise a ``ValueError`` (torch's ``scatter_`` fails on
     them); traced ones are checked only with ``debug_checks`` (:mod:`flax_ln.models.checks`),
-    and otherwise match no class, giving a finite, wrong loss.
+    and otherwise make the loss NaN.
 
     Args:
       log_probs: log-probabilities, e.g. the :class:`~flax_ln.models.encoder_decoder.Generator` output.
@@ -132,12 +139,25 @@ def label_smoothing_loss(
             f"axis), got shape {target.shape} dtype {target.dtype}."
         )
     size = log_probs.shape[-1]
+    if size < 3:
+        raise ValueError(
+            f"label_smoothing_loss: needs at least 3 classes (the target, the padding class and one to smooth "
+            f"over), got log_probs with {size} on its last axis."
+        )
     check_id_values(target, "target", owner="label_smoothing_loss", vocab=size, debug=debug_checks)
-    classes = jnp.arange(size)
-    true_dist = jnp.where(target[..., None] == classes, 1.0 - smoothing, smoothing / (size - 2))  # (*N, V)
-    true_dist = jnp.where((classes == padding_idx) | (target[..., None] == padding_idx), 0.0, true_dist)
-    true_dist = true_dist.astype(log_probs.dtype)
-    return jnp.sum(jax.scipy.special.xlogy(true_dist, true_dist) - true_dist * log_probs)
+    confidence, spread = 1.0 - smoothing, smoothing / (size - 2)
+    entropy = _xlogx(confidence) + (size - 2) * _xlogx(spread)  # sum(t log t) of one non-padding position
+    in_range = (target >= 0) & (target < size)
+    at_target = jnp.take_along_axis(log_probs, jnp.clip(target, 0, size - 1)[..., None], axis=-1)[..., 0]  # (*N)
+    at_target = jnp.where(in_range, at_target, jnp.nan)
+    others = jnp.sum(log_probs, axis=-1) - at_target - log_probs[..., padding_idx]  # (*N)
+    per_position = entropy - (confidence * at_target + spread * others)
+    return jnp.sum(jnp.where(target == padding_idx, 0, per_position))
+
+
+def _xlogx(value: float) -> float:
+    """``value * log(value)`` with ``0 log 0 = 0``, in float64 on the host."""
+    return value * math.log(value) if value > 0 else 0.0
 
 
 def make_batch(src: Int[Array, "B S"], tgt: Int[Array, "B T+1"], pad: int) -> dict[str, jax.Array]:

@@ -436,6 +436,30 @@ def test_label_smoothing_matches_torch(dtype):
         flax_ln.label_smoothing_loss(jnp.asarray(log_probs), jnp.zeros((41,), jnp.int32), padding_idx=PAD)
 
 
+def test_label_smoothing_closed_form_at_the_edges(x64):
+    """No smoothing, full smoothing and a tiny vocabulary against the book's target-building
+    loss (float64); traced out-of-range targets poison the loss with NaN instead of a wrong number."""
+    rng = np.random.default_rng(16)
+    for vocab, smoothing in [(3, 0.1), (TGT_V, 0.0), (TGT_V, 1.0), (TGT_V, 0.3)]:
+        logits = rng.normal(size=(12, vocab))
+        log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        target = rng.integers(0, vocab, size=12)
+        target[:3] = PAD
+        x_t = torch.tensor(log_probs, requires_grad=True)
+        loss_t = te.LabelSmoothing(vocab, PAD, smoothing)(x_t, torch.tensor(target))
+        loss_t.backward()
+        loss_f, grad_f = jax.value_and_grad(flax_ln.label_smoothing_loss)(
+            jnp.asarray(log_probs), to_jax(target), padding_idx=PAD, smoothing=smoothing)
+        # float64: a sum over 12 x vocab terms in another order (closed form against the full target)
+        assert relative_error(loss_f, loss_t.item()) <= 1e-12, (vocab, smoothing)
+        assert relative_error(grad_f, x_t.grad.numpy()) <= 1e-12, (vocab, smoothing)
+    bad_target = jnp.array([1, 2, vocab])
+    loss = jax.jit(lambda t: flax_ln.label_smoothing_loss(jnp.asarray(log_probs[:3]), t, padding_idx=PAD))(bad_target)
+    assert np.isnan(float(loss))
+    with pytest.raises(ValueError, match="at least 3 classes"):
+        flax_ln.label_smoothing_loss(jnp.zeros((4, 2)), jnp.zeros((4,), jnp.int32), padding_idx=0)
+
+
 def test_noam_schedule_matches_torch(x64):
     for d_model, factor, warmup in [(256, 1.0, 2000), (512, 2.0, 4000), (D, 1.0, 4)]:
         schedule = flax_ln.noam_schedule(d_model, factor, warmup)
