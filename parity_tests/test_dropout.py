@@ -67,3 +67,21 @@ def test_dropout_under_jit_and_grad():
         return jax.jit(jax.grad(f))(x)
 
     np.testing.assert_array_equal(grad_of(Dropout(0.25, rngs=nnx.Rngs(2))), grad_of(nnx.Dropout(0.25, rngs=nnx.Rngs(2))))
+
+
+def test_the_mask_is_hashed_once_in_a_compiled_training_step():
+    """XLA:CPU duplicates an element-wise hash into every fusion that uses the mask (forward,
+    backward, transposed copies for the weight gradient); the packed mask keeps it to one."""
+    rngs = nnx.Rngs(0)
+    w1, w2 = (jnp.asarray(np.random.default_rng(i).normal(size=(64, 64)), jnp.float32) for i in (1, 2))
+
+    def loss(w1, w2, x, key):
+        hidden = Dropout(0.1)(jax.nn.relu(x @ w1), rngs=key)
+        return jnp.sum((hidden @ w2) ** 2)
+
+    x = jnp.ones((4, 16, 64))
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w1, w2, x, rngs.dropout()).compile().as_text()
+    # every computation (fused or not) that holds the hash's 20 rotations, each a shift-left
+    computations = hlo.split("\n\n")
+    hashing = [c for c in computations if c.count("shift-left(") >= 20]
+    assert len(hashing) == 1, [c.splitlines()[0] for c in hashing]

@@ -1,4 +1,4 @@
-"""Dropout whose random mask is one fused kernel on every backend, bit-identical to ``nnx.Dropout``'s.
+"""Dropout whose random mask is hashed once per element on every backend, bit-identical to ``nnx.Dropout``'s.
 
 ``jax.random.bernoulli`` hashes a counter per element with Threefry-2x32 (20 rounds).
 On the CPU, JAX lowers that hash as a rolled 5-iteration ``while`` loop, so XLA
@@ -6,8 +6,15 @@ writes and re-reads two full-size ``uint32`` arrays per iteration and keeps the
 ``uint32`` bits alive for the backward pass: 76 ms for one (8, 8, 256, 256) attention
 mask on this project's CPU, 20 % of a GPT training step (benchmarks/RESULTS.md). The
 same hash written out round by round is plain element-wise integer arithmetic that XLA
-fuses with the comparison and the select: 22 ms, and only the ``bool`` mask remains.
-On GPUs and TPUs JAX already emits the unrolled hash, so nothing changes there.
+fuses. On GPUs and TPUs JAX already emits the unrolled hash.
+
+Written element-wise, though, the hash reads no array (only the key and an iota), so
+XLA:CPU counts it free to duplicate and recomputes it inside every fusion that uses the
+mask: the forward select, the backward select and the transposed copies made for
+weight gradients, about four times per mask in a training step (17 % of the chapter-10
+encoder-decoder step). The mask is therefore packed 32 samples to a ``uint32`` word by
+a reduction, which XLA computes once; its users unpack a bit with a shift, and the
+packed mask (one bit per element) is all that stays alive for the backward pass.
 """
 
 from __future__ import annotations
@@ -50,22 +57,22 @@ def _fusable(key: jax.Array, p, size: int) -> bool:
     """Whether :func:`bernoulli` reproduces ``jax.random.bernoulli`` for this key, probability and size."""
     if not (isinstance(p, (float, int)) and jax.dtypes.canonicalize_dtype(float) == jnp.float32):
         return False  # float64 probabilities (jax_enable_x64) draw 64-bit uniforms: left to JAX
-    if size >= 2**32 or not jax.config.jax_threefry_partitionable:
-        return False  # JAX then counts with two words, or hashes blocks of the flat array
+    if size > 2**32 - 32 or not jax.config.jax_threefry_partitionable:
+        return False  # JAX then counts with two words (or the packed words would), or hashes blocks of the flat array
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key.shape == () and str(jax.random.key_impl(key)) == "threefry2x32"
     return key.shape == (2,) and key.dtype == jnp.uint32  # a raw (legacy) threefry key
 
 
 def bernoulli(key: jax.Array, p: float, shape) -> jax.Array:
-    """``jax.random.bernoulli(key, p, shape)``, bit for bit, computed as one fusable expression.
+    """``jax.random.bernoulli(key, p, shape)``, bit for bit, the hash unrolled and run once per element.
 
     For the element with row-major index ``n``: ``(b0, b1) = threefry2x32(key, (0, n))``,
     ``u = float32(((b0 ^ b1) >> 9) | 0x3F800000) - 1`` (a uniform on [0, 1) with 23
     random mantissa bits) and the sample is ``u < p``: JAX's own recipe with the
     partitionable Threefry (the default since JAX 0.5). Any other key implementation,
-    ``jax_threefry_partitionable=False``, a float64 ``p`` (``jax_enable_x64``) or 2**32 or
-    more elements fall back to ``jax.random.bernoulli`` itself.
+    ``jax_threefry_partitionable=False``, a float64 ``p`` (``jax_enable_x64``) or more than
+    2**32 - 32 elements fall back to ``jax.random.bernoulli`` itself.
     """
     shape = tuple(shape)
     if not _fusable(key, p, math.prod(shape)):
@@ -76,10 +83,17 @@ def bernoulli(key: jax.Array, p: float, shape) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(1, 2))  # one dispatch when called eagerly, inlined under jit
 def _fused_bernoulli(key_data: jax.Array, p: float, shape: tuple[int, ...]) -> jax.Array:
-    counter = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)  # row-major element index, low word
+    """The samples hashed element by element, packed 32 to a word by one reduction, then unpacked (module docstring)."""
+    size = math.prod(shape)
+    words = -(-size // 32)
+    counter = jax.lax.iota(jnp.uint32, words * 32).reshape(words, 32)  # row-major element index, low word
     b0, b1 = threefry2x32(key_data[0], key_data[1], jnp.zeros_like(counter), counter)
     mantissa = ((b0 ^ b1) >> np.uint32(9)) | np.uint32(0x3F800000)  # 1.0's exponent: a float in [1, 2)
-    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - np.float32(1.0) < np.float32(p)
+    sample = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - np.float32(1.0) < np.float32(p)  # (words, 32)
+    lanes = jax.lax.iota(jnp.uint32, 32)
+    packed = jax.lax.reduce(sample.astype(jnp.uint32) << lanes, np.uint32(0), jax.lax.bitwise_or, (1,))  # (words,)
+    unpacked = ((packed[:, None] >> lanes) & np.uint32(1)).astype(jnp.bool_)  # (words, 32)
+    return unpacked.reshape(-1)[:size].reshape(shape)
 
 
 class Dropout(nnx.Dropout):
