@@ -9,6 +9,10 @@ Rows (float32, this CPU; ``--quick`` shrinks every model to a 64-wide toy):
   donated); torch is ``torch_ref.GPT`` with ``torch.optim.Adam(lr=1e-4)`` and
   ``clip_grad_norm_(params, 1)``, eager and with ``torch.compile(model)`` (the
   optimizer step stays eager, as in the book's loop). Targets: <= 0.9x eager, <= 1.0x compile.
+* ``gpt2-train-step``: the same step for GPT-2 124M at B=4/8 x T=128/1024
+  (``FLAX_LN_GPT2_CASES`` picks a subset). A case whose flax step, with as much again for
+  torch's side, needs more memory than is available is skipped with a note
+  (:func:`memory_shortfall`): B=8, T=1024 needs 21.4 GiB for the flax step alone.
 * ``gpt-compile-time``: XLA compile time of a GPT-2XL forward+backward, 48 scanned
   layers vs 1 (``compile_time.run_case``, a fresh process each). Target: <= 3x.
 * ``gpt-remat``: a GPT-2 124M training step (``GPTConfig.gpt2()``, B=4, T=1024, dropout
@@ -199,6 +203,26 @@ def gpt2_cases() -> list[tuple[int, int]]:
         raise SystemExit(f"FLAX_LN_GPT2_CASES: expected e.g. '4x128,8x1024', got {spec!r}") from None
 
 
+def memory_shortfall(step: FlaxStep) -> str | None:
+    """Why a case cannot run in this machine's memory, or None: on the CPU, the flax step's own
+    need (XLA's memory analysis) plus as much again for torch's model and activations in the
+    same process, against the memory available (``MemAvailable``)."""
+    analysis = step.step.lower(step.graphdef, step.state, step.batch).compile().memory_analysis()
+    if analysis is None or jax.default_backend() != "cpu":
+        return None  # device memory: left to the device
+    need = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    if 2 * need <= available:
+        return None
+    return (f"the flax_ln step needs {need / 2**30:.1f} GiB (XLA memory analysis); with as much again for torch's "
+            f"model and activations in this process that exceeds the {available / 2**30:.1f} GiB available")
+
+
 @register("gpt2-train-step")
 def gpt2_train_step(cfg: Config) -> list[Table]:
     """GPT-2 124M training steps (dropout on, clip + Adam 1e-4) against torch_ref eager and ``torch.compile``."""
@@ -221,8 +245,13 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
         flax_ln.load_torch_state_dict(model, state_dict)
         ours = FlaxStep(model, idx, targets)
         del model
-        reference.to(device)
         t0 = time.perf_counter()
+        too_big = memory_shortfall(ours)  # compiles the step; the first run reuses it
+        if too_big:
+            notes.append(f"B={batch} T={seq_len}: not run: {too_big}")
+            del ours
+            continue
+        reference.to(device)
         ours.run()
         first = time.perf_counter() - t0
         eager = torch_step(reference, idx, targets)
