@@ -76,6 +76,10 @@ class FlaxStep:
         self.state, loss = self.step(self.graphdef, self.state, self.batch)
         return float(loss)  # waits for the step
 
+    def compile(self):
+        """The compiled step for this state and batch; a later :meth:`run` reuses the compilation."""
+        return self.step.lower(self.graphdef, self.state, self.batch).compile()
+
 
 # ---- (a) training step vs PyTorch ---------------------------------------------------------------
 
@@ -207,9 +211,11 @@ def memory_shortfall(step: FlaxStep) -> str | None:
     """Why a case cannot run in this machine's memory, or None: on the CPU, the flax step's own
     need (XLA's memory analysis) plus as much again for torch's model and activations in the
     same process, against the memory available (``MemAvailable``)."""
-    analysis = step.step.lower(step.graphdef, step.state, step.batch).compile().memory_analysis()
-    if analysis is None or jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu":
         return None  # device memory: left to the device
+    analysis = step.compile().memory_analysis()
+    if analysis is None:
+        return None
     need = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes
             - analysis.alias_size_in_bytes)
     try:
@@ -334,7 +340,7 @@ def memory_case(remat: str, layout: str, batch: int, seq_len: int, tiny: bool) -
     del model
     jax.block_until_ready(runner.state)
     rss_state = _rss_gib("VmRSS")
-    compiled = runner.step.lower(runner.graphdef, runner.state, runner.batch).compile()
+    compiled = runner.compile()
     memory = compiled.memory_analysis()
     rss_before = _rss_gib("VmRSS")
     try:
