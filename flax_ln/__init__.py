@@ -19,7 +19,7 @@ from flax_ln.models.encoder_decoder import (
     make_std_mask,
     subsequent_mask,
 )
-from flax_ln.models.gpt import GPT, GPTConfig, KVCache, generate
+from flax_ln.models.gpt import GPT, GPTConfig, KVCache, generate, head_cross_entropy, head_logits_and_cross_entropy
 from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm, normalize
 from flax_ln.train import (
     TrainState,
@@ -41,6 +41,8 @@ __all__ = [
     "encoder_decoder_loss",
     "generate",
     "greedy_decode",
+    "head_cross_entropy",
+    "head_logits_and_cross_entropy",
     "GPT",
     "gpt_adam",
     "gpt_loss",

@@ -166,6 +166,45 @@ def test_gpt_logits_loss_and_every_gradient(request, dtype, scan_layers):
         "output[0]"]
 
 
+@pytest.mark.parametrize("ignored", ["some", "all"])
+def test_head_cross_entropy_equals_the_composition(x64, ignored):
+    """Value and gradients (input and head parameters, bias included) of the one-piece rule
+    against autodiff of ``cross_entropy(head(hidden))``, float64; every target ignored gives
+    NaN and zero gradients in both."""
+    head = nnx.Linear(6, 13, rngs=nnx.Rngs(1), param_dtype=jnp.float64)
+    head.bias[...] = jnp.asarray(np.random.default_rng(2).normal(size=13))
+    hidden = jnp.asarray(np.random.default_rng(3).normal(size=(2, 4, 6)))
+    targets = jnp.asarray(tokens((2, 4), 13, 4)).at[0, :2].set(-1)
+    if ignored == "all":
+        targets = jnp.full_like(targets, -1)
+    graphdef, params = nnx.split(head)
+
+    def composed(hidden, params):
+        return fg.cross_entropy(nnx.merge(graphdef, params)(hidden), targets, -1)
+
+    def one_piece(hidden, params):
+        return flax_ln.head_cross_entropy(nnx.merge(graphdef, params), hidden, targets, -1)
+
+    (value, grads), (expected, expected_grads) = (
+        jax.value_and_grad(f, argnums=(0, 1))(hidden, params) for f in (one_piece, composed))
+    if ignored == "all":
+        assert np.isnan(value) and np.isnan(expected)
+        assert all(not np.any(leaf) for leaf in jax.tree.leaves((grads, expected_grads)))
+        return
+    assert relative_error(value, expected) <= 1e-14  # float64, the same ops in the same order
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+        assert relative_error(got, want) <= 1e-13  # float64; the softmax gradient in another association
+    # The two-output form: the logits and their forward-mode derivative are the head's own.
+    direction = jax.tree.map(jnp.ones_like, (hidden, params))
+
+    def logits_of(hidden, params):
+        return flax_ln.head_logits_and_cross_entropy(nnx.merge(graphdef, params), hidden, targets, -1)[0]
+
+    (logits, d_logits), (expected, expected_d) = (
+        jax.jvp(f, (hidden, params), direction) for f in (logits_of, lambda h, p: nnx.merge(graphdef, p)(h)))
+    assert relative_error(logits, expected) == 0 and relative_error(d_logits, expected_d) <= 1e-15
+
+
 def test_music_config_ignores_padding(x64):
     config = GPTConfig.music(n_layer=2, n_head=4, n_embd=32, block_size=16)
     assert config.vocab_size == 390 and config.ignore_index == 389 and config.c_proj_reinit

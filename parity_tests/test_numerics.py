@@ -382,6 +382,32 @@ def test_gpt_every_transformation(x64, scan_layers, remat):
     assert relative_error(jax.jit(jax.vmap(one))(jnp.asarray(idx)), model(jnp.asarray(idx))[0]) <= EXACT_TOL
 
 
+def test_gpt_loss_every_transformation(x64):
+    """The loss's head + cross-entropy is one ``custom_jvp`` (``head_cross_entropy``): forward
+    mode, Hessians and vmap through it, against torch and central differences, with
+    ignored targets in the batch."""
+    torch.manual_seed(19)
+    torch_model = tg.GPT(GPT_SMALL).double().eval()
+    model = flax_ln.GPT(GPT_SMALL, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    flax_ln.load_torch_state_dict(model, torch_model.state_dict())
+    model.eval()
+    rng = np.random.default_rng(20)
+    idx, targets = (rng.integers(0, GPT_SMALL.vocab_size, size=(2, 5)) for _ in range(2))
+    targets[0, :2] = GPT_SMALL.ignore_index
+    check_model_derivatives(
+        torch_model, lambda p: torch.func.functional_call(torch_model, p, (torch.tensor(idx), torch.tensor(targets)))[1],
+        model, lambda m: m(jnp.asarray(idx), jnp.asarray(targets))[1], small_leaf="['lm_head']['kernel']", seed=21,
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_of_one(ids, tgt):
+        return nnx.merge(graphdef, params, rest)(ids[None], tgt[None])[1]
+
+    looped = [loss_of_one(jnp.asarray(i), jnp.asarray(t)) for i, t in zip(idx, targets)]
+    assert relative_error(jax.jit(jax.vmap(loss_of_one))(jnp.asarray(idx), jnp.asarray(targets)),
+                          jnp.stack(looped)) <= EXACT_TOL
+
+
 def test_gpt_unrolled_remat_is_reverse_mode_only(x64):
     """Documented limit: the unrolled remat's cotangent-tied recomputation is a custom_vjp."""
     model = flax_ln.GPT(GPT_SMALL, remat=True, param_dtype=jnp.float64, rngs=nnx.Rngs(0))

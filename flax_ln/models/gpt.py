@@ -310,10 +310,74 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, ignore_index: int) -> j
     torch. Targets are not checked here (:meth:`GPT.__call__` checks them): one outside
     ``[0, vocab)`` wraps around if in ``[-vocab, 0)`` and gives NaN otherwise (``jnp.take_along_axis``).
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+    return _cross_entropy_parts(logits, targets, ignore_index)[0]
+
+
+def _cross_entropy_parts(logits, targets, ignore_index):
+    """``(loss, log_probs, valid, safe_targets, count)`` of :func:`cross_entropy`."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
     valid = targets != ignore_index
-    picked = jnp.take_along_axis(logp, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]  # (B, T)
-    return -jnp.sum(jnp.where(valid, picked, 0.0)) / jnp.sum(valid)
+    safe_targets = jnp.where(valid, targets, 0)
+    picked = jnp.take_along_axis(log_probs, safe_targets[..., None], axis=-1)[..., 0]  # (B, T)
+    count = jnp.sum(valid)
+    return -jnp.sum(jnp.where(valid, picked, 0.0)) / count, log_probs, valid, safe_targets, count
+
+
+def head_cross_entropy(head: nnx.Module, hidden: jax.Array, targets: jax.Array, ignore_index: int) -> jax.Array:
+    """``cross_entropy(head(hidden), targets, ignore_index)``, differentiated in one piece.
+
+    The same value, and the same derivatives to rounding, as the composition; what
+    changes is what a gradient computes and keeps. The rule's tangent is linear in the
+    tangents of ``hidden`` and of ``head``'s parameters with coefficients that are the
+    loss's gradients, ``d loss / d logits = (softmax(logits) - onehot(targets)) / count``
+    pulled back through ``head``. So reverse mode computes both gradients in the forward
+    pass, right after the softmax, and keeps them (``hidden``-sized and parameter-sized)
+    instead of the (tokens, vocab) logits and log-probabilities; the backward pass has
+    nothing left to do for the head. On a 2-core CPU this makes the GPT-2 124M training
+    step faster (``benchmarks/RESULTS.md``). It is a ``custom_jvp``: forward mode,
+    ``vmap`` and higher derivatives all work (the rule is plain JAX).
+
+    Args:
+      head: the output layer, any NNX module mapping ``hidden`` to logits (e.g. ``nnx.Linear``).
+      hidden: its input, (..., C).
+      targets: token ids, the leading shape of ``hidden``; ``ignore_index`` entries are skipped.
+      ignore_index: the target id to skip.
+    """
+    return head_logits_and_cross_entropy(head, hidden, targets, ignore_index)[1]
+
+
+def head_logits_and_cross_entropy(head: nnx.Module, hidden: jax.Array, targets: jax.Array, ignore_index: int):
+    """``(head(hidden), loss)``: :func:`head_cross_entropy` that also returns the logits it computed.
+
+    Under ``jit`` a caller that drops the logits pays nothing for them beyond the softmax's
+    own need; outside ``jit`` the head runs once for both.
+    """
+    graphdef, params = nnx.split(head)
+    return _head_logits_and_cross_entropy(graphdef, ignore_index, hidden, params, targets)
+
+
+def _apply_head(graphdef, hidden, params):
+    return nnx.merge(graphdef, params)(hidden)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _head_logits_and_cross_entropy(graphdef, ignore_index, hidden, params, targets):
+    logits = _apply_head(graphdef, hidden, params)
+    return logits, cross_entropy(logits, targets, ignore_index)
+
+
+@_head_logits_and_cross_entropy.defjvp
+def _head_logits_and_cross_entropy_jvp(graphdef, ignore_index, primals, tangents):
+    hidden, params, targets = primals
+    hidden_tangent, params_tangent, _ = tangents
+    logits, head_linear = jax.linearize(functools.partial(_apply_head, graphdef), hidden, params)
+    loss, log_probs, valid, safe_targets, count = _cross_entropy_parts(logits, targets, ignore_index)
+    onehot = jax.nn.one_hot(safe_targets, log_probs.shape[-1], dtype=log_probs.dtype)  # (..., V)
+    logits_grad = jnp.where(valid[..., None], (jnp.exp(log_probs) - onehot) / count, 0.0)  # (..., V)
+    grads = jax.linear_transpose(head_linear, hidden, params)(logits_grad.astype(logits.dtype))
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves((hidden_tangent, params_tangent)))
+    loss_tangent = sum(jnp.vdot(grad, tangent) for grad, tangent in pairs)
+    return (logits, loss), (head_linear(hidden_tangent, params_tangent), loss_tangent)
 
 
 def _remat_policy(remat):
@@ -445,8 +509,10 @@ class GPT(nnx.Module):
 
     ``model(idx, targets=None)`` returns ``(logits, loss)`` like chapter 11's model; the
     loss is the mean cross-entropy ignoring ``config.ignore_index``, ``None`` without
-    targets. ``lm_head`` has no bias and is *not* tied to ``wte`` (as in minGPT and the
-    book; Hugging Face GPT-2 ties them, see :func:`flax_ln.load_hf_gpt2`).
+    targets, computed with the head in one piece (:func:`head_logits_and_cross_entropy`: a
+    training step that uses only the loss never keeps the (B, T, V) logits). ``lm_head``
+    has no bias and is *not* tied to ``wte`` (as in minGPT and the book; Hugging Face
+    GPT-2 ties them, see :func:`flax_ln.load_hf_gpt2`).
 
     With ``scan_layers=True`` the blocks' parameters are stacked on a leading
     ``n_layer`` axis (created with ``nnx.vmap``) and run with ``jax.lax.scan``: one
@@ -530,9 +596,10 @@ class GPT(nnx.Module):
             targets = self._check_ids(targets, "targets", "GPT", ignore=("ignore_index", self.config.ignore_index))
             if targets.shape != idx.shape:
                 raise ValueError(f"GPT: targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
-        logits, _ = self._forward(idx, None, 0)
-        loss = None if targets is None else cross_entropy(logits, targets, self.config.ignore_index)
-        return logits, loss
+        hidden, _ = self._hidden(idx, None, 0)
+        if targets is None:
+            return self.lm_head(hidden), None
+        return head_logits_and_cross_entropy(self.lm_head, hidden, targets, self.config.ignore_index)
 
     def init_cache(self, batch_size: int, dtype=None, *, length: int | None = None) -> KVCache:
         """A zeroed :class:`KVCache` for ``batch_size`` sequences of up to ``length`` tokens.
@@ -586,6 +653,11 @@ class GPT(nnx.Module):
     def _forward(self, idx, cache: KVCache | None, pos, *, last_only: bool = False):
         """``(logits, cache)`` of ``idx`` at positions ``pos..``; only the last position's logits
         (B, 1, V) with ``last_only`` (sampling needs no more, and the head is a large share of a prefill)."""
+        hidden, cache = self._hidden(idx, cache, pos, last_only=last_only)
+        return self.lm_head(hidden), cache
+
+    def _hidden(self, idx, cache: KVCache | None, pos, *, last_only: bool = False):
+        """``(ln_f(x), cache)``: :meth:`_forward` without the head, (B, T or 1, C)."""
         t = self.transformer
         x = t.drop(t.wte(idx) + t.wpe(pos + jnp.arange(idx.shape[1])))  # (B, T, C)
         policy = _remat_policy(self.remat)
@@ -599,8 +671,7 @@ class GPT(nnx.Module):
                 x, cache = block.attend(x, cache, pos, i)
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
-        logits = self.lm_head(t.ln_f(x))  # (B, T or 1, V)
-        return logits, cache
+        return t.ln_f(x), cache
 
 
 def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_limit: int | None):
