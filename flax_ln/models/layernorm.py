@@ -44,44 +44,39 @@ def _check_features(x: jax.Array, features: int, module: str) -> None:
         )
 
 
+# The pivot is the mean of a row's first few elements: a point inside the row's spread.
+_PIVOT_WIDTH = 8
+
+
 def _row_statistics(x: jax.Array, eps: float, ddof: int):
     """``(pivot, shifted_mean, sigma)``, each (..., 1): the row's mean is ``pivot + shifted_mean``.
 
-    The corrected two-pass algorithm: the first pass takes the mean, the second the
-    statistics of the row shifted by it, ``d = x - pivot``: ``shifted_mean = sum(d) / n``
-    and ``var = (sum(d**2) - sum(d) * shifted_mean) / (n - ddof)`` (the sum of squared
-    deviations from the mean, exact in real arithmetic), ``sigma = sqrt(var + eps)``. The
-    pivot is the row's mean as float32 computes it, off from the true mean by the
-    rounding of the mean and of its sum.
-
-    * On a row whose mean is large against its spread ``x - pivot`` is then exact
-      (Sterbenz), and ``shifted_mean`` is that small error, recovered from the shifted
-      row: its own rounding is a rounding of a small number, not of the large mean.
-      Plain two-pass (and torch's kernels) stop at the rounded mean, and that error,
-      shared by every ``x - mean``, is what limits them on such rows.
-    * Because the pivot is within roundings of the mean, ``sum(d) * shifted_mean`` is
-      tiny against ``sum(d**2)``: the subtraction cancels nothing, and both sums come
-      from one pass over ``d`` (sibling reductions; XLA:CPU computes ``d`` once for both).
-    * A pivot from a slice of the row (say, the mean of its first eight elements) would
-      save the first reduction, but XLA:CPU computes a slice in a kernel of its own, and
-      that extra kernel cost more than the reduction (``benchmarks/RESULTS.md``,
-      "LayerNorm statistics"), as did a second pass for ``sum((d - shifted_mean)**2)``.
+    The two-pass algorithm on the row shifted by a pivot: ``d = x - pivot``, ``shifted_mean
+    = sum(d) / n``, ``var = sum((d - shifted_mean)**2) / (n - ddof)`` and ``sigma = sqrt(var
+    + eps)``. The pivot, the mean of the row's first eight elements, lies within the row's
+    spread, so on a row whose mean is large against its spread ``x - pivot`` is exact
+    (Sterbenz) and ``shifted_mean`` is of the order of the spread: its float32 rounding
+    is a rounding of a small number, not of the large mean. Plain two-pass (and torch's
+    kernels) round the large mean itself, and that error, shared by every ``x - mean``,
+    is what limits them on such rows. The pivot costs one subtraction per element inside
+    the same fused kernel; a mean of eight elements rather than the first element keeps
+    ``shifted_mean`` (and its rounding) small on well-conditioned rows too. The gain
+    rests on the pivot lying within a few standard deviations of the mean: a row whose
+    first eight elements sit far outside the rest (say, eight zeros of padding before
+    values near 1e4) is only as accurate as the plain two-pass algorithm. Taking that
+    rounding out as well (one more row sum of ``x - mean``) cost 7 % of the forward
+    kernel on XLA:CPU, so it is not done.
 
     The pivot is held constant for differentiation (the normalised row does not depend on
     it: shift invariance); ``shifted_mean`` and ``sigma`` are differentiable, so rules
     built on them can be differentiated again (Hessians).
     """
     n = x.shape[-1]
-    pivot = jax.lax.stop_gradient(jnp.mean(x, axis=-1, keepdims=True))  # (..., 1)
+    pivot = jax.lax.stop_gradient(jnp.mean(x[..., :_PIVOT_WIDTH], axis=-1, keepdims=True))  # (..., 1)
     shifted = x - pivot
-    shifted_sum = jnp.sum(shifted, axis=-1, keepdims=True)  # (..., 1)
-    square_sum = jnp.sum(shifted * shifted, axis=-1, keepdims=True)  # (..., 1)
-    shifted_mean = shifted_sum / n
-    # The correction is at most square_sum in exact arithmetic; capping it at the largest
-    # finite value keeps a row whose squares overflow at inf - finite = inf (not inf - inf),
-    # and rounding can leave a constant row's difference a hair below its exact zero.
-    correction = jnp.minimum(shifted_sum * shifted_mean, jnp.finfo(x.dtype).max)  # (..., 1)
-    var = jnp.maximum(square_sum - correction, 0) / (n - ddof)  # (..., 1)
+    shifted_mean = jnp.sum(shifted, axis=-1, keepdims=True) / n  # (..., 1)
+    centered = shifted - shifted_mean
+    var = jnp.sum(centered * centered, axis=-1, keepdims=True) / (n - ddof)  # (..., 1)
     return pivot, shifted_mean, jnp.sqrt(var + eps)
 
 
@@ -170,12 +165,11 @@ def normalize(
     accumulate in half precision. The result is cast to ``dtype`` last; ``dtype=None``
     follows flax's convention, the result type of ``x``, ``scale`` and ``offset``.
 
-    The statistics are those of the row shifted by its float32 mean (see
-    :func:`_row_statistics`, the corrected two-pass algorithm): against the plain two-pass
-    algorithm one more row sum, taken in the same pass as the sum of squares, and one
-    subtraction per element, but accurate to a few roundings on rows whose mean is large
-    against their spread, where the plain algorithm and torch lose digits to the rounding
-    of the mean.
+    The statistics are those of the row shifted by a pivot inside it (see
+    :func:`_row_statistics`): the same two row reductions as the plain two-pass
+    algorithm, in one fused kernel on XLA:CPU, plus one subtraction per element, but
+    accurate to a few roundings on rows whose mean is large against their spread, where
+    the plain algorithm and torch lose digits to the rounding of the mean.
 
     Derivatives come from a ``jax.custom_jvp`` rule (:func:`_affine_normalize_jvp`),
     so every transformation applies: ``jax.grad``/``vjp``/``jacrev`` (by transposing
