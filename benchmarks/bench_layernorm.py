@@ -14,7 +14,6 @@ divisor, which costs nothing; both are timed as "a LayerNorm of this shape".
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import jax
@@ -208,54 +207,17 @@ def layernorm(cfg: Config) -> list[Table]:
     ]
 
 
-def slice_pivot_statistics(x, eps, ddof):
-    """The row statistics before the corrected two-pass algorithm (0418dea): the pivot is the
-    mean of the row's first eight elements, then two dependent row sums."""
-    n = x.shape[-1]
-    pivot = jax.lax.stop_gradient(jnp.mean(x[..., :8], axis=-1, keepdims=True))  # (..., 1)
-    shifted = x - pivot
-    shifted_mean = jnp.sum(shifted, axis=-1, keepdims=True) / n  # (..., 1)
-    centered = shifted - shifted_mean
-    var = jnp.sum(centered * centered, axis=-1, keepdims=True) / (n - ddof)  # (..., 1)
-    return pivot, shifted_mean, jnp.sqrt(var + eps)
-
-
-@contextlib.contextmanager
-def row_statistics(statistics):
-    """Trace flax_ln's norms with other row statistics: a before/after column in one process."""
-    import flax_ln.models.layernorm as layernorm_module
-
-    current = layernorm_module._row_statistics
-    layernorm_module._row_statistics = statistics
-    try:
-        yield
-    finally:
-        layernorm_module._row_statistics = current
-
-
 @register("layernorm-shapes")
 def layernorm_shapes(cfg: Config) -> list[Table]:
-    """Forward and forward+backward at the widths this project's models use, against torch, the
-    naive formula and the previous statistics (slice pivot), all in this process."""
-    shapes = [(64, 32), (256, 128)] if cfg.quick else [(256, 128), (1024, 256), (1024, 768), (2048, 512),
-                                                        (4096, 1600), (8192, 1024)]
-    rounds = cfg.repeats * (1 if cfg.quick else 3)
-    fwd_rows, fb_rows = [], []
+    """Forward+backward at the widths this project's models use, where the arrays fit in cache."""
+    shapes = [(64, 32), (256, 128)] if cfg.quick else [(256, 128), (1024, 256), (2048, 512), (4096, 1600)]
+    rows = []
     for n, d in shapes:
         rng = np.random.default_rng(1)
         x_np, g_np = (rng.normal(size=(n, d)).astype(np.float32) for _ in range(2))
         x, g = jnp.asarray(x_np), jnp.asarray(g_np)
         module = flax_ln.LayerNorm(d, EPS)
-        state, fwd, fb = jax_module_fns(module)
-        # Compiled ahead of time, each from a fresh trace: JAX caches traces of the functions
-        # inside the norm, and the two variants must not share one.
-        jax.clear_caches()
-        with row_statistics(slice_pivot_statistics):
-            before_fwd, before_fb = fwd.lower(state, x).compile(), fb.lower(state, x, g).compile()
-        jax.clear_caches()
-        ours_fwd, ours_fb = fwd.lower(state, x).compile(), fb.lower(state, x, g).compile()
-        if " slice(" not in before_fb.as_text() or " slice(" in ours_fb.as_text():
-            raise RuntimeError("layernorm-shapes: the 'before' column did not trace the slice-pivot statistics")
+        state, _, ours_fb = jax_module_fns(module)
         scale, offset = module.a_2[...], module.b_2[...]
 
         def naive_forward_backward(x, s, o, g):
@@ -271,39 +233,22 @@ def layernorm_shapes(cfg: Config) -> list[Table]:
             x_t.grad = w_t.grad = b_t.grad = None
             torch.nn.functional.layer_norm(x_t, (d,), w_t, b_t, EPS).backward(g_t)
 
-        def torch_fwd():
-            with torch.no_grad():
-                return torch.nn.functional.layer_norm(x_t, (d,), w_t, b_t, EPS)
-
         t = interleaved(
             {
-                "fwd flax_ln": lambda: ours_fwd(state, x).block_until_ready(),
-                "fwd before": lambda: before_fwd(state, x).block_until_ready(),
-                "fwd torch": torch_fwd,
                 "flax_ln": lambda: jax.block_until_ready(ours_fb(state, x, g)),
-                "before": lambda: jax.block_until_ready(before_fb(state, x, g)),
                 "naive": lambda: jax.block_until_ready(naive_fb(x, scale, offset, g)),
                 "torch": torch_fb,
             },
-            rounds,
+            cfg.repeats * (1 if cfg.quick else 3),
             cfg.warmup,
         )
-        ms = {k: v.median * 1e3 for k, v in t.items()}
-        fwd_rows.append([f"{n}x{d}", ms["fwd flax_ln"], ms["fwd before"], ms["fwd torch"],
-                         ms["fwd flax_ln"] / ms["fwd before"], ms["fwd flax_ln"] / ms["fwd torch"]])
-        fb_rows.append([f"{n}x{d}", ms["flax_ln"], ms["before"], ms["naive"], ms["torch"], ms["flax_ln"] / ms["before"],
-                        ms["flax_ln"] / ms["naive"], ms["flax_ln"] / ms["torch"]])
-    notes = [f"median of {rounds} interleaved rounds per shape; 'before' is flax_ln traced with the previous "
-             "statistics (pivot: the mean of the row's first eight elements), see slice_pivot_statistics"]
+        ours, naive, torch_ms = (t[k].median * 1e3 for k in ("flax_ln", "naive", "torch"))
+        rows.append([f"{n}x{d}", ours, naive, torch_ms, ours / naive, ours / torch_ms])
     return [
-        Table("LayerNorm forward at other shapes (float32)",
-              ["shape", "flax_ln ms", "before ms", "torch F.layer_norm ms", "flax_ln / before", "flax_ln / torch"],
-              fwd_rows, notes),
         Table(
             "LayerNorm forward+backward at other shapes (float32)",
-            ["shape", "flax_ln ms", "before ms", "naive autodiff ms", "torch F.layer_norm ms", "flax_ln / before",
-             "flax_ln / naive", "flax_ln / torch"],
-            fb_rows,
-            notes,
-        ),
+            ["shape", "flax_ln ms", "naive autodiff ms", "torch F.layer_norm ms", "flax_ln / naive", "flax_ln / torch"],
+            rows,
+            [f"median of {cfg.repeats * (1 if cfg.quick else 3)} interleaved rounds per shape"],
+        )
     ]
