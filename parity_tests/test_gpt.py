@@ -20,7 +20,7 @@ import flax_ln
 import torch_ref
 from flax_ln import ConversionError, GPTConfig
 from flax_ln.models import gpt as fg
-from flax_ln.parity import TOLERANCES, assert_parity, compare_tensors, relative_error
+from flax_ln.parity import TOLERANCES, assert_parity, compare_modules, compare_tensors, relative_error
 from torch_ref import gpt as tg
 
 SMALL = GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16)
@@ -203,6 +203,17 @@ def test_head_cross_entropy_equals_the_composition(x64, ignored):
     (logits, d_logits), (expected, expected_d) = (
         jax.jvp(f, (hidden, params), direction) for f in (logits_of, lambda h, p: nnx.merge(graphdef, p)(h)))
     assert relative_error(logits, expected) == 0 and relative_error(d_logits, expected_d) <= 1e-15
+
+
+def test_a_head_mistake_is_named_when_the_loss_is_compared():
+    """The loss's head runs inside a custom_jvp on a copy of lm_head; the logits the model
+    returns still come from lm_head itself, so the capture localises a head mistake."""
+    torch_model = torch_gpt(SMALL)
+    flax_model = flax_twin(torch_model, flax_ln.GPT, SMALL)
+    torch_model.lm_head.register_forward_hook(lambda module, inputs, output: output * 1.01)
+    idx, targets = tokens((2, 8), SMALL.vocab_size, 7), tokens((2, 8), SMALL.vocab_size, 8)
+    report = compare_modules(torch_model, flax_model, (idx, targets), loss=LOSS)
+    assert not report.passed and report.first_divergence.module == "lm_head"
 
 
 def test_music_config_ignores_padding(x64):

@@ -509,8 +509,8 @@ class GPT(nnx.Module):
 
     ``model(idx, targets=None)`` returns ``(logits, loss)`` like chapter 11's model; the
     loss is the mean cross-entropy ignoring ``config.ignore_index``, ``None`` without
-    targets, computed with the head in one piece (:func:`head_logits_and_cross_entropy`: a
-    training step that uses only the loss never keeps the (B, T, V) logits). ``lm_head``
+    targets, computed with the head in one piece (:func:`head_cross_entropy`: a training
+    step that uses only the loss never keeps the (B, T, V) logits). ``lm_head``
     has no bias and is *not* tied to ``wte`` (as in minGPT and the book; Hugging Face
     GPT-2 ties them, see :func:`flax_ln.load_hf_gpt2`).
 
@@ -597,9 +597,11 @@ class GPT(nnx.Module):
             if targets.shape != idx.shape:
                 raise ValueError(f"GPT: targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
         hidden, _ = self._hidden(idx, None, 0)
-        if targets is None:
-            return self.lm_head(hidden), None
-        return head_logits_and_cross_entropy(self.lm_head, hidden, targets, self.config.ignore_index)
+        # The logits come from lm_head itself, so that the parity engine's capture sees the call;
+        # under jit XLA computes the product once (CSE), or not at all when only the loss is used.
+        logits = self.lm_head(hidden)  # (B, T, V)
+        loss = None if targets is None else head_cross_entropy(self.lm_head, hidden, targets, self.config.ignore_index)
+        return logits, loss
 
     def init_cache(self, batch_size: int, dtype=None, *, length: int | None = None) -> KVCache:
         """A zeroed :class:`KVCache` for ``batch_size`` sequences of up to ``length`` tokens.
