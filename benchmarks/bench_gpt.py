@@ -10,9 +10,11 @@ Rows (float32, this CPU; ``--quick`` shrinks every model to a 64-wide toy):
   ``clip_grad_norm_(params, 1)``, eager and with ``torch.compile(model)`` (the
   optimizer step stays eager, as in the book's loop). Targets: <= 0.9x eager, <= 1.0x compile.
 * ``gpt2-train-step``: the same step for GPT-2 124M at B=4/8 x T=128/1024
-  (``FLAX_LN_GPT2_CASES`` picks a subset). A case whose flax step, with as much again for
-  torch's side, needs more memory than is available is skipped with a note
-  (:func:`memory_shortfall`): B=8, T=1024 needs 21.4 GiB for the flax step alone.
+  (``FLAX_LN_GPT2_CASES`` picks a subset). Where a case runs is decided by the flax step's
+  memory (:func:`placement`): in this process, interleaved with torch, when it fits twice
+  over; each candidate alone in a fresh process, one after another, when it fits once
+  (B=4, T=1024 on a 23 GiB machine); else it is skipped with a note (B=8, T=1024 needs
+  21.4 GiB for the flax step alone). ``bench_gpt.py --gpt2-step CANDIDATE`` is that process.
 * ``gpt-compile-time``: XLA compile time of a GPT-2XL forward+backward, 48 scanned
   layers vs 1 (``compile_time.run_case``, a fresh process each). Target: <= 3x.
 * ``gpt-remat``: a GPT-2 124M training step (``GPTConfig.gpt2()``, B=4, T=1024, dropout
@@ -41,7 +43,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import (Config, Table, add_torch_compile, interleaved, one_thread, ratio_row, register, timing_rows,
+from common import (Config, Table, Timing, add_torch_compile, interleaved, one_thread, ratio_row, register, timing_rows,
                     torch_device)
 from flax import nnx
 
@@ -227,10 +229,9 @@ def gpt2_cases() -> list[tuple[int, int]]:
         raise SystemExit(f"FLAX_LN_GPT2_CASES: expected e.g. '4x128,8x1024', got {spec!r}") from None
 
 
-def memory_shortfall(step: FlaxStep) -> str | None:
-    """Why a case cannot run in this machine's memory, or None: on the CPU, the flax step's own
-    need (XLA's memory analysis) plus as much again for torch's model and activations in the
-    same process, against the memory available (``MemAvailable``)."""
+def step_memory(step: FlaxStep) -> tuple[int, int] | None:
+    """``(need, available)`` in bytes on the CPU, else None: the flax step's own need (XLA's memory
+    analysis of the compiled step) and the memory this machine has available (``MemAvailable``)."""
     if jax.default_backend() != "cpu":
         return None  # device memory: left to the device
     analysis = step.compile().memory_analysis()
@@ -243,10 +244,90 @@ def memory_shortfall(step: FlaxStep) -> str | None:
             available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return None
+    return need, available
+
+
+# What a process running one candidate alone holds besides the flax step's own buffers: the
+# Python, JAX and torch runtimes and torch_ref's reference model (0.5 GiB) that the weights
+# come from, about 1.5 GiB measured as VmRSS before the first step; rounded up.
+PROCESS_OVERHEAD = 2 * 2**30
+
+
+def placement(memory: tuple[int, int] | None) -> tuple[str, str]:
+    """Where a case runs: ``("together", "")`` in this process, interleaved with torch, when the
+    flax step fits twice over (as much again for torch's model and activations); ``("alone",
+    why)`` each candidate in a fresh process of its own, one after another, when it fits once;
+    else ``("skip", why)``."""
+    if memory is None:
+        return "together", ""
+    need, available = memory
+    sizes = f"the flax_ln step needs {need / 2**30:.1f} GiB (XLA memory analysis), {available / 2**30:.1f} GiB available"
     if 2 * need <= available:
-        return None
-    return (f"the flax_ln step needs {need / 2**30:.1f} GiB (XLA memory analysis); with as much again for torch's "
-            f"model and activations in this process that exceeds the {available / 2**30:.1f} GiB available")
+        return "together", ""
+    if need + PROCESS_OVERHEAD <= available:
+        return "alone", (f"{sizes}: not twice over, so each candidate ran alone in a fresh process, one after "
+                         "another (not interleaved)")
+    return "skip", f"not run: {sizes}, not enough for the step and a process around it"
+
+
+GPT2_CANDIDATES = ("flax_ln", "torch_ref eager", "torch.compile(torch_ref)")
+
+
+def gpt2_step_alone(candidate: str, batch: int, seq_len: int, repeats: int, tiny: bool = False) -> dict:
+    """One candidate of a ``gpt2-train-step`` case alone in this (fresh) process: its first step,
+    one warm-up step, then ``repeats`` timed steps, on the same weights and batch as the other
+    candidates' processes (torch seed 0, :func:`token_batch`); with the process's peak RSS.
+    ``tiny``: the 64-wide toy (smoke test)."""
+    import torch
+
+    import torch_ref
+
+    config = tiny_config(block_size=64) if tiny else GPTConfig.gpt2()
+    torch.manual_seed(0)
+    reference = torch_ref.GPT(config).train()
+    idx, targets = token_batch(config, batch, seq_len)
+    if candidate == "flax_ln":
+        model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
+        flax_ln.load_torch_state_dict(model, reference.state_dict())
+        del reference
+        run = FlaxStep(model, idx, targets).run
+        del model
+    else:
+        reference.to(torch_device())
+        eager = torch_step(reference, idx, targets)
+        run = eager if candidate == "torch_ref eager" else lambda forward=torch.compile(reference): eager(forward)
+    t0 = time.perf_counter()
+    run()
+    first = time.perf_counter() - t0
+    samples = interleaved({candidate: run}, repeats, 1)[candidate].samples
+    return dict(candidate=candidate, samples=samples, first_s=first, peak_rss_gib=_rss_gib("VmHWM"))
+
+
+def run_alone(*args: str) -> dict:
+    """``bench_gpt.py *args`` in a fresh Python process; its last stdout line, parsed as JSON.
+    A process that fails (killed for memory, say) gives ``{"error": ...}`` instead."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "bench_gpt.py"), *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        killed = " (killed: out of memory?)" if proc.returncode == -9 else ""
+        return {"error": f"exit {proc.returncode}{killed}: {tail}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def gpt2_case_alone(batch: int, seq_len: int, repeats: int, torch_compile: bool,
+                    notes: list[str], tiny: bool = False) -> dict[str, Timing]:
+    """Each candidate of a case in a fresh process of its own (:func:`gpt2_step_alone`)."""
+    timings = {}
+    for candidate in GPT2_CANDIDATES if torch_compile else GPT2_CANDIDATES[:2]:
+        result = run_alone("--gpt2-step", candidate, "--batch", str(batch), "--seq-len", str(seq_len),
+                           "--repeats", str(repeats), *(["--tiny"] if tiny else []))
+        if "error" in result:
+            notes.append(f"B={batch} T={seq_len}: {candidate} FAILED alone: {result['error']}")
+            continue
+        notes.append(f"B={batch} T={seq_len}: {candidate} alone: first step {result['first_s']:.0f} s, "
+                     f"peak RSS {result['peak_rss_gib']:.1f} GiB")
+        timings[candidate] = Timing(result["samples"])
+    return timings
 
 
 BEFORE_HEAD = "flax_ln, head then cross-entropy (before)"
@@ -275,40 +356,47 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
         ours = FlaxStep(model, idx, targets)
         del model
         t0 = time.perf_counter()
-        too_big = memory_shortfall(ours)  # compiles the step; the first run reuses it
-        if too_big:
-            notes.append(f"B={batch} T={seq_len}: not run: {too_big}")
+        where, why = placement(step_memory(ours))  # compiles the step; the first run reuses it
+        if where != "together":
             del ours
-            continue
-        reference.to(device)
-        ours.run()
-        first = time.perf_counter() - t0
-        eager = torch_step(reference, idx, targets)
-        candidates = {"flax_ln": ours.run, "torch_ref eager": eager}
-        if seq_len <= 128:  # the before column; at T=1024 a second step does not fit beside the rest
-            model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
-            flax_ln.load_torch_state_dict(model, state_dict)
-            before = FlaxStep(model, idx, targets)
-            del model
-            with composed_head():
-                before.run()  # traced here
-            candidates[BEFORE_HEAD] = before.run
-        if cfg.torch_compile:
-            forward = torch.compile(reference)
-            add_torch_compile(candidates, notes, f"B={batch} T={seq_len}: torch.compile(model)",
-                              lambda eager=eager, forward=forward: eager(forward))
-        t = interleaved(candidates, repeats, 1)
-        notes.append(f"B={batch} T={seq_len}: flax_ln first step (trace + compile + run) {first:.0f} s; "
-                     f"median of {repeats} interleaved steps after 1 warm-up")
+            notes.append(f"B={batch} T={seq_len}: {why}")
+            if where == "skip":
+                continue
+            t = gpt2_case_alone(batch, seq_len, repeats, cfg.torch_compile, notes, tiny=cfg.quick)
+            if "flax_ln" not in t:
+                continue
+        else:
+            reference.to(device)
+            ours.run()
+            first = time.perf_counter() - t0
+            eager = torch_step(reference, idx, targets)
+            candidates = {"flax_ln": ours.run, "torch_ref eager": eager}
+            if seq_len <= 128:  # the before column; at T=1024 a second step does not fit beside the rest
+                model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
+                flax_ln.load_torch_state_dict(model, state_dict)
+                before = FlaxStep(model, idx, targets)
+                del model
+                with composed_head():
+                    before.run()  # traced here
+                candidates[BEFORE_HEAD] = before.run
+            if cfg.torch_compile:
+                forward = torch.compile(reference)
+                add_torch_compile(candidates, notes, f"B={batch} T={seq_len}: torch.compile(model)",
+                                  lambda eager=eager, forward=forward: eager(forward))
+            t = interleaved(candidates, repeats, 1)
+            del ours, candidates
+            notes.append(f"B={batch} T={seq_len}: flax_ln first step (trace + compile + run) {first:.0f} s; "
+                         f"median of {repeats} interleaved steps after 1 warm-up")
         workload = f"B={batch}, T={seq_len}"
-        rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], "torch_ref eager", t["torch_ref eager"], 1.0))
+        if "torch_ref eager" in t:
+            rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], "torch_ref eager", t["torch_ref eager"], 1.0))
         if "torch.compile(torch_ref)" in t:
             rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], "torch.compile(torch_ref)",
                                   t["torch.compile(torch_ref)"], 1.1))
         if BEFORE_HEAD in t:
             rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], BEFORE_HEAD, t[BEFORE_HEAD], None))
         raw += [[workload, *r] for r in timing_rows(t, "flax_ln")]
-        del ours, candidates, t
+        del t
     model_name = "64-wide toy (--quick)" if cfg.quick else "GPT-2 124M"
     notes.insert(0, (f"{model_name}: {config.n_layer} layers, width {config.n_embd}, vocab {config.vocab_size}, "
                      f"float32, dropout {config.attn_pdrop} on in both; flax_ln unrolled layers, jitted step with the "
@@ -399,10 +487,11 @@ def memory_case(remat: str, layout: str, batch: int, seq_len: int, tiny: bool) -
 
 def run_memory_case(remat: str, layout: str, batch: int, seq_len: int, tiny: bool) -> dict:
     """:func:`memory_case` in a fresh Python process, so each peak RSS is its own."""
-    cmd = [sys.executable, os.path.join(HERE, "bench_gpt.py"), "--memory-case", remat, layout,
-           "--batch", str(batch), "--seq-len", str(seq_len)] + (["--tiny"] if tiny else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result = run_alone("--memory-case", remat, layout, "--batch", str(batch), "--seq-len", str(seq_len),
+                       *(["--tiny"] if tiny else []))
+    if "error" in result:
+        raise RuntimeError(f"gpt-remat memory case {remat} {layout}: {result['error']}")
+    return result
 
 
 @register("gpt-remat")
@@ -470,13 +559,21 @@ def gpt_remat(cfg: Config) -> list[Table]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="one case of the gpt-remat memory row, printed as JSON")
-    parser.add_argument("--memory-case", nargs=2, metavar=("REMAT", "LAYOUT"), required=True,
-                        help=f"remat in {sorted(REMAT)}, layout in ['scan', 'unrolled']")
+    parser = argparse.ArgumentParser(
+        description="one case of the gpt-remat memory row, or one candidate of a gpt2-train-step case, as JSON")
+    job = parser.add_mutually_exclusive_group(required=True)
+    job.add_argument("--memory-case", nargs=2, metavar=("REMAT", "LAYOUT"),
+                     help=f"remat in {sorted(REMAT)}, layout in ['scan', 'unrolled']")
+    job.add_argument("--gpt2-step", choices=GPT2_CANDIDATES, metavar="CANDIDATE",
+                     help=f"time one GPT-2 124M training step candidate alone, one of {list(GPT2_CANDIDATES)}")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps after the first and a warm-up (--gpt2-step)")
     parser.add_argument("--tiny", action="store_true", help="the 64-wide toy model (smoke test)")
     args = parser.parse_args(argv)
+    if args.gpt2_step:
+        print(json.dumps(gpt2_step_alone(args.gpt2_step, args.batch, args.seq_len, args.repeats, args.tiny)))
+        return 0
     remat, layout = args.memory_case
     if remat not in REMAT or layout not in ("scan", "unrolled"):
         parser.error(f"--memory-case: expected REMAT in {sorted(REMAT)} and LAYOUT in scan/unrolled, got {remat} {layout}")

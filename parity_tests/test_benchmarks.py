@@ -53,3 +53,34 @@ def test_gpu_script_dry_run(tmp_path):
     assert "| config | dropout | batch | seq_len | params | step_ms | tokens_per_s | mfu |" in out
     assert "passed" in out and "== done (status 0)" in out
     assert (tmp_path / "gpu_bench.json").exists() and (tmp_path / "parity.xml").exists()
+
+
+def _bench_gpt():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_gpt
+    finally:
+        sys.path.pop(0)
+    return bench_gpt
+
+
+def test_gpt2_cases_run_together_alone_or_not_by_the_memory_they_need():
+    bench_gpt = _bench_gpt()
+    gib = 2**30
+    assert bench_gpt.placement((5 * gib, 12 * gib)) == ("together", "")
+    where, why = bench_gpt.placement((11.7 * gib, 19.7 * gib))  # GPT-2 B=4, T=1024 on a 23 GiB machine
+    assert where == "alone" and "11.7 GiB" in why and "not interleaved" in why
+    where, why = bench_gpt.placement((21.4 * gib, 21.0 * gib))  # B=8, T=1024
+    assert where == "skip" and why.startswith("not run")
+    assert bench_gpt.placement(None) == ("together", "")  # no memory figures (a device): left to the device
+
+
+def test_a_gpt2_case_times_each_candidate_in_a_process_of_its_own():
+    bench_gpt = _bench_gpt()
+    notes = []
+    timings = bench_gpt.gpt2_case_alone(2, 32, 2, False, notes, tiny=True)
+    assert set(timings) == {"flax_ln", "torch_ref eager"}, notes
+    assert all(len(t.samples) == 2 and min(t.samples) > 0 for t in timings.values())
+    assert len(notes) == 2 and all("alone: first step" in n and "peak RSS" in n for n in notes), notes
+    failed = bench_gpt.run_alone("--gpt2-step", "flax_ln", "--tiny", "--batch", "2", "--seq-len", "4096")
+    assert failed["error"].startswith("exit 1"), failed  # longer than the block: the process fails, the run goes on
