@@ -43,8 +43,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import (Config, Table, Timing, add_torch_compile, interleaved, one_thread, ratio_row, register, timing_rows,
-                    torch_device)
+from common import (Config, Table, Timing, add_torch_compile, interleaved, one_thread, plain_linear_products, ratio_row,
+                    register, timing_rows, torch_device)
 from flax import nnx
 
 import flax_ln
@@ -100,26 +100,6 @@ def nnx_dropout_masks():
         yield
     finally:
         gpt_module.Dropout = fused
-
-
-def composed_head_loss(head, hidden, targets, ignore_index):
-    """The GPT's logits and loss as before ``head_logits_and_cross_entropy``: the head, then the
-    cross-entropy, each differentiated by plain autodiff (the (B, T, V) logits kept for the backward)."""
-    logits = head(hidden)
-    return logits, flax_ln.models.gpt.cross_entropy(logits, targets, ignore_index)
-
-
-@contextlib.contextmanager
-def composed_head():
-    """Trace GPTs with :func:`composed_head_loss`: a side-by-side before/after column."""
-    import flax_ln.models.gpt as gpt_module
-
-    one_piece = gpt_module.head_logits_and_cross_entropy
-    gpt_module.head_logits_and_cross_entropy = composed_head_loss
-    try:
-        yield
-    finally:
-        gpt_module.head_logits_and_cross_entropy = one_piece
 
 
 def torch_step(model, idx, targets):
@@ -330,7 +310,7 @@ def gpt2_case_alone(batch: int, seq_len: int, repeats: int, torch_compile: bool,
     return timings
 
 
-BEFORE_HEAD = "flax_ln, head then cross-entropy (before)"
+BEFORE = "flax_ln, plain lax.dot_general in nnx.Linear (before)"
 
 
 @register("gpt2-train-step")
@@ -372,13 +352,13 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
             eager = torch_step(reference, idx, targets)
             candidates = {"flax_ln": ours.run, "torch_ref eager": eager}
             if seq_len <= 128:  # the before column; at T=1024 a second step does not fit beside the rest
-                model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
+                with plain_linear_products():
+                    model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
                 flax_ln.load_torch_state_dict(model, state_dict)
                 before = FlaxStep(model, idx, targets)
                 del model
-                with composed_head():
-                    before.run()  # traced here
-                candidates[BEFORE_HEAD] = before.run
+                before.run()
+                candidates[BEFORE] = before.run
             if cfg.torch_compile:
                 forward = torch.compile(reference)
                 add_torch_compile(candidates, notes, f"B={batch} T={seq_len}: torch.compile(model)",
@@ -393,8 +373,8 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
         if "torch.compile(torch_ref)" in t:
             rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], "torch.compile(torch_ref)",
                                   t["torch.compile(torch_ref)"], 1.1))
-        if BEFORE_HEAD in t:
-            rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], BEFORE_HEAD, t[BEFORE_HEAD], None))
+        if BEFORE in t:
+            rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], BEFORE, t[BEFORE], None))
         raw += [[workload, *r] for r in timing_rows(t, "flax_ln")]
         del t
     model_name = "64-wide toy (--quick)" if cfg.quick else "GPT-2 124M"

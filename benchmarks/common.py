@@ -8,6 +8,7 @@ with its own ``@register(...)`` function and touches nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -158,3 +159,22 @@ def add_torch_compile(candidates: dict, notes: list[str], label: str, run: Calla
         candidates["torch.compile(torch_ref)"] = run
     except Exception as e:  # noqa: BLE001 - reported, not raised
         notes.append(f"{label} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+@contextlib.contextmanager
+def plain_linear_products():
+    """Build models whose ``nnx.Linear`` layers use plain ``lax.dot_general`` (the code before
+    :func:`flax_ln.models.dense.linear_dot_general`): a side-by-side before/after column.
+    Same values; only the kernel gradient's form in reverse mode differs."""
+    import flax_ln.models.encoder_decoder as encoder_decoder
+    import flax_ln.models.gpt as gpt
+
+    modules = (gpt, encoder_decoder)
+    saved = [module.linear_dot_general for module in modules]
+    for module in modules:
+        module.linear_dot_general = jax.lax.dot_general
+    try:
+        yield
+    finally:
+        for module, product in zip(modules, saved):
+            module.linear_dot_general = product

@@ -39,6 +39,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
 from flax_ln.models.checks import check_scalar_id, check_token_ids
+from flax_ln.models.dense import linear_dot_general
 from flax_ln.models.dropout import Dropout
 from flax_ln.models.layernorm import LayerNorm
 
@@ -59,9 +60,10 @@ def _torch_bias_init(fan_in: int):
 
 
 def _linear(d_in: int, d_out: int, *, dtype, param_dtype, precision, rngs: nnx.Rngs) -> nnx.Linear:
-    """``nnx.Linear`` initialised as the book's ``make_model``: Xavier-uniform kernel, torch's default bias."""
+    """``nnx.Linear`` initialised as the book's ``make_model``: Xavier-uniform kernel, torch's default bias;
+    its product is :func:`~flax_ln.models.dense.linear_dot_general`."""
     return nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                      kernel_init=_xavier, bias_init=_torch_bias_init(d_in), rngs=rngs)
+                      kernel_init=_xavier, bias_init=_torch_bias_init(d_in), dot_general=linear_dot_general, rngs=rngs)
 
 
 # ---- input validation: static shapes and dtypes only, so it also runs while tracing under jit ----

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
 from flax_ln.models.checks import check_token_ids
+from flax_ln.models.dense import linear_dot_general
 from flax_ln.models.dropout import Dropout
 from flax_ln.models.layernorm import TorchLayerNorm
 
@@ -164,9 +165,10 @@ def _init_fns(config: GPTConfig):
 
 
 def _linear(n_in, n_out, kernel_init, *, dtype, param_dtype, precision, rngs, use_bias=True):
+    """``nnx.Linear`` with zero-initialised bias; its product is :func:`~flax_ln.models.dense.linear_dot_general`."""
     return nnx.Linear(
         n_in, n_out, use_bias=use_bias, kernel_init=kernel_init, bias_init=nnx.initializers.zeros_init(),
-        dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
+        dtype=dtype, param_dtype=param_dtype, precision=precision, dot_general=linear_dot_general, rngs=rngs,
     )
 
 
