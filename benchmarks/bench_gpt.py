@@ -329,7 +329,7 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
     rows, raw, notes = [], [], []
     for batch, seq_len in cases:
         # T=1024 steps take tens of seconds on 2 cores: fewer rounds there.
-        repeats = cfg.repeats if cfg.quick else min(cfg.repeats, 3 if seq_len <= 128 else 2)
+        repeats = cfg.repeats if cfg.quick else min(cfg.repeats, 5 if seq_len <= 128 else 2)
         idx, targets = token_batch(config, batch, seq_len)
         model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
         flax_ln.load_torch_state_dict(model, state_dict)

@@ -316,13 +316,24 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, ignore_index: int) -> j
 
 
 def _cross_entropy_parts(logits, targets, ignore_index):
-    """``(loss, log_probs, valid, safe_targets, count)`` of :func:`cross_entropy`."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+    """``(loss, probs, valid, safe_targets, count)`` of :func:`cross_entropy`.
+
+    The log-softmax as ``jax.nn.log_softmax`` computes it (the row's maximum, held constant
+    for differentiation, taken out before ``exp``), with ``exp`` of the shifted logits
+    computed once for both the normaliser and ``probs``: the loss's gradient needs the
+    softmax, and recomputing ``exp`` from the log-probabilities cost XLA:CPU a second pass
+    over the (tokens, vocab) array.
+    """
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # (..., V)
+    exp_shifted = jnp.exp(shifted)
+    normaliser = jnp.sum(exp_shifted, axis=-1, keepdims=True)  # (..., 1)
     valid = targets != ignore_index
     safe_targets = jnp.where(valid, targets, 0)
-    picked = jnp.take_along_axis(log_probs, safe_targets[..., None], axis=-1)[..., 0]  # (B, T)
+    picked = jnp.take_along_axis(shifted, safe_targets[..., None], axis=-1)[..., 0] - jnp.log(normaliser[..., 0])
     count = jnp.sum(valid)
-    return -jnp.sum(jnp.where(valid, picked, 0.0)) / count, log_probs, valid, safe_targets, count
+    loss = -jnp.sum(jnp.where(valid, picked, 0.0)) / count
+    return loss, exp_shifted / normaliser, valid, safe_targets, count
 
 
 def head_cross_entropy(head: nnx.Module, hidden: jax.Array, targets: jax.Array, ignore_index: int) -> jax.Array:
@@ -373,9 +384,9 @@ def _head_logits_and_cross_entropy_jvp(graphdef, ignore_index, primals, tangents
     hidden, params, targets = primals
     hidden_tangent, params_tangent, _ = tangents
     logits, head_linear = jax.linearize(functools.partial(_apply_head, graphdef), hidden, params)
-    loss, log_probs, valid, safe_targets, count = _cross_entropy_parts(logits, targets, ignore_index)
-    onehot = jax.nn.one_hot(safe_targets, log_probs.shape[-1], dtype=log_probs.dtype)  # (..., V)
-    logits_grad = jnp.where(valid[..., None], (jnp.exp(log_probs) - onehot) / count, 0.0)  # (..., V)
+    loss, probs, valid, safe_targets, count = _cross_entropy_parts(logits, targets, ignore_index)
+    onehot = jax.nn.one_hot(safe_targets, probs.shape[-1], dtype=probs.dtype)  # (..., V)
+    logits_grad = jnp.where(valid[..., None], (probs - onehot) / count, 0.0)  # (..., V)
     grads = jax.linear_transpose(head_linear, hidden, params)(logits_grad.astype(logits.dtype))
     pairs = zip(jax.tree.leaves(grads), jax.tree.leaves((hidden_tangent, params_tangent)))
     loss_tangent = sum(jnp.vdot(grad, tangent) for grad, tangent in pairs)
