@@ -14,7 +14,7 @@ Rows (float32, this CPU; ``--quick`` shrinks every model to a 64-wide toy):
   memory (:func:`placement`): in this process, interleaved with torch, when it fits twice
   over; each candidate alone in a fresh process, one after another, when it fits once
   (B=4, T=1024 on a 23 GiB machine); else it is skipped with a note (B=8, T=1024 needs
-  21.4 GiB for the flax step alone). ``bench_gpt.py --gpt2-step CANDIDATE`` is that process.
+  19.9 GiB for the flax step alone). ``bench_gpt.py --gpt2-step CANDIDATE`` is that process.
 * ``gpt-compile-time``: XLA compile time of a GPT-2XL forward+backward, 48 scanned
   layers vs 1 (``compile_time.run_case``, a fresh process each). Target: <= 3x.
 * ``gpt-remat``: a GPT-2 124M training step (``GPTConfig.gpt2()``, B=4, T=1024, dropout
