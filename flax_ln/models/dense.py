@@ -41,8 +41,9 @@ def _linear_product_jvp(precision, preferred_element_type, primals, tangents):
     (``benchmarks/RESULTS.md``). Inside a ``scan`` over layers XLA:CPU keeps the blocks'
     kernel gradients as Eigen dots all the same, so there only the head gains: GPT-2 with
     ``scan_layers`` takes 0.86x, a 2-layer width-512 GPT with ``scan_layers`` 1.06x (the
-    copies of ``xᵀ`` unpaid). Other backends also pay that one copy of each layer's input. The rule is plain JAX, so every transformation applies,
-    higher derivatives included; a tangent that is known to be zero costs nothing.
+    copies of ``xᵀ`` unpaid). Other backends also pay that one copy of each layer's input.
+    The rule is plain JAX, so every transformation applies, higher derivatives included;
+    a tangent that is known to be zero costs nothing.
     """
     inputs, kernel = primals
     inputs_dot, kernel_dot = tangents
@@ -73,7 +74,7 @@ def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
     """
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
     if (tuple(lhs_contracting) == (lhs.ndim - 1,) and tuple(rhs_contracting) == (0,) and not lhs_batch
-            and not rhs_batch and rhs.ndim == 2 and lhs.ndim >= 1 and out_sharding is None):
+            and not rhs_batch and rhs.ndim == 2 and out_sharding is None):
         return _linear_product(lhs, rhs, precision, preferred_element_type)
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type, out_sharding=out_sharding)
