@@ -44,52 +44,47 @@ def _check_features(x: jax.Array, features: int, module: str) -> None:
         )
 
 
-# The pivot is the mean of a row's first few elements: a point inside the row's spread.
-_PIVOT_WIDTH = 8
-
-
 def _row_statistics(x: jax.Array, eps: float, ddof: int):
-    """``(pivot, shifted_mean, sigma)``, each (..., 1): the row's mean is ``pivot + shifted_mean``.
+    """``(mean, correction, sigma)``, each (..., 1): the corrected two-pass statistics of each row.
 
-    The two-pass algorithm on the row shifted by a pivot: ``d = x - pivot``, ``shifted_mean
-    = sum(d) / n``, ``var = sum((d - shifted_mean)**2) / (n - ddof)`` and ``sigma = sqrt(var
-    + eps)``. The pivot, the mean of the row's first eight elements, lies within the row's
-    spread, so on a row whose mean is large against its spread ``x - pivot`` is exact
-    (Sterbenz) and ``shifted_mean`` is of the order of the spread: its float32 rounding
-    is a rounding of a small number, not of the large mean. Plain two-pass (and torch's
-    kernels) round the large mean itself, and that error, shared by every ``x - mean``,
-    is what limits them on such rows. The pivot costs one subtraction per element inside
-    the same fused kernel; a mean of eight elements rather than the first element keeps
-    ``shifted_mean`` (and its rounding) small on well-conditioned rows too. The gain
-    rests on the pivot lying within a few standard deviations of the mean: a row whose
-    first eight elements sit far outside the rest (say, eight zeros of padding before
-    values near 1e4) is only as accurate as the plain two-pass algorithm. Taking that
-    rounding out as well (one more row sum of ``x - mean``) cost 7 % of the forward
-    kernel on XLA:CPU, so it is not done.
+    ``mean`` is the row's mean as float32 computes it; ``correction = sum(x - mean) / n``
+    is that mean's rounding error, measured on the row; the centred row is ``(x - mean) -
+    correction`` (:func:`_centered`), ``var = sum(centred**2) / (n - ddof)`` and ``sigma =
+    sqrt(var + eps)``.
 
-    The pivot is held constant for differentiation (the normalised row does not depend on
-    it: shift invariance); ``shifted_mean`` and ``sigma`` are differentiable, so rules
-    built on them can be differentiated again (Hessians).
+    Why the correction: on a row whose mean is large against its spread, the rounding of
+    ``mean`` is large against the spread too, and plain two-pass (and torch's kernels)
+    subtract that same error from every element, which is what limits them on such rows.
+    Here ``x - mean`` is exact (Sterbenz: each element lies within a factor of two of the
+    mean on such rows) and ``correction``, a mean of small numbers, takes the error out to
+    a few roundings of the spread. On a well-conditioned row the correction is a rounding
+    of zero and changes nothing. Unlike a pivot taken from a few elements of the row, the
+    row's own mean cannot sit far outside it, so no row is less accurate than plain
+    two-pass.
+
+    ``mean`` is held constant for differentiation (the centred row does not depend on it:
+    shift invariance); ``correction`` and ``sigma`` are differentiable, so rules built on
+    them can be differentiated again (Hessians).
     """
     n = x.shape[-1]
-    pivot = jax.lax.stop_gradient(jnp.mean(x[..., :_PIVOT_WIDTH], axis=-1, keepdims=True))  # (..., 1)
-    shifted = x - pivot
-    shifted_mean = jnp.sum(shifted, axis=-1, keepdims=True) / n  # (..., 1)
-    centered = shifted - shifted_mean
+    mean = jax.lax.stop_gradient(jnp.mean(x, axis=-1, keepdims=True))  # (..., 1)
+    deviations = x - mean
+    correction = jnp.sum(deviations, axis=-1, keepdims=True) / n  # (..., 1)
+    centered = deviations - correction
     var = jnp.sum(centered * centered, axis=-1, keepdims=True) / (n - ddof)  # (..., 1)
-    return pivot, shifted_mean, jnp.sqrt(var + eps)
+    return mean, correction, jnp.sqrt(var + eps)
 
 
-def _centered(x, pivot, shifted_mean):
-    """``x - mean`` as ``(x - pivot) - shifted_mean``: the association that keeps it accurate."""
-    return (x - pivot) - shifted_mean
+def _centered(x, mean, correction):
+    """``x - mean`` as ``(x - rounded mean) - correction``: the association that keeps it accurate."""
+    return (x - mean) - correction
 
 
 def _normalize_forward(x, scale, offset, eps, ddof):
     """The book's formula on ``x``, ``scale`` and ``offset`` already in the compute dtype."""
-    pivot, shifted_mean, sigma = _row_statistics(x, eps, ddof)
+    mean, correction, sigma = _row_statistics(x, eps, ddof)
     # Same association as the book: (scale * centered) / sqrt(var + eps) + offset.
-    return scale * _centered(x, pivot, shifted_mean) / sigma + offset
+    return scale * _centered(x, mean, correction) / sigma + offset
 
 
 _affine_normalize = jax.custom_jvp(_normalize_forward, nondiff_argnums=(3, 4))
@@ -107,11 +102,12 @@ def _affine_normalize_jvp(eps, ddof, primals, tangents):
     The two tangent terms that need ``x̂`` are each a ``jax.checkpoint`` of ``x``: in
     reverse mode the backward pass keeps only ``x`` (alive anyway) and ``scale``, and
     recomputes the row statistics inside each of its two kernels, ``d_scale =
-    sum_rows(g * x̂)`` and ``d_x``, where they cost two row reductions of data the
+    sum_rows(g * x̂)`` and ``d_x``, where they cost three row reductions of data the
     kernel reads anyway. Their optimisation barriers keep XLA from sharing ``x̂`` or the
-    statistics between kernels, which made XLA:CPU store ``x - pivot`` or ``x̂`` as
+    statistics between kernels, which made XLA:CPU store ``x - mean`` or ``x̂`` as
     full-size temporaries (32-64 MB for a float32 8192x1024 forward+backward). Plain
-    autodiff of the forward code would also differentiate the pivot (zero derivative).
+    autodiff of the forward code would also differentiate the rounded mean (zero
+    derivative).
     The rule is plain JAX, so it can be differentiated again in either mode
     (``jax.hessian``, Hessian-vector products): the statistics inside it are
     differentiable functions of ``x``.
@@ -128,9 +124,9 @@ def _normalized(x, eps: float, ddof: int):
     For the derivatives only: multiplying by ``1/σ`` is one rounding more than the
     forward's division, and cheaper than a division per element.
     """
-    pivot, shifted_mean, sigma = _row_statistics(x, eps, ddof)
+    mean, correction, sigma = _row_statistics(x, eps, ddof)
     inv_sigma = 1 / sigma  # (..., 1)
-    return _centered(x, pivot, shifted_mean) * inv_sigma, inv_sigma
+    return _centered(x, mean, correction) * inv_sigma, inv_sigma
 
 
 @functools.partial(jax.checkpoint, static_argnums=(0, 1))
@@ -165,11 +161,10 @@ def normalize(
     accumulate in half precision. The result is cast to ``dtype`` last; ``dtype=None``
     follows flax's convention, the result type of ``x``, ``scale`` and ``offset``.
 
-    The statistics are those of the row shifted by a pivot inside it (see
-    :func:`_row_statistics`): the same two row reductions as the plain two-pass
-    algorithm, in one fused kernel on XLA:CPU, plus one subtraction per element, but
-    accurate to a few roundings on rows whose mean is large against their spread, where
-    the plain algorithm and torch lose digits to the rounding of the mean.
+    The statistics are the corrected two-pass ones (see :func:`_row_statistics`): one
+    row reduction more than the plain two-pass algorithm, in the same fused kernel on
+    XLA:CPU, and accurate to a few roundings on rows whose mean is large against their
+    spread, where the plain algorithm and torch lose digits to the rounding of the mean.
 
     Derivatives come from a ``jax.custom_jvp`` rule (:func:`_affine_normalize_jvp`),
     so every transformation applies: ``jax.grad``/``vjp``/``jacrev`` (by transposing
