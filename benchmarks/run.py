@@ -7,7 +7,9 @@ Every ``benchmarks/bench_*.py`` module is imported and registers its benchmarks 
 ``common.BENCHMARKS``; each returns tables that are printed as Markdown, ready to
 paste into RESULTS.md. ``--quick`` uses small sizes and few repeats (a smoke test for
 CI, a few seconds). Timings are interleaved medians; only their ratios mean anything
-on a shared machine, and nothing here asserts a speed.
+on a shared machine, and nothing here asserts a speed. Each timed call follows 50 ms of
+untimed calls of the same candidate (``common.interleaved``), so it is timed as in a loop
+of its own, not in the wake of the other framework's spinning threads.
 
 Load favours XLA: under contention torch's OpenMP threads stall far more than XLA's
 pool, so a ratio taken while other jobs run measures neither framework. Before each

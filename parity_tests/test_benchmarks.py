@@ -1,5 +1,6 @@
 """Smoke tests: the benchmark scripts run and print their tables. No timing is asserted."""
 
+import itertools
 import os
 import pathlib
 import shutil
@@ -42,6 +43,26 @@ def test_load_note_marks_a_loaded_run_invalid():
     assert bench_run.load_note(0.4, 2.1, 1.0).endswith("-> quiet start")  # its own two threads, after
     assert "INVALID" in bench_run.load_note(1.0, 0.5, 1.0)  # the load never fell below the threshold
     assert "INVALID" in bench_run.load_note(2.0, 2.5, 1.0)
+
+
+def test_interleaved_leads_each_timed_call_with_calls_of_the_same_candidate():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from common import interleaved
+    finally:
+        sys.path.pop(0)
+    order = []
+    candidates = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
+    timings = interleaved(candidates, repeats=3, warmup=1, lead_in=0)
+    assert order == ["a", "b"] + ["a", "b"] * 3  # warm-up, then one timed call each per round
+    assert all(len(t.samples) == 3 for t in timings.values())
+
+    order.clear()
+    timings = interleaved(candidates, repeats=3, warmup=0, lead_in=0.005)
+    runs = [(name, sum(1 for _ in group)) for name, group in itertools.groupby(order)]
+    assert [name for name, _ in runs] == ["a", "b"] * 3  # each round: a block of a's, then of b's
+    assert all(count >= 2 for _, count in runs)  # at least one lead-in call before the timed one
+    assert all(len(t.samples) == 3 for t in timings.values())
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="gpu.sh is a bash script")
