@@ -125,6 +125,18 @@ def test_half_precision_never_less_accurate_than_torch(data, kind, features, hal
     assert np.isfinite(flax_err).all()
 
 
+def unit_affine_errors(kind, x, error):
+    """``(torch error, flax error)`` against float64 truth on float32 rows ``x``, scale 1, offset 0."""
+    _, _, ddof, eps, _ = KINDS[kind]
+    features = x.shape[-1]
+    scale, zero = np.ones(features, np.float32), np.zeros(features, np.float32)
+    expected = truth(x, scale, zero, eps, ddof)
+    with torch.no_grad():
+        y_torch = torch_norm(kind, features, scale, zero, torch.float32)(torch.tensor(x)).numpy()
+    y_flax = flax_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zero), ddof=ddof, eps=eps)
+    return error(y_torch, expected), error(y_flax, expected)
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("offset", [1e2, 1e4, 1e6])
 def test_offset_rows_beat_torch(kind, offset):
@@ -132,15 +144,9 @@ def test_offset_rows_beat_torch(kind, offset):
 
     Spread 1e-2 at 1e2 and 1e4; at 1e6 float32 spaces numbers 0.0625 apart, so spread 1.
     """
-    _, _, ddof, eps, _ = KINDS[kind]
     rng = np.random.default_rng(12)
     x = (offset + (1.0 if offset >= 1e6 else 1e-2) * rng.normal(size=(64, 1024))).astype(np.float32)
-    scale, zero = np.ones(1024, np.float32), np.zeros(1024, np.float32)
-    expected = truth(x, scale, zero, eps, ddof)
-    with torch.no_grad():
-        torch_err = relative_error(torch_norm(kind, 1024, scale, zero, torch.float32)(torch.tensor(x)).numpy(), expected)
-    flax_err = relative_error(flax_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zero), ddof=ddof, eps=eps),
-                              expected)
+    torch_err, flax_err = unit_affine_errors(kind, x, relative_error)
     assert torch_err > 1e-4  # the rows really are ill-conditioned for torch's statistics
     assert flax_err <= 4 * F32_FLOOR  # a few float32 roundings, whatever the offset
 
@@ -151,15 +157,9 @@ def test_rows_with_outlying_first_elements_stay_as_accurate_as_torch(kind, lead_
     """Rows whose first elements sit far outside the rest (padding, a spike): no statistic may
     lean on them. A shift taken from the first eight elements made these rows 5-9x less
     accurate than torch (1.1e-6 against 1.3e-7 at 1e4); the row's own mean cannot sit outside it."""
-    _, _, ddof, eps, _ = KINDS[kind]
     x = np.random.default_rng(14).normal(size=(64, 1024)).astype(np.float32)
     x[:, :lead_count] = lead_value
-    scale, zero = np.ones(1024, np.float32), np.zeros(1024, np.float32)
-    expected = truth(x, scale, zero, eps, ddof)
-    with torch.no_grad():
-        torch_err = row_errors(torch_norm(kind, 1024, scale, zero, torch.float32)(torch.tensor(x)).numpy(), expected)
-    flax_err = row_errors(flax_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zero), ddof=ddof, eps=eps),
-                          expected)
+    torch_err, flax_err = unit_affine_errors(kind, x, row_errors)
     assert (flax_err <= np.maximum(torch_err, F32_FLOOR)).all(), (flax_err.max(), torch_err.max())
 
 
