@@ -29,8 +29,18 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import (Config, Table, add_torch_compile, interleaved, one_thread, plain_linear_products, ratio_row,
-                    register, timing_rows, torch_device)
+from common import (
+    Config,
+    Table,
+    add_torch_compile,
+    interleaved,
+    one_thread,
+    plain_linear_products,
+    ratio_row,
+    register,
+    timing_rows,
+    torch_device,
+)
 from flax import nnx
 
 import flax_ln

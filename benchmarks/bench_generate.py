@@ -42,6 +42,7 @@ TOP_K = 50  # sampled cases: transformers' default top_k, passed explicitly to e
 def candidates_for(hf_model, ours, reference, prompt: np.ndarray, new: int, greedy: bool, with_reference: bool):
     """``{name: fn}`` of zero-argument calls, each generating 1 or ``new`` tokens and returning numpy ids."""
     import torch
+
     from torch_ref.gpt import generate as reference_generate
 
     idx_jax = jnp.asarray(prompt, jnp.int32)

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from common import Config, Table, interleaved, ratio_row, register, timing_rows
 from flax import nnx
+from naive import naive_normalize
 
 import flax_ln
 import torch_ref
-from common import Config, Table, interleaved, ratio_row, register, timing_rows
-from naive import naive_normalize
 
 EPS = 1e-6
 

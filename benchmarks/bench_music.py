@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from common import Config, Table, add_torch_compile, interleaved, register, timing_rows, torch_device
 from flax import nnx
@@ -79,9 +78,9 @@ def torch_music_step(model, x: np.ndarray, y: np.ndarray, forward=None):
 @register("music-throughput")
 def music_throughput(cfg: Config) -> list[Table]:
     import torch
+    from bench_gpt import FlaxStep
 
     import torch_ref
-    from bench_gpt import FlaxStep
 
     if cfg.quick:
         config = GPTConfig.music(n_layer=1, n_head=4, n_embd=64, block_size=64)

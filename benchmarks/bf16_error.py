@@ -26,8 +26,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-import flax_ln  # noqa: E402
 from generate_gpt2 import random_model  # noqa: E402
+
+import flax_ln  # noqa: E402
 
 
 def relative_error(actual, expected) -> float:

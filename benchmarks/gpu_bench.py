@@ -24,9 +24,9 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from naive import naive_normalize
 
 import flax_ln
-from naive import naive_normalize
 
 # Peak dense bf16 throughput of one H200 SXM (NVIDIA's datasheet, without sparsity), for MFU.
 H200_PEAK_BF16_FLOPS = 989e12

@@ -41,10 +41,11 @@ import common  # noqa: E402
 
 def environment() -> str:
     import flax
-    import flax_ln
     import jax
     import numpy
     import torch
+
+    import flax_ln
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()

@@ -56,8 +56,15 @@ from flax import nnx
 from tqdm import tqdm
 
 from flax_ln import GPT, ConversionError, GPTConfig, generate, load_torch_state_dict, music
-from flax_ln.checkpoint import Checkpointer, CheckpointError, MetricsLog, plot_loss, read_metrics
-from flax_ln.checkpoint import FolderNotWritableError, check_writable_folder
+from flax_ln.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    FolderNotWritableError,
+    MetricsLog,
+    check_writable_folder,
+    plot_loss,
+    read_metrics,
+)
 from flax_ln.sharding import batch_sharding, initialize_distributed, make_mesh, replicated, shard_batch, state_shardings
 from flax_ln.train import gpt_adam, gpt_loss, init_train_state, make_train_step
 

@@ -26,7 +26,6 @@ from flax_ln import GPT, GPTConfig, music
 from flax_ln.checkpoint import (
     Checkpointer,
     CheckpointError,
-    FolderNotWritableError,
     MetricsLog,
     UnreadableCheckpointError,
     check_writable_folder,

@@ -14,8 +14,6 @@ torch twin loaded with the same weights through the converter.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

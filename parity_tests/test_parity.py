@@ -385,8 +385,9 @@ def test_checkpoint_errors_are_clear(tmp_path, problem):
         save_file({"encoder.conv.weight": torch.zeros(3, 3)}, str(path))
         expected = "not a model flax-ln knows"
     elif problem == "wrong-shapes":
-        import flax_ln
         from safetensors.torch import load_file, save_file
+
+        import flax_ln
 
         save_book_gpt(path, flax_ln.GPTConfig(**SMALL_GPT))
         state = load_file(str(path))
