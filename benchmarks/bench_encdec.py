@@ -171,25 +171,43 @@ def encdec_train_step(cfg: Config) -> list[Table]:
         notes.append("torch.compile skipped (--quick or --no-torch-compile)")
     t = interleaved(candidates, repeats, cfg.warmup)
     n_params = sum(p.numel() for p in reference.parameters())
-    notes.insert(0, (
-        f"make_model(src_vocab={sizes['src_vocab']}, tgt_vocab={sizes['tgt_vocab']}, N={sizes['N']}, "
-        f"d_model={sizes['d_model']}, d_ff={sizes['d_ff']}, h={sizes['h']}), {n_params:,} parameters; B={batch}, "
-        f"source and target length {seq_len} (rows padded after a random length), float32, dropout 0.1 on in both "
-        f"frameworks; label smoothing {SMOOTHING} / ntokens, Adam(0.9, 0.98, 1e-9) at the Noam rate "
-        f"(warm-up {WARMUP}); median of {repeats} interleaved steps after {cfg.warmup} warm-up; "
-        f"torch on {device} ({torch.get_num_threads()} CPU threads); JAX on {jax.default_backend()}"
-    ))
+    notes.insert(
+        0,
+        (
+            f"make_model(src_vocab={sizes['src_vocab']}, tgt_vocab={sizes['tgt_vocab']}, N={sizes['N']}, "
+            f"d_model={sizes['d_model']}, d_ff={sizes['d_ff']}, h={sizes['h']}), {n_params:,} parameters; B={batch}, "
+            f"source and target length {seq_len} (rows padded after a random length), float32, dropout 0.1 on in both "
+            f"frameworks; label smoothing {SMOOTHING} / ntokens, Adam(0.9, 0.98, 1e-9) at the Noam rate "
+            f"(warm-up {WARMUP}); median of {repeats} interleaved steps after {cfg.warmup} warm-up; "
+            f"torch on {device} ({torch.get_num_threads()} CPU threads); JAX on {jax.default_backend()}"
+        ),
+    )
     best_eager = min((k for k in ("torch_ref eager", "torch_ref eager, 1 thread") if k in t), key=lambda k: t[k].median)
     if device == "cpu":
         notes.append("the eager target is taken against the faster of torch's default thread count and 1 thread")
     rows = [ratio_row("encoder-decoder train step", name, t[name], best_eager, t[best_eager], 0.9)]
     if "torch.compile(torch_ref)" in t:
-        rows.append(ratio_row("encoder-decoder train step", name, t[name], "torch.compile(torch_ref)",
-                              t["torch.compile(torch_ref)"], 1.0))
+        rows.append(
+            ratio_row(
+                "encoder-decoder train step",
+                name,
+                t[name],
+                "torch.compile(torch_ref)",
+                t["torch.compile(torch_ref)"],
+                1.0,
+            )
+        )
     rows.append(ratio_row("encoder-decoder train step", name, t[name], before_name, t[before_name], None))
     return [
-        Table("Encoder-decoder training step (chapter 10: fwd+bwd, label smoothing, Noam Adam): ratios "
-              "(lower is better)", ["workload", "comparison", "ratio", "target", "met"], rows, notes),
-        Table("Encoder-decoder training step: raw timings", ["candidate", "median ms", "p25-p75 ms",
-                                                             "ratio to flax_ln"], timing_rows(t, name)),
+        Table(
+            "Encoder-decoder training step (chapter 10: fwd+bwd, label smoothing, Noam Adam): ratios (lower is better)",
+            ["workload", "comparison", "ratio", "target", "met"],
+            rows,
+            notes,
+        ),
+        Table(
+            "Encoder-decoder training step: raw timings",
+            ["candidate", "median ms", "p25-p75 ms", "ratio to flax_ln"],
+            timing_rows(t, name),
+        ),
     ]

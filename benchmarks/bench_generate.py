@@ -51,23 +51,33 @@ def candidates_for(hf_model, ours, reference, prompt: np.ndarray, new: int, gree
     mask = torch.ones_like(idx_torch)
     key = jax.random.key(0)
     sampling = {"temperature": 0.0} if greedy else {"temperature": 1.0, "top_k": TOP_K}
-    hf_sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": TOP_K,
-                                                       "top_p": 1.0}
+    hf_sampling = (
+        {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": TOP_K, "top_p": 1.0}
+    )
 
     def flax_call(n):
         return lambda: np.asarray(flax_ln.generate(ours, idx_jax, n, rng=key, **sampling))
 
     def hf_call(n):
         def run():
-            out = hf_model.generate(idx_torch, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                    use_cache=True, pad_token_id=hf_model.config.eos_token_id, **hf_sampling)
+            out = hf_model.generate(
+                idx_torch,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                use_cache=True,
+                pad_token_id=hf_model.config.eos_token_id,
+                **hf_sampling,
+            )
             return out.cpu().numpy()
+
         return run
 
     def reference_call(n):
         def run():
             with torch.no_grad():
                 return reference_generate(reference, idx_torch, n, **sampling).cpu().numpy()
+
         return run
 
     main = {}
@@ -86,8 +96,9 @@ def gpt2_generate(cfg: Config) -> list[Table]:
     import torch_ref
 
     if cfg.quick:
-        hf_config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256, n_positions=64,
-                                            bos_token_id=255, eos_token_id=255)
+        hf_config = transformers.GPT2Config(
+            n_layer=2, n_head=4, n_embd=64, vocab_size=256, n_positions=64, bos_token_id=255, eos_token_id=255
+        )
         prompt_len, new, batches, repeats = 4, 8, (1, 2), cfg.repeats
     else:
         hf_config = transformers.GPT2Config()
@@ -117,10 +128,15 @@ def gpt2_generate(cfg: Config) -> list[Table]:
             main, extra = candidates_for(hf_model, ours, reference, prompt, new, greedy, with_reference=batch == 1)
             t = interleaved(main, repeats, 1)
             if extra:
-                t.update(interleaved(extra, 1, 0, lead_in=0))  # one costly call each; the t1 call comes first and warms torch up
+                t.update(
+                    interleaved(extra, 1, 0, lead_in=0)
+                )  # one costly call each; the t1 call comes first and warms torch up
             case = f"{mode}, B={batch}"
-            summary.append(ratio_row(f"generate {case}", "flax_ln", t[f"flax_ln t{new}"], "transformers",
-                                     t[f"transformers t{new}"], 0.7))
+            summary.append(
+                ratio_row(
+                    f"generate {case}", "flax_ln", t[f"flax_ln t{new}"], "transformers", t[f"transformers t{new}"], 0.7
+                )
+            )
             same = ""
             if greedy:
                 a, b = main[f"flax_ln t{new}"](), main[f"transformers t{new}"]()
@@ -131,13 +147,37 @@ def gpt2_generate(cfg: Config) -> list[Table]:
                     continue
                 total, first = t[f"{name} t{new}"].median, t[f"{name} t1"].median
                 per_token = (total - first) / (new - 1)
-                detail.append([case, name, total, first * 1e3, per_token * 1e3,
-                               total / t[f"transformers t{new}"].median, per_token / hf_per_token,
-                               same if name == "flax_ln" else ""])
+                detail.append(
+                    [
+                        case,
+                        name,
+                        total,
+                        first * 1e3,
+                        per_token * 1e3,
+                        total / t[f"transformers t{new}"].median,
+                        per_token / hf_per_token,
+                        same if name == "flax_ln" else "",
+                    ]
+                )
     return [
-        Table("GPT-2 generation (prompt, new tokens, KV cache): ratios (lower is better)",
-              ["workload", "comparison", "ratio", "target", "met"], summary, notes),
-        Table("GPT-2 generation: times per case",
-              ["case", "candidate", "total s", "first token ms", "per token ms", "total / transformers",
-               "per token / transformers", "greedy tokens equal to transformers"], detail),
+        Table(
+            "GPT-2 generation (prompt, new tokens, KV cache): ratios (lower is better)",
+            ["workload", "comparison", "ratio", "target", "met"],
+            summary,
+            notes,
+        ),
+        Table(
+            "GPT-2 generation: times per case",
+            [
+                "case",
+                "candidate",
+                "total s",
+                "first token ms",
+                "per token ms",
+                "total / transformers",
+                "per token / transformers",
+                "greedy tokens equal to transformers",
+            ],
+            detail,
+        ),
     ]

@@ -166,9 +166,13 @@ def gpt_train_step(cfg: Config) -> list[Table]:
     scanned.run()
     before.run()
     eager = torch_step(torch_twin(), idx, targets)
-    candidates = {"flax_ln (jit, unrolled layers)": ours.run, "flax_ln (jit, scan_layers)": scanned.run,
-                  "flax_ln with nnx.Dropout masks (before)": before.run,
-                  "torch_ref eager": eager, "torch_ref eager, 1 thread": one_thread(eager)}
+    candidates = {
+        "flax_ln (jit, unrolled layers)": ours.run,
+        "flax_ln (jit, scan_layers)": scanned.run,
+        "flax_ln with nnx.Dropout masks (before)": before.run,
+        "torch_ref eager": eager,
+        "torch_ref eager, 1 thread": one_thread(eager),
+    }
     if cfg.torch_compile:
         compiled_model = torch_twin()
         compiled, forward = torch_step(compiled_model, idx, targets), torch.compile(compiled_model)
@@ -176,31 +180,58 @@ def gpt_train_step(cfg: Config) -> list[Table]:
     else:
         notes.append("torch.compile skipped (--quick or --no-torch-compile)")
     t = interleaved(candidates, cfg.repeats, cfg.warmup)
-    notes.insert(0, (
-        f"{config.n_layer} layers, n_embd {config.n_embd}, {config.n_head} heads, vocab {config.vocab_size}, "
-        f"B={batch}, T={seq_len}, float32, dropout {config.attn_pdrop} on in both frameworks; median of "
-        f"{cfg.repeats} interleaved steps after {cfg.warmup} warm-up; torch threads {torch.get_num_threads()}"
-    ))
+    notes.insert(
+        0,
+        (
+            f"{config.n_layer} layers, n_embd {config.n_embd}, {config.n_head} heads, vocab {config.vocab_size}, "
+            f"B={batch}, T={seq_len}, float32, dropout {config.attn_pdrop} on in both frameworks; median of "
+            f"{cfg.repeats} interleaved steps after {cfg.warmup} warm-up; torch threads {torch.get_num_threads()}"
+        ),
+    )
     name = "flax_ln (jit, unrolled layers)"
     best_eager = min(("torch_ref eager", "torch_ref eager, 1 thread"), key=lambda k: t[k].median)
     notes.append("the eager target is taken against the faster of torch's default thread count and 1 thread")
     rows = [ratio_row("GPT train step", name, t[name], best_eager, t[best_eager], 0.9)]
     if "torch.compile(torch_ref)" in t:
-        rows.append(ratio_row("GPT train step", name, t[name], "torch.compile(torch_ref)",
-                              t["torch.compile(torch_ref)"], 1.0))
-    rows.append(ratio_row("GPT train step", "flax_ln (jit, scan_layers)", t["flax_ln (jit, scan_layers)"],
-                          best_eager, t[best_eager], None))
+        rows.append(
+            ratio_row("GPT train step", name, t[name], "torch.compile(torch_ref)", t["torch.compile(torch_ref)"], 1.0)
+        )
+    rows.append(
+        ratio_row(
+            "GPT train step",
+            "flax_ln (jit, scan_layers)",
+            t["flax_ln (jit, scan_layers)"],
+            best_eager,
+            t[best_eager],
+            None,
+        )
+    )
     before_name = "flax_ln with nnx.Dropout masks (before)"
     rows.append(ratio_row("GPT train step (before)", before_name, t[before_name], best_eager, t[best_eager], None))
     if "torch.compile(torch_ref)" in t:
-        rows.append(ratio_row("GPT train step (before)", before_name, t[before_name], "torch.compile(torch_ref)",
-                              t["torch.compile(torch_ref)"], None))
+        rows.append(
+            ratio_row(
+                "GPT train step (before)",
+                before_name,
+                t[before_name],
+                "torch.compile(torch_ref)",
+                t["torch.compile(torch_ref)"],
+                None,
+            )
+        )
     rows.append(ratio_row("GPT train step", name, t[name], before_name, t[before_name], None))
     return [
-        Table("GPT training step (fwd+bwd+clip+Adam): ratios (lower is better)",
-              ["workload", "comparison", "ratio", "target", "met"], rows, notes),
-        Table("GPT training step: raw timings", ["candidate", "median ms", "p25-p75 ms", "ratio to flax_ln"],
-              timing_rows(t, name)),
+        Table(
+            "GPT training step (fwd+bwd+clip+Adam): ratios (lower is better)",
+            ["workload", "comparison", "ratio", "target", "met"],
+            rows,
+            notes,
+        ),
+        Table(
+            "GPT training step: raw timings",
+            ["candidate", "median ms", "p25-p75 ms", "ratio to flax_ln"],
+            timing_rows(t, name),
+        ),
     ]
 
 
@@ -228,8 +259,12 @@ def step_memory(step: FlaxStep) -> tuple[int, int] | None:
     analysis = step.compile().memory_analysis()
     if analysis is None:
         return None
-    need = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-            - analysis.alias_size_in_bytes)
+    need = (
+        analysis.temp_size_in_bytes
+        + analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )
     try:
         with open("/proc/meminfo") as meminfo:
             available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
@@ -252,12 +287,16 @@ def placement(memory: tuple[int, int] | None) -> tuple[str, str]:
     if memory is None:
         return "together", ""
     need, available = memory
-    sizes = f"the flax_ln step needs {need / 2**30:.1f} GiB (XLA memory analysis), {available / 2**30:.1f} GiB available"
+    sizes = (
+        f"the flax_ln step needs {need / 2**30:.1f} GiB (XLA memory analysis), {available / 2**30:.1f} GiB available"
+    )
     if 2 * need <= available:
         return "together", ""
     if need + PROCESS_OVERHEAD <= available:
-        return "alone", (f"{sizes}: not twice over, so each candidate ran alone in a fresh process, one after "
-                         "another (not interleaved)")
+        return "alone", (
+            f"{sizes}: not twice over, so each candidate ran alone in a fresh process, one after "
+            "another (not interleaved)"
+        )
     return "skip", f"not run: {sizes}, not enough for the step and a process around it"
 
 
@@ -290,7 +329,9 @@ def gpt2_step_alone(candidate: str, batch: int, seq_len: int, repeats: int, tiny
     t0 = time.perf_counter()
     run()
     first = time.perf_counter() - t0
-    samples = interleaved({candidate: run}, repeats, 1, lead_in=0)[candidate].samples  # alone: no other framework to wait out
+    samples = interleaved({candidate: run}, repeats, 1, lead_in=0)[
+        candidate
+    ].samples  # alone: no other framework to wait out
     return dict(candidate=candidate, samples=samples, first_s=first, peak_rss_gib=_rss_gib("VmHWM"))
 
 
@@ -305,18 +346,30 @@ def run_alone(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def gpt2_case_alone(batch: int, seq_len: int, repeats: int, torch_compile: bool,
-                    notes: list[str], tiny: bool = False) -> dict[str, Timing]:
+def gpt2_case_alone(
+    batch: int, seq_len: int, repeats: int, torch_compile: bool, notes: list[str], tiny: bool = False
+) -> dict[str, Timing]:
     """Each candidate of a case in a fresh process of its own (:func:`gpt2_step_alone`)."""
     timings = {}
     for candidate in GPT2_CANDIDATES if torch_compile else GPT2_CANDIDATES[:2]:
-        result = run_alone("--gpt2-step", candidate, "--batch", str(batch), "--seq-len", str(seq_len),
-                           "--repeats", str(repeats), *(["--tiny"] if tiny else []))
+        result = run_alone(
+            "--gpt2-step",
+            candidate,
+            "--batch",
+            str(batch),
+            "--seq-len",
+            str(seq_len),
+            "--repeats",
+            str(repeats),
+            *(["--tiny"] if tiny else []),
+        )
         if "error" in result:
             notes.append(f"B={batch} T={seq_len}: {candidate} FAILED alone: {result['error']}")
             continue
-        notes.append(f"B={batch} T={seq_len}: {candidate} alone: first step {result['first_s']:.0f} s, "
-                     f"peak RSS {result['peak_rss_gib']:.1f} GiB")
+        notes.append(
+            f"B={batch} T={seq_len}: {candidate} alone: first step {result['first_s']:.0f} s, "
+            f"peak RSS {result['peak_rss_gib']:.1f} GiB"
+        )
         timings[candidate] = Timing(result["samples"])
     return timings
 
@@ -372,32 +425,53 @@ def gpt2_train_step(cfg: Config) -> list[Table]:
                 candidates[BEFORE] = before.run
             if cfg.torch_compile:
                 forward = torch.compile(reference)
-                add_torch_compile(candidates, notes, f"B={batch} T={seq_len}: torch.compile(model)",
-                                  lambda eager=eager, forward=forward: eager(forward))
+                add_torch_compile(
+                    candidates,
+                    notes,
+                    f"B={batch} T={seq_len}: torch.compile(model)",
+                    lambda eager=eager, forward=forward: eager(forward),
+                )
             t = interleaved(candidates, repeats, 1)
             del ours, candidates
-            notes.append(f"B={batch} T={seq_len}: flax_ln first step (trace + compile + run) {first:.0f} s; "
-                         f"median of {repeats} interleaved steps after 1 warm-up")
+            notes.append(
+                f"B={batch} T={seq_len}: flax_ln first step (trace + compile + run) {first:.0f} s; "
+                f"median of {repeats} interleaved steps after 1 warm-up"
+            )
         workload = f"B={batch}, T={seq_len}"
         if "torch_ref eager" in t:
             rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], "torch_ref eager", t["torch_ref eager"], 1.0))
         if "torch.compile(torch_ref)" in t:
-            rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], "torch.compile(torch_ref)",
-                                  t["torch.compile(torch_ref)"], 1.1))
+            rows.append(
+                ratio_row(
+                    workload, "flax_ln", t["flax_ln"], "torch.compile(torch_ref)", t["torch.compile(torch_ref)"], 1.1
+                )
+            )
         if BEFORE in t:
             rows.append(ratio_row(workload, "flax_ln", t["flax_ln"], BEFORE, t[BEFORE], None))
         raw += [[workload, *r] for r in timing_rows(t, "flax_ln")]
         del t
     model_name = "64-wide toy (--quick)" if cfg.quick else "GPT-2 124M"
-    notes.insert(0, (f"{model_name}: {config.n_layer} layers, width {config.n_embd}, vocab {config.vocab_size}, "
-                     f"float32, dropout {config.attn_pdrop} on in both; flax_ln unrolled layers, jitted step with the "
-                     f"state donated; torch_ref ({device}) with torch.optim.Adam(1e-4) after clip_grad_norm_(1), "
-                     f"{torch.get_num_threads()} threads; torch.compile compiles the model, the optimizer stays eager"))
+    notes.insert(
+        0,
+        (
+            f"{model_name}: {config.n_layer} layers, width {config.n_embd}, vocab {config.vocab_size}, "
+            f"float32, dropout {config.attn_pdrop} on in both; flax_ln unrolled layers, jitted step with the "
+            f"state donated; torch_ref ({device}) with torch.optim.Adam(1e-4) after clip_grad_norm_(1), "
+            f"{torch.get_num_threads()} threads; torch.compile compiles the model, the optimizer stays eager"
+        ),
+    )
     return [
-        Table(f"{model_name} training step (fwd+bwd+clip+Adam): ratios (lower is better)",
-              ["workload", "comparison", "ratio", "target", "met"], rows, notes),
-        Table(f"{model_name} training step: raw timings",
-              ["case", "candidate", "median ms", "p25-p75 ms", "ratio to flax_ln"], raw),
+        Table(
+            f"{model_name} training step (fwd+bwd+clip+Adam): ratios (lower is better)",
+            ["workload", "comparison", "ratio", "target", "met"],
+            rows,
+            notes,
+        ),
+        Table(
+            f"{model_name} training step: raw timings",
+            ["case", "candidate", "median ms", "p25-p75 ms", "ratio to flax_ln"],
+            raw,
+        ),
     ]
 
 
@@ -417,16 +491,31 @@ def gpt_compile_time(cfg: Config) -> list[Table]:
     total = {k: r["lower_s"] + r["compile_s"] for k, r in (("one", one), ("many", many))}
     ratio = total["many"] / total["one"]
     model = "64-wide toy (--quick)" if cfg.quick else "GPT-2XL"
-    return [Table(
-        f"{model} forward+backward compile time, scan_layers, {deep} layers vs 1",
-        ["layers", "params", "lower s", "XLA compile s", "total s", "ratio to 1 layer", "target", "met"],
-        [[1, one["params"], one["lower_s"], one["compile_s"], total["one"], 1.0, "", ""],
-         [deep, many["params"], many["lower_s"], many["compile_s"], total["many"], ratio, "<= 3x",
-          "yes" if ratio <= 3 else "no"]],
-        ["batch 1, loss + gradients w.r.t. every parameter, dropout on, lowered from abstract inputs; "
-         "a fresh Python process per row (benchmarks/compile_time.py)" if not cfg.quick else
-         "--quick: both rows in this process"],
-    )]
+    return [
+        Table(
+            f"{model} forward+backward compile time, scan_layers, {deep} layers vs 1",
+            ["layers", "params", "lower s", "XLA compile s", "total s", "ratio to 1 layer", "target", "met"],
+            [
+                [1, one["params"], one["lower_s"], one["compile_s"], total["one"], 1.0, "", ""],
+                [
+                    deep,
+                    many["params"],
+                    many["lower_s"],
+                    many["compile_s"],
+                    total["many"],
+                    ratio,
+                    "<= 3x",
+                    "yes" if ratio <= 3 else "no",
+                ],
+            ],
+            [
+                "batch 1, loss + gradients w.r.t. every parameter, dropout on, lowered from abstract inputs; "
+                "a fresh Python process per row (benchmarks/compile_time.py)"
+                if not cfg.quick
+                else "--quick: both rows in this process"
+            ],
+        )
+    ]
 
 
 # ---- (c) rematerialisation: memory and time ------------------------------------------------------
@@ -470,16 +559,26 @@ def memory_case(remat: str, layout: str, batch: int, seq_len: int, tiny: bool) -
         times.append(time.perf_counter() - t0)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 2
     rss_peak = _rss_gib("VmHWM")
-    return dict(remat=remat, layout=layout, temp_gib=memory.temp_size_in_bytes / 2**30,
-                args_gib=memory.argument_size_in_bytes / 2**30, rss_state_gib=rss_state, rss_before_gib=rss_before,
-                rss_peak_gib=rss_peak, rss_growth_gib=rss_peak - rss_before if hwm_reset else float("nan"),
-                step_s=min(times), minor_faults_per_step=faults, loss=loss)
+    return dict(
+        remat=remat,
+        layout=layout,
+        temp_gib=memory.temp_size_in_bytes / 2**30,
+        args_gib=memory.argument_size_in_bytes / 2**30,
+        rss_state_gib=rss_state,
+        rss_before_gib=rss_before,
+        rss_peak_gib=rss_peak,
+        rss_growth_gib=rss_peak - rss_before if hwm_reset else float("nan"),
+        step_s=min(times),
+        minor_faults_per_step=faults,
+        loss=loss,
+    )
 
 
 def run_memory_case(remat: str, layout: str, batch: int, seq_len: int, tiny: bool) -> dict:
     """:func:`memory_case` in a fresh Python process, so each peak RSS is its own."""
-    result = run_alone("--memory-case", remat, layout, "--batch", str(batch), "--seq-len", str(seq_len),
-                       *(["--tiny"] if tiny else []))
+    result = run_alone(
+        "--memory-case", remat, layout, "--batch", str(batch), "--seq-len", str(seq_len), *(["--tiny"] if tiny else [])
+    )
     if "error" in result:
         raise RuntimeError(f"gpt-remat memory case {remat} {layout}: {result['error']}")
     return result
@@ -500,8 +599,12 @@ def gpt_remat(cfg: Config) -> list[Table]:
         # the state's structure), so both run on the same numbers and memory holds one state.
         idx, targets = token_batch(config, batch, seq_len)
         off = FlaxStep(flax_ln.GPT(config, scan_layers=layout == "scan", rngs=nnx.Rngs(0)), idx, targets)
-        on = FlaxStep(flax_ln.GPT(config, scan_layers=layout == "scan", remat=True, rngs=nnx.Rngs(0)), idx, targets,
-                      state=off.state)
+        on = FlaxStep(
+            flax_ln.GPT(config, scan_layers=layout == "scan", remat=True, rngs=nnx.Rngs(0)),
+            idx,
+            targets,
+            state=off.state,
+        )
 
         def step_off(off=off, on=on):
             off.state = on.state
@@ -528,38 +631,79 @@ def gpt_remat(cfg: Config) -> list[Table]:
         rows.append([f"{model} train step, {layout}", mem_ratio, rss_ratio, time_ratio, ">= 3x, <= 1.35x", met])
         for r, m in (("off", m_off), ("remat=True", m_on)):
             key = "off" if r == "off" else "remat"
-            raw.append([layout, r, m["temp_gib"], m["rss_growth_gib"], m["rss_state_gib"], m["rss_peak_gib"],
-                        m["minor_faults_per_step"], t[key].median, f"{t[key].spread[0]:.3g}-{t[key].spread[1]:.3g}"])
+            raw.append(
+                [
+                    layout,
+                    r,
+                    m["temp_gib"],
+                    m["rss_growth_gib"],
+                    m["rss_state_gib"],
+                    m["rss_peak_gib"],
+                    m["minor_faults_per_step"],
+                    t[key].median,
+                    f"{t[key].spread[0]:.3g}-{t[key].spread[1]:.3g}",
+                ]
+            )
     notes = [
-        (f"{model}, B={batch}, T={seq_len}, float32, dropout 0.1 on, clip + Adam; remat=True wraps each block in "
-         "jax.checkpoint(policy=nothing_saveable) (flax_ln.models.gpt.checkpoint)"),
-        ("memory ratios are 'off / remat': XLA temp = compiled.memory_analysis().temp_size_in_bytes (the target's "
-         "measure: every buffer of the step besides its donated parameters/optimizer state, batch and outputs); "
-         "RSS growth = peak VmHWM during two steps minus VmRSS before them, with state and executable resident, "
-         "one fresh process per case"),
+        (
+            f"{model}, B={batch}, T={seq_len}, float32, dropout 0.1 on, clip + Adam; remat=True wraps each block in "
+            "jax.checkpoint(policy=nothing_saveable) (flax_ln.models.gpt.checkpoint)"
+        ),
+        (
+            "memory ratios are 'off / remat': XLA temp = compiled.memory_analysis().temp_size_in_bytes (the target's "
+            "measure: every buffer of the step besides its donated parameters/optimizer state, batch and outputs); "
+            "RSS growth = peak VmHWM during two steps minus VmRSS before them, with state and executable resident, "
+            "one fresh process per case"
+        ),
         f"time ratio: median of {repeats} interleaved steps per variant in one process, 1 warm-up each",
     ]
     return [
-        Table(f"{model} training step: per-block rematerialisation",
-              ["workload", "XLA temp off/remat", "RSS growth off/remat", "step time remat/off", "target", "met"],
-              rows, notes),
-        Table(f"{model} rematerialisation: raw numbers",
-              ["layout", "remat", "XLA temp GiB", "RSS growth GiB", "RSS with state GiB", "peak RSS GiB",
-               "minor page faults per step", "step s (median)", "p25-p75 s"], raw),
+        Table(
+            f"{model} training step: per-block rematerialisation",
+            ["workload", "XLA temp off/remat", "RSS growth off/remat", "step time remat/off", "target", "met"],
+            rows,
+            notes,
+        ),
+        Table(
+            f"{model} rematerialisation: raw numbers",
+            [
+                "layout",
+                "remat",
+                "XLA temp GiB",
+                "RSS growth GiB",
+                "RSS with state GiB",
+                "peak RSS GiB",
+                "minor page faults per step",
+                "step s (median)",
+                "p25-p75 s",
+            ],
+            raw,
+        ),
     ]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        description="one case of the gpt-remat memory row, or one candidate of a gpt2-train-step case, as JSON")
+        description="one case of the gpt-remat memory row, or one candidate of a gpt2-train-step case, as JSON"
+    )
     job = parser.add_mutually_exclusive_group(required=True)
-    job.add_argument("--memory-case", nargs=2, metavar=("REMAT", "LAYOUT"),
-                     help=f"remat in {sorted(REMAT)}, layout in ['scan', 'unrolled']")
-    job.add_argument("--gpt2-step", choices=GPT2_CANDIDATES, metavar="CANDIDATE",
-                     help=f"time one GPT-2 124M training step candidate alone, one of {list(GPT2_CANDIDATES)}")
+    job.add_argument(
+        "--memory-case",
+        nargs=2,
+        metavar=("REMAT", "LAYOUT"),
+        help=f"remat in {sorted(REMAT)}, layout in ['scan', 'unrolled']",
+    )
+    job.add_argument(
+        "--gpt2-step",
+        choices=GPT2_CANDIDATES,
+        metavar="CANDIDATE",
+        help=f"time one GPT-2 124M training step candidate alone, one of {list(GPT2_CANDIDATES)}",
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps after the first and a warm-up (--gpt2-step)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="timed steps after the first and a warm-up (--gpt2-step)"
+    )
     parser.add_argument("--tiny", action="store_true", help="the 64-wide toy model (smoke test)")
     args = parser.parse_args(argv)
     if args.gpt2_step:
@@ -567,7 +711,9 @@ def main(argv=None) -> int:
         return 0
     remat, layout = args.memory_case
     if remat not in REMAT or layout not in ("scan", "unrolled"):
-        parser.error(f"--memory-case: expected REMAT in {sorted(REMAT)} and LAYOUT in scan/unrolled, got {remat} {layout}")
+        parser.error(
+            f"--memory-case: expected REMAT in {sorted(REMAT)} and LAYOUT in scan/unrolled, got {remat} {layout}"
+        )
     print(json.dumps(memory_case(remat, layout, args.batch, args.seq_len, args.tiny)))
     return 0
 

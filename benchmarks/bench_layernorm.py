@@ -183,11 +183,29 @@ def layernorm(cfg: Config) -> list[Table]:
         ["workload", "comparison", "ratio", "target", "met"],
         [
             ratio_row("LN forward", ours_name, t_fwd[ours_name], best_fwd, t_fwd[best_fwd], 1.0),
-            ratio_row("LN forward", ours_name, t_fwd[ours_name], "numpy copy (np.copy)", t_fwd["numpy copy (np.copy)"], 3.0),
+            ratio_row(
+                "LN forward", ours_name, t_fwd[ours_name], "numpy copy (np.copy)", t_fwd["numpy copy (np.copy)"], 3.0
+            ),
             ratio_row("LN forward+backward", ours_name, t_fb[ours_name], best_fb, t_fb[best_fb], 1.0),
-            ratio_row("LN forward", ours_name, t_fwd[ours_name], "nnx.LayerNorm (jit)", t_fwd["nnx.LayerNorm (jit)"], None),
-            ratio_row("LN forward+backward", ours_name, t_fb[ours_name], "nnx.LayerNorm (jit)", t_fb["nnx.LayerNorm (jit)"], None),
-            ratio_row("LN forward+backward", ours_name, t_fb[ours_name], "naive formula (jit, autodiff)", t_fb["naive formula (jit, autodiff)"], None),
+            ratio_row(
+                "LN forward", ours_name, t_fwd[ours_name], "nnx.LayerNorm (jit)", t_fwd["nnx.LayerNorm (jit)"], None
+            ),
+            ratio_row(
+                "LN forward+backward",
+                ours_name,
+                t_fb[ours_name],
+                "nnx.LayerNorm (jit)",
+                t_fb["nnx.LayerNorm (jit)"],
+                None,
+            ),
+            ratio_row(
+                "LN forward+backward",
+                ours_name,
+                t_fb[ours_name],
+                "naive formula (jit, autodiff)",
+                t_fb["naive formula (jit, autodiff)"],
+                None,
+            ),
             ratio_row(
                 "LN forward, in place",
                 "flax_ln (donated)",

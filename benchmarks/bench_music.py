@@ -121,16 +121,26 @@ def music_throughput(cfg: Config) -> list[Table]:
     t = interleaved(candidates, repeats, warmup)
     tokens = batch * seq_len
     rows = [[cand, tokens / t[cand].median, t[cand].median, t[name].median / t[cand].median] for cand in candidates]
-    notes.insert(0, (
-        f"GPTConfig.music{'' if not cfg.quick else ' (toy under --quick)'}: {config.n_layer} layers, "
-        f"{config.n_head} heads, n_embd {config.n_embd}, vocab {config.vocab_size}, block_size {config.block_size}; "
-        f"B={batch}, T={seq_len} ({tokens} tokens per step), float32, dropout {config.attn_pdrop} on in both "
-        f"frameworks; median of {repeats} interleaved steps after {warmup} warm-up; "
-        f"torch on {device} ({torch.get_num_threads()} CPU threads); JAX on {jax.default_backend()}"
-    ))
+    notes.insert(
+        0,
+        (
+            f"GPTConfig.music{'' if not cfg.quick else ' (toy under --quick)'}: {config.n_layer} layers, "
+            f"{config.n_head} heads, n_embd {config.n_embd}, vocab {config.vocab_size}, block_size {config.block_size}; "
+            f"B={batch}, T={seq_len} ({tokens} tokens per step), float32, dropout {config.attn_pdrop} on in both "
+            f"frameworks; median of {repeats} interleaved steps after {warmup} warm-up; "
+            f"torch on {device} ({torch.get_num_threads()} CPU threads); JAX on {jax.default_backend()}"
+        ),
+    )
     return [
-        Table("Music Transformer training throughput (chapter 14 loop, higher tokens/s is better)",
-              ["candidate", "tokens/s", "median step s", "flax_ln step time / this (lower is better for flax_ln)"], rows, notes),
-        Table("Music Transformer training step: raw timings", ["candidate", "median ms", "p25-p75 ms",
-                                                               "ratio to flax_ln"], timing_rows(t, name)),
+        Table(
+            "Music Transformer training throughput (chapter 14 loop, higher tokens/s is better)",
+            ["candidate", "tokens/s", "median step s", "flax_ln step time / this (lower is better for flax_ln)"],
+            rows,
+            notes,
+        ),
+        Table(
+            "Music Transformer training step: raw timings",
+            ["candidate", "median ms", "p25-p75 ms", "ratio to flax_ln"],
+            timing_rows(t, name),
+        ),
     ]

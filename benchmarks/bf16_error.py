@@ -44,15 +44,28 @@ def generation_error(seeds=(0, 1, 2), batch: int = 4, prompt_len: int = 32, new_
         prompt = jax.random.randint(jax.random.key(100 + seed), (batch, prompt_len), 0, 256)  # (B, T)
         logits32, _ = f32(prompt)
         logits16, _ = bf16(prompt)
-        out32, out16 = (np.asarray(flax_ln.generate(m, prompt, new_tokens, temperature=0.0, rng=jax.random.key(0)))
-                        [:, prompt_len:] for m in (f32, bf16))  # greedy: the key is unused
+        out32, out16 = (
+            np.asarray(flax_ln.generate(m, prompt, new_tokens, temperature=0.0, rng=jax.random.key(0)))[:, prompt_len:]
+            for m in (f32, bf16)
+        )  # greedy: the key is unused
         differs = out32 != out16  # (B, new_tokens)
         first = np.where(differs.any(1), differs.argmax(1), new_tokens)  # tokens equal before the first difference
-        rows.append({"seed": seed, "logits_rel_error": relative_error(logits16, logits32),
-                     "greedy_agreement": float((~differs).mean()), "equal_prefix": first.tolist(),
-                     "argmax_agreement": float((np.argmax(logits16, -1) == np.argmax(logits32, -1)).mean())})
-    return {"model": "generate_gpt2 random weights (2 layers, width 64, vocab 256)", "batch": batch,
-            "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": rows}
+        rows.append(
+            {
+                "seed": seed,
+                "logits_rel_error": relative_error(logits16, logits32),
+                "greedy_agreement": float((~differs).mean()),
+                "equal_prefix": first.tolist(),
+                "argmax_agreement": float((np.argmax(logits16, -1) == np.argmax(logits32, -1)).mean()),
+            }
+        )
+    return {
+        "model": "generate_gpt2 random weights (2 layers, width 64, vocab 256)",
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "runs": rows,
+    }
 
 
 def training_error(midi: Path, steps: int, out_dir: Path) -> dict:
@@ -60,17 +73,46 @@ def training_error(midi: Path, steps: int, out_dir: Path) -> dict:
     losses = {}
     for dtype in ("float32", "bfloat16"):
         out = out_dir / f"music-tiny-{dtype}"
-        subprocess.run([sys.executable, str(ROOT / "examples" / "train_music.py"), "--config", "tiny", "--steps",
-                        str(steps), "--batch-size", "8", "--seq-len", "64", "--max-files", "4", "--seed", "3",
-                        "--generate-tokens", "0", "--data", str(midi), "--out", str(out), "--dtype", dtype],
-                       check=True, capture_output=True, env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-                                                             "PATH": "/usr/bin:/bin"})
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "examples" / "train_music.py"),
+                "--config",
+                "tiny",
+                "--steps",
+                str(steps),
+                "--batch-size",
+                "8",
+                "--seq-len",
+                "64",
+                "--max-files",
+                "4",
+                "--seed",
+                "3",
+                "--generate-tokens",
+                "0",
+                "--data",
+                str(midi),
+                "--out",
+                str(out),
+                "--dtype",
+                dtype,
+            ],
+            check=True,
+            capture_output=True,
+            env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        )
         losses[dtype] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     f32, bf16 = np.array(losses["float32"]), np.array(losses["bfloat16"])
     rel = np.abs(bf16 - f32) / np.abs(f32)
-    return {"model": "train_music --config tiny, batch 8, seq 64, 4 chorales, seed 3", "steps": steps,
-            "loss_float32": f32.round(5).tolist(), "loss_bfloat16": bf16.round(5).tolist(),
-            "max_rel_loss_diff": float(rel.max()), "last_rel_loss_diff": float(rel[-1])}
+    return {
+        "model": "train_music --config tiny, batch 8, seq 64, 4 chorales, seed 3",
+        "steps": steps,
+        "loss_float32": f32.round(5).tolist(),
+        "loss_bfloat16": bf16.round(5).tolist(),
+        "max_rel_loss_diff": float(rel.max()),
+        "last_rel_loss_diff": float(rel[-1]),
+    }
 
 
 def main() -> None:

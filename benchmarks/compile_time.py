@@ -53,13 +53,15 @@ def measure(layout: str, n_layer: int, batch: int, seq_len: int, tiny: bool = Fa
     return {"layout": layout, "n_layer": n_layer, "params": n_params, "lower_s": t1 - t0, "compile_s": t2 - t1}
 
 
-def run_case(layout: str, n_layer: int, batch: int = 1, seq_len: int = 1024, *, timeout: float | None = None,
-             tiny: bool = False) -> dict | None:
+def run_case(
+    layout: str, n_layer: int, batch: int = 1, seq_len: int = 1024, *, timeout: float | None = None, tiny: bool = False
+) -> dict | None:
     """:func:`measure` in a fresh Python process (no warm caches); ``None`` if it ran past ``timeout`` seconds."""
     cmd = [sys.executable, __file__, "--case", layout, str(n_layer), "--batch", str(batch), "--seq-len", str(seq_len)]
     try:
-        out = subprocess.run(cmd + (["--tiny"] if tiny else []), capture_output=True, text=True, timeout=timeout,
-                             check=True).stdout
+        out = subprocess.run(
+            cmd + (["--tiny"] if tiny else []), capture_output=True, text=True, timeout=timeout, check=True
+        ).stdout
     except subprocess.TimeoutExpired:
         return None
     return json.loads(out.strip().splitlines()[-1])
@@ -71,7 +73,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--tiny", action="store_true", help="a 64-wide model instead of GPT-2XL (smoke test)")
-    parser.add_argument("--unrolled-timeout", type=float, default=360.0, help="seconds before the unrolled case is cut off")
+    parser.add_argument(
+        "--unrolled-timeout", type=float, default=360.0, help="seconds before the unrolled case is cut off"
+    )
     args = parser.parse_args()
     if args.case:
         print(json.dumps(measure(args.case[0], int(args.case[1]), args.batch, args.seq_len, args.tiny)))
@@ -80,21 +84,30 @@ def main() -> None:
     import flax
     import jax
 
-    print(f"jax {jax.__version__}, flax {flax.__version__}, backend {jax.default_backend()}, "
-          f"GPT-2XL, batch {args.batch}, seq_len {args.seq_len}, float32, loss + grads w.r.t. all parameters")
+    print(
+        f"jax {jax.__version__}, flax {flax.__version__}, backend {jax.default_backend()}, "
+        f"GPT-2XL, batch {args.batch}, seq_len {args.seq_len}, float32, loss + grads w.r.t. all parameters"
+    )
     print("| layers | layout | lower (s) | XLA compile (s) | total (s) |")
     print("|---|---|---|---|---|")
     results = {}
-    for layout, n_layer, timeout in [("scan", 1, None), ("scan", 48, None), ("unrolled", 1, None),
-                                     ("unrolled", 48, args.unrolled_timeout)]:
+    for layout, n_layer, timeout in [
+        ("scan", 1, None),
+        ("scan", 48, None),
+        ("unrolled", 1, None),
+        ("unrolled", 48, args.unrolled_timeout),
+    ]:
         start = time.perf_counter()
         r = run_case(layout, n_layer, args.batch, args.seq_len, timeout=timeout, tiny=args.tiny)
         if r is None:
             print(f"| {n_layer} | {layout} | | cut off after {time.perf_counter() - start:.0f} s | |", flush=True)
             continue
         results[(layout, n_layer)] = r
-        print(f"| {n_layer} | {layout} | {r['lower_s']:.2f} | {r['compile_s']:.2f} | "
-              f"{r['lower_s'] + r['compile_s']:.2f} |", flush=True)
+        print(
+            f"| {n_layer} | {layout} | {r['lower_s']:.2f} | {r['compile_s']:.2f} | "
+            f"{r['lower_s'] + r['compile_s']:.2f} |",
+            flush=True,
+        )
     one, deep = results[("scan", 1)], results[("scan", 48)]
     ratio = (deep["lower_s"] + deep["compile_s"]) / (one["lower_s"] + one["compile_s"])
     print(f"\nscanned 48 layers / 1 layer (lower + compile): {ratio:.2f}x (target <= 3x)")

@@ -56,11 +56,15 @@ def main() -> None:
     logits = jax.block_until_ready(compiled(state, idx))
     t4 = time.perf_counter()
     assert logits.shape == (args.batch, args.seq_len, config.vocab_size) and bool(jnp.isfinite(logits).all())
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, GPT-2XL {n_params / 1e9:.3f}B params float32, "
-          f"scan_layers={bool(args.scan_layers)}, batch {args.batch}, seq_len {args.seq_len}")
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, GPT-2XL {n_params / 1e9:.3f}B params float32, "
+        f"scan_layers={bool(args.scan_layers)}, batch {args.batch}, seq_len {args.seq_len}"
+    )
     print(f"init: {t1 - t0:.1f} s, peak RSS {init_peak:.2f} GiB, RSS after init {after_init:.2f} GiB")
-    print(f"forward: compile {t3 - t2:.1f} s, run {t4 - t3:.1f} s, peak RSS during compile+forward "
-          f"{rss_gib('VmHWM'):.2f} GiB (parameters alone: {n_params * 4 / 2**30:.2f} GiB)")
+    print(
+        f"forward: compile {t3 - t2:.1f} s, run {t4 - t3:.1f} s, peak RSS during compile+forward "
+        f"{rss_gib('VmHWM'):.2f} GiB (parameters alone: {n_params * 4 / 2**30:.2f} GiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -79,18 +79,28 @@ def layernorm_bandwidth(shapes, dtypes, calls: int, repeats: int) -> list[dict]:
             fwd = jax.jit(forward)
             bwd = jax.jit(backward)
             nbytes = x.size * x.dtype.itemsize
-            t_copy = min(time_per_call(copy, x, calls=calls, repeats=repeats),
-                         time_per_call(negate, x, calls=calls, repeats=repeats))
+            t_copy = min(
+                time_per_call(copy, x, calls=calls, repeats=repeats),
+                time_per_call(negate, x, calls=calls, repeats=repeats),
+            )
             t_fwd = time_per_call(fwd, state, x, calls=calls, repeats=repeats)
             t_bwd = time_per_call(bwd, state, x, g, calls=calls, repeats=repeats)
             t_naive_bwd = time_per_call(jax.jit(naive_backward), x, g, calls=calls, repeats=repeats)
             copy_bw = 2 * nbytes / t_copy  # read x, write the copy
             fwd_bw = 2 * nbytes / t_fwd  # read x, write y
             bwd_bw = 3 * nbytes / t_bwd  # read x and g, write dx (d_scale, d_offset are tiny)
-            rows.append(dict(shape=f"{n}x{d}", dtype=jnp.dtype(dtype).name, copy_GBps=copy_bw / 1e9,
-                             fwd_GBps=fwd_bw / 1e9, fwd_frac=fwd_bw / copy_bw,
-                             bwd_GBps=bwd_bw / 1e9, bwd_frac=bwd_bw / copy_bw,
-                             naive_autodiff_bwd_frac=3 * nbytes / t_naive_bwd / copy_bw))
+            rows.append(
+                dict(
+                    shape=f"{n}x{d}",
+                    dtype=jnp.dtype(dtype).name,
+                    copy_GBps=copy_bw / 1e9,
+                    fwd_GBps=fwd_bw / 1e9,
+                    fwd_frac=fwd_bw / copy_bw,
+                    bwd_GBps=bwd_bw / 1e9,
+                    bwd_frac=bwd_bw / copy_bw,
+                    naive_autodiff_bwd_frac=3 * nbytes / t_naive_bwd / copy_bw,
+                )
+            )
     return rows
 
 
@@ -154,11 +164,24 @@ def gpt2_train_step(dry_run: bool) -> list[dict]:
         step_s = statistics.median(samples)
         tokens_per_s = batch * seq_len / step_s
         flops = gpt2_flops_per_token(n_matmul, config.n_layer, config.n_embd, seq_len)
-        rows.append(dict(config=name, dropout=dropout, batch=batch, seq_len=seq_len, params=n_params,
-                         step_ms=step_s * 1e3, tokens_per_s=tokens_per_s, mfu=tokens_per_s * flops / H200_PEAK_BF16_FLOPS,
-                         first_step_s=compile_s, loss=float(loss)))
+        rows.append(
+            dict(
+                config=name,
+                dropout=dropout,
+                batch=batch,
+                seq_len=seq_len,
+                params=n_params,
+                step_ms=step_s * 1e3,
+                tokens_per_s=tokens_per_s,
+                mfu=tokens_per_s * flops / H200_PEAK_BF16_FLOPS,
+                first_step_s=compile_s,
+                loss=float(loss),
+            )
+        )
         del state
     return rows
+
+
 # ==== end of GPT-2 ===================================================================
 
 
@@ -185,21 +208,38 @@ def main(argv=None) -> int:
         shapes, dtypes, calls, repeats = [(64, 256)], [jnp.float32, jnp.bfloat16], 2, 2
     else:
         # 256 MiB float32 arrays: far beyond the 50 MB L2, so every kernel streams HBM.
-        shapes, dtypes, calls, repeats = [(65536, 1024), (16384, 4096), (131072, 768)], [jnp.float32, jnp.bfloat16], 20, 7
+        shapes, dtypes, calls, repeats = (
+            [(65536, 1024), (16384, 4096), (131072, 768)],
+            [jnp.float32, jnp.bfloat16],
+            20,
+            7,
+        )
         if jax.default_backend() == "cpu":
-            print("error: JAX sees no accelerator (devices: %s); use --dry-run on a CPU machine" % jax.devices(),
-                  file=sys.stderr)
+            print(
+                "error: JAX sees no accelerator (devices: %s); use --dry-run on a CPU machine" % jax.devices(),
+                file=sys.stderr,
+            )
             return 2
-    print(f"devices {jax.devices()}; jax {jax.__version__}; backend {jax.default_backend()}"
-          f"{' (DRY RUN: CPU, tiny sizes, numbers mean nothing)' if args.dry_run else ''}")
+    print(
+        f"devices {jax.devices()}; jax {jax.__version__}; backend {jax.default_backend()}"
+        f"{' (DRY RUN: CPU, tiny sizes, numbers mean nothing)' if args.dry_run else ''}"
+    )
     ln_rows = layernorm_bandwidth(shapes, dtypes, calls, repeats)
     print_table("LayerNorm bandwidth vs device copy (targets: fwd_frac >= 0.90, bwd_frac >= 0.75)", ln_rows)
     gpt_rows = gpt2_train_step(args.dry_run)
     print_table("GPT-2 124M bf16 training step (target mfu >= 0.5)", gpt_rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"devices": str(jax.devices()), "layernorm": ln_rows, "gpt2": gpt_rows,
-                       "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "JAX_PLATFORMS")}}, f, indent=1)
+            json.dump(
+                {
+                    "devices": str(jax.devices()),
+                    "layernorm": ln_rows,
+                    "gpt2": gpt_rows,
+                    "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "JAX_PLATFORMS")},
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -71,14 +71,28 @@ def write_checkpoint(folder: Path, dtype: str, shard_bytes: int = 1 << 30) -> in
     from safetensors.numpy import save_file
 
     c, d = GPT2_XL["n_embd"], np.dtype(dtype)
-    shapes = {"transformer.wte.weight": (GPT2_XL["vocab_size"], c),
-              "transformer.wpe.weight": (GPT2_XL["n_positions"], c)}
+    shapes = {
+        "transformer.wte.weight": (GPT2_XL["vocab_size"], c),
+        "transformer.wpe.weight": (GPT2_XL["n_positions"], c),
+    }
     for i in range(GPT2_XL["n_layer"]):
         p = f"transformer.h.{i}."
-        shapes.update({p + "ln_1.weight": (c,), p + "ln_1.bias": (c,), p + "attn.c_attn.weight": (c, 3 * c),
-                       p + "attn.c_attn.bias": (3 * c,), p + "attn.c_proj.weight": (c, c), p + "attn.c_proj.bias": (c,),
-                       p + "ln_2.weight": (c,), p + "ln_2.bias": (c,), p + "mlp.c_fc.weight": (c, 4 * c),
-                       p + "mlp.c_fc.bias": (4 * c,), p + "mlp.c_proj.weight": (4 * c, c), p + "mlp.c_proj.bias": (c,)})
+        shapes.update(
+            {
+                p + "ln_1.weight": (c,),
+                p + "ln_1.bias": (c,),
+                p + "attn.c_attn.weight": (c, 3 * c),
+                p + "attn.c_attn.bias": (3 * c,),
+                p + "attn.c_proj.weight": (c, c),
+                p + "attn.c_proj.bias": (c,),
+                p + "ln_2.weight": (c,),
+                p + "ln_2.bias": (c,),
+                p + "mlp.c_fc.weight": (c, 4 * c),
+                p + "mlp.c_fc.bias": (4 * c,),
+                p + "mlp.c_proj.weight": (4 * c, c),
+                p + "mlp.c_proj.bias": (c,),
+            }
+        )
     shapes.update({"transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)})
     groups, current, size = [], [], 0
     for key, shape in shapes.items():
@@ -99,18 +113,28 @@ def write_checkpoint(folder: Path, dtype: str, shard_bytes: int = 1 << 30) -> in
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update(dict.fromkeys(keys, name))
         del tensors
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                      "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "activation_function": "gelu_new",
-                                                    "tie_word_embeddings": True, **GPT2_XL}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "activation_function": "gelu_new", "tie_word_embeddings": True, **GPT2_XL})
+    )
     return total
 
 
 def measure(folder: Path, devices: int, fsdp: int, scan: bool) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-c", MEASURE, str(folder), str(fsdp), "1" if scan else "0"],
-                          capture_output=True, text=True, env=env)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(folder), str(fsdp), "1" if scan else "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -127,18 +151,25 @@ def main() -> None:
     try:
         size = write_checkpoint(args.folder, args.dtype)
         print(f"checkpoint: {args.folder}, GPT-2XL shaped, {args.dtype}, tied lm_head, {size / gib:.2f} GiB of tensors")
-        print("| devices | mesh (data, fsdp) | scan_layers | baseline | peak | on devices | host overhead | "
-              "overhead / checkpoint | load (s) |")
+        print(
+            "| devices | mesh (data, fsdp) | scan_layers | baseline | peak | on devices | host overhead | "
+            "overhead / checkpoint | load (s) |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for devices, fsdp, scan in ((8, 8, False), (8, 8, True), (1, 0, False)):
             r = measure(args.folder, devices, fsdp, scan)
             overhead = r["peak"] - r["baseline"] - r["on_devices"]
             mesh = f"({devices // fsdp}, {fsdp})" if fsdp else "none"
-            print(f"| {devices} | {mesh} | {scan} | {r['baseline'] / gib:.2f} GiB | {r['peak'] / gib:.2f} GiB | "
-                  f"{r['on_devices'] / gib:.2f} GiB | {overhead / gib:.2f} GiB | {overhead / size:.1%} | "
-                  f"{r['seconds']:.0f} |", flush=True)
-            print(f"  wte {r['wte_spec']}, one shard {r['wte_shard_shape']}, {r['n_params'] / 1e9:.3f}B parameters",
-                  flush=True)
+            print(
+                f"| {devices} | {mesh} | {scan} | {r['baseline'] / gib:.2f} GiB | {r['peak'] / gib:.2f} GiB | "
+                f"{r['on_devices'] / gib:.2f} GiB | {overhead / gib:.2f} GiB | {overhead / size:.1%} | "
+                f"{r['seconds']:.0f} |",
+                flush=True,
+            )
+            print(
+                f"  wte {r['wte_spec']}, one shard {r['wte_shard_shape']}, {r['n_params'] / 1e9:.3f}B parameters",
+                flush=True,
+            )
     finally:
         if not args.keep:
             shutil.rmtree(args.folder, ignore_errors=True)

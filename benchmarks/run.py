@@ -47,8 +47,11 @@ def environment() -> str:
 
     import flax_ln
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
-        if os.path.exists("/proc/cpuinfo") else platform.processor()
+    cpu = (
+        next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+        if os.path.exists("/proc/cpuinfo")
+        else platform.processor()
+    )
     load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
     return (
         f"date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
@@ -79,8 +82,11 @@ def load_note(before: float | None, after: float | None, threshold: float) -> st
     """
     if before is None or after is None:
         return "Load average: unknown on this platform."
-    verdict = "quiet start" if before < threshold else \
-        f"INVALID: load >= {threshold:g} at the start; ratios under load favour XLA, rerun on a quiet machine"
+    verdict = (
+        "quiet start"
+        if before < threshold
+        else f"INVALID: load >= {threshold:g} at the start; ratios under load favour XLA, rerun on a quiet machine"
+    )
     return f"Load average (1 min): {before:.2f} before, {after:.2f} after (includes its own threads) -> {verdict}"
 
 
@@ -89,11 +95,23 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats: a smoke test")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these registered benchmarks")
     parser.add_argument("--repeats", type=int, help="timed rounds per candidate (default 30, or 3 with --quick)")
-    parser.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (skipped anyway with --quick)")
-    parser.add_argument("--quiet-load", type=float, default=1.0, metavar="L",
-                        help="a benchmark is valid only if the 1-minute load average is below L before and after it")
-    parser.add_argument("--max-wait", type=float, default=600.0, metavar="S",
-                        help="seconds to wait for the load to fall below --quiet-load before each benchmark")
+    parser.add_argument(
+        "--no-torch-compile", action="store_true", help="skip torch.compile (skipped anyway with --quick)"
+    )
+    parser.add_argument(
+        "--quiet-load",
+        type=float,
+        default=1.0,
+        metavar="L",
+        help="a benchmark is valid only if the 1-minute load average is below L before and after it",
+    )
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait for the load to fall below --quiet-load before each benchmark",
+    )
     args = parser.parse_args(argv)
 
     for path in sorted(HERE.glob("bench_*.py")):

@@ -74,8 +74,9 @@ def load_tokenizer(folder: Path) -> tuple[HFTokenizer | None, str]:
     try:
         import tokenizers
     except ImportError:
-        raise SystemExit("text prompts are tokenised with Hugging Face's tokenizers: pip install tokenizers "
-                         "(or pass --prompt-ids)") from None
+        raise SystemExit(
+            "text prompts are tokenised with Hugging Face's tokenizers: pip install tokenizers (or pass --prompt-ids)"
+        ) from None
     try:
         if json_file.is_file():
             return HFTokenizer(tokenizers.Tokenizer.from_file(str(json_file))), f"{json_file} (tokenizers)"
@@ -120,8 +121,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=1, help="independent continuations of the prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype (parameters stay float32)")
-    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="stack the blocks and scan over them: one compiled block, fast compiles for deep models")
+    p.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stack the blocks and scan over them: one compiled block, fast compiles for deep models",
+    )
     args = p.parse_args(argv)
     if args.max_new_tokens < 0:
         p.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -136,9 +141,11 @@ def main(argv=None) -> list[list[int]]:
     args = parse_args(argv)
     model_kwargs = dict(scan_layers=args.scan_layers, dtype=DTYPES[args.dtype])
     if args.checkpoint is None:
-        print("NOTICE: no --checkpoint given, so this runs a small GPT (2 layers, width 64, byte vocabulary) with "
-              "RANDOM weights: the output is noise. Pass --checkpoint FOLDER (a Hugging Face GPT-2 folder with "
-              "config.json and model.safetensors) for real text.\n")
+        print(
+            "NOTICE: no --checkpoint given, so this runs a small GPT (2 layers, width 64, byte vocabulary) with "
+            "RANDOM weights: the output is noise. Pass --checkpoint FOLDER (a Hugging Face GPT-2 folder with "
+            "config.json and model.safetensors) for real text.\n"
+        )
         model, tokenizer = random_model(args.seed, **model_kwargs), ByteTokenizer()
         source = "one token per byte (random-weights demo)"
     else:
@@ -147,8 +154,10 @@ def main(argv=None) -> list[list[int]]:
         start = time.perf_counter()
         model = flax_ln.load_hf_gpt2(args.checkpoint, **model_kwargs)
         c = model.config
-        print(f"loaded {args.checkpoint}: {c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, "
-              f"vocab {c.vocab_size}, context {c.block_size} ({time.perf_counter() - start:.1f} s)")
+        print(
+            f"loaded {args.checkpoint}: {c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, "
+            f"vocab {c.vocab_size}, context {c.block_size} ({time.perf_counter() - start:.1f} s)"
+        )
         tokenizer, source = load_tokenizer(args.checkpoint)
     print(f"tokenizer: {source}")
 
@@ -168,19 +177,27 @@ def main(argv=None) -> list[list[int]]:
 
     prompt = jnp.asarray(np.tile(np.asarray(ids, np.int32), (args.num_samples, 1)))  # (num_samples, T)
     start = time.perf_counter()
-    out = flax_ln.generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           rng=jax.random.key(args.seed))
+    out = flax_ln.generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        rng=jax.random.key(args.seed),
+    )
     out = np.asarray(out).tolist()
     seconds = time.perf_counter() - start
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-k {args.top_k}"
-    print(f"prompt ids: {ids}\ngenerated {args.max_new_tokens} tokens x {args.num_samples} ({mode}) in "
-          f"{seconds:.1f} s, compilation included")
+    print(
+        f"prompt ids: {ids}\ngenerated {args.max_new_tokens} tokens x {args.num_samples} ({mode}) in "
+        f"{seconds:.1f} s, compilation included"
+    )
     for n, row in enumerate(out):
         print(f"\n--- sample {n + 1} ---")
         print(f"ids: {row}")
         if tokenizer is not None:
             print(f"prompt:       {tokenizer.decode(row[: len(ids)])!r}")
-            print(f"continuation: {tokenizer.decode(row[len(ids):])!r}")
+            print(f"continuation: {tokenizer.decode(row[len(ids) :])!r}")
     return out
 
 

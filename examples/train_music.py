@@ -82,29 +82,51 @@ class UsageError(Exception):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", choices=list(CONFIGS), default="tiny",
-                   help="tiny: 2 layers, width 64, block 128; music: the book's 6/8/512, block 2048 (default tiny)")
+    p.add_argument(
+        "--config",
+        choices=list(CONFIGS),
+        default="tiny",
+        help="tiny: 2 layers, width 64, block 128; music: the book's 6/8/512, block 2048 (default tiny)",
+    )
     p.add_argument("--steps", type=int, default=500, help="train until this many steps in total (default 500)")
     p.add_argument("--batch-size", type=int, default=8, help="global batch size (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: the block size)")
     p.add_argument("--out", default=None, help="output folder (default out/music-CONFIG)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest readable checkpoint in the checkpoint folder")
-    p.add_argument("--ckpt-dir", default=None,
-                   help="checkpoint folder (default OUT/checkpoints); on several hosts a shared one, e.g. gs://...")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest readable checkpoint in the checkpoint folder"
+    )
+    p.add_argument(
+        "--ckpt-dir",
+        default=None,
+        help="checkpoint folder (default OUT/checkpoints); on several hosts a shared one, e.g. gs://...",
+    )
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps and at the end")
-    p.add_argument("--generate-tokens", type=int, default=256,
-                   help="ids to sample after the prompt into sample.mid (0: none)")
+    p.add_argument(
+        "--generate-tokens", type=int, default=256, help="ids to sample after the prompt into sample.mid (0: none)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--sample-only", type=Path, default=None, metavar="CHECKPOINT",
-                   help="no training: sample from this .pt/.safetensors state dict or orbax checkpoint folder")
-    p.add_argument("--prompt-midi", type=Path, default=None,
-                   help="take the prompt from this MIDI file instead of the held-out piece of the data")
+    p.add_argument(
+        "--sample-only",
+        type=Path,
+        default=None,
+        metavar="CHECKPOINT",
+        help="no training: sample from this .pt/.safetensors state dict or orbax checkpoint folder",
+    )
+    p.add_argument(
+        "--prompt-midi",
+        type=Path,
+        default=None,
+        help="take the prompt from this MIDI file instead of the held-out piece of the data",
+    )
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (mesh: devices//K x K)")
     p.add_argument("--seed", type=int, default=0, help="initialisation, dropout, data order and sampling seed")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                   help="compute dtype (default float32); parameters, optimizer state, norm statistics, the "
-                   "attention softmax and the loss stay float32")
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="compute dtype (default float32); parameters, optimizer state, norm statistics, the "
+        "attention softmax and the loss stay float32",
+    )
     p.add_argument("--data", default=None, help="folder of .mid/.midi files (default: music21's Bach chorales)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N MIDI files (quick runs)")
     p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
@@ -114,8 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     checks = [
         (args.steps >= 1, "--steps must be >= 1"),
         (args.batch_size >= 1, "--batch-size must be >= 1"),
-        (1 <= args.seq_len <= config.block_size, f"--seq-len must be in [1, {config.block_size}] for --config "
-                                                 f"{args.config}"),
+        (
+            1 <= args.seq_len <= config.block_size,
+            f"--seq-len must be in [1, {config.block_size}] for --config {args.config}",
+        ),
         (args.ckpt_every >= 1, "--ckpt-every must be >= 1"),
         (args.generate_tokens >= 0, "--generate-tokens must be >= 0"),
         (args.sample_only is None or args.generate_tokens >= 1, "--sample-only needs --generate-tokens >= 1"),
@@ -145,13 +169,15 @@ def split_files(args) -> tuple[list[Path], Path]:
         else:
             maestro = music.maestro_split(args.data)
             if maestro is not None:
-                return maestro["train"][:args.max_files], maestro["test"][0]
+                return maestro["train"][: args.max_files], maestro["test"][0]
             files = music.midi_files(args.data, limit=args.max_files)
     except (OSError, ValueError, RuntimeError) as e:
         raise UsageError(f"{'--data' if args.data else 'data'}: {e}") from None
     if len(files) < 2:
-        raise UsageError(f"{'--data' if args.data else 'data'}: {len(files)} MIDI file(s); need at least 2, "
-                         "one to train on and one held out for the sampling prompt (raise --max-files)")
+        raise UsageError(
+            f"{'--data' if args.data else 'data'}: {len(files)} MIDI file(s); need at least 2, "
+            "one to train on and one held out for the sampling prompt (raise --max-files)"
+        )
     return files[:-1], files[-1]
 
 
@@ -180,8 +206,10 @@ def open_checkpoints(args, expect: dict) -> Checkpointer:
     latest = ckpt.latest_step()
     if latest is not None:
         ckpt.close()
-        raise UsageError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); "
-                         "pass --resume to continue that run or choose another --out")
+        raise UsageError(
+            f"{ckpt.directory} already holds checkpoints (latest step {latest}); "
+            "pass --resume to continue that run or choose another --out"
+        )
     return ckpt
 
 
@@ -207,8 +235,11 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
         state, meta, skipped = ckpt.restore_newest_readable(target, expect=expect)
         for error in skipped if is_main else ():
-            print(f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
-                  f"one to {ckpt.set_aside(error.step)}", file=sys.stderr)
+            print(
+                f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
+                f"one to {ckpt.set_aside(error.step)}",
+                file=sys.stderr,
+            )
         start, position = meta["step"], meta["data_position"]
     else:
         state = jax.jit(lambda: init_train_state(make_model(), tx)[1], out_shardings=shardings)()
@@ -246,8 +277,11 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
         pending = (step, loss)
         if step % args.ckpt_every == 0 or step == args.steps:
             log_pending()  # the log never lags behind a checkpoint
-            ckpt.save(step, state, {**expect, "data_position": position, "batch_size": args.batch_size,
-                                    "n_examples": len(dataset)})
+            ckpt.save(
+                step,
+                state,
+                {**expect, "data_position": position, "batch_size": args.batch_size, "n_examples": len(dataset)},
+            )
     log_pending()
     bar.close()
     metrics.close()
@@ -265,16 +299,24 @@ def sample(args, model: GPT, prompt_file: Path) -> np.ndarray:
         ids = music.encode_midi(prompt_file)
     except (OSError, ValueError) as e:
         raise UsageError(f"prompt piece: {e}") from None
-    prompt = ids[:music.prompt_length(model.config.block_size)]  # (P,)
+    prompt = ids[: music.prompt_length(model.config.block_size)]  # (P,)
     if prompt.size == 0:
         raise UsageError(f"prompt piece {prompt_file} has no notes; pass --prompt-midi with another file")
-    out = generate(model, prompt[None], args.generate_tokens, temperature=args.temperature,
-                   vocab_limit=music.N_EVENTS, rng=jax.random.fold_in(jax.random.key(args.seed), 1))  # (1, P + new)
+    out = generate(
+        model,
+        prompt[None],
+        args.generate_tokens,
+        temperature=args.temperature,
+        vocab_limit=music.N_EVENTS,
+        rng=jax.random.fold_in(jax.random.key(args.seed), 1),
+    )  # (1, P + new)
     out = np.asarray(out)[0]
     if jax.process_index() == 0:
         notes = music.decode_midi(out, args.out / "sample.mid")
-        print(f"sample.mid: {prompt.size} prompt ids from {prompt_file} + {args.generate_tokens} sampled, "
-              f"{len(notes)} notes")
+        print(
+            f"sample.mid: {prompt.size} prompt ids from {prompt_file} + {args.generate_tokens} sampled, "
+            f"{len(notes)} notes"
+        )
     return out
 
 
@@ -287,7 +329,8 @@ def load_for_sampling(args, config: GPTConfig) -> GPT:
         ckpt = Checkpointer(folder, create=False)
         try:
             graphdef, abstract = jax.eval_shape(
-                lambda: init_train_state(new_model(config, args.seed, args.dtype), gpt_adam()))
+                lambda: init_train_state(new_model(config, args.seed, args.dtype), gpt_adam())
+            )
             state, _ = ckpt.restore(abstract, expect={"config": dataclasses.asdict(config)})
         finally:
             ckpt.close()
@@ -303,13 +346,17 @@ def load_for_sampling(args, config: GPTConfig) -> GPT:
 
             state_dict = torch.load(path, map_location="cpu", weights_only=True)
         else:
-            raise UsageError(f"--sample-only {path}: expected a .pt/.pth/.bin or .safetensors state dict, or a "
-                             "checkpoint folder of this example")
+            raise UsageError(
+                f"--sample-only {path}: expected a .pt/.pth/.bin or .safetensors state dict, or a "
+                "checkpoint folder of this example"
+            )
     except (OSError, RuntimeError, ValueError) as e:
         raise UsageError(f"--sample-only {path}: cannot read it ({type(e).__name__}: {e})") from None
     if not isinstance(state_dict, dict):
-        raise UsageError(f"--sample-only {path}: expected a state dict (name -> tensor), got "
-                         f"{type(state_dict).__name__}; save the book's model with torch.save(model.state_dict(), PATH)")
+        raise UsageError(
+            f"--sample-only {path}: expected a state dict (name -> tensor), got "
+            f"{type(state_dict).__name__}; save the book's model with torch.save(model.state_dict(), PATH)"
+        )
     try:
         load_torch_state_dict(model, state_dict)
     except ConversionError as e:
@@ -324,8 +371,10 @@ def train(args) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.batch_size % mesh.shape["data"]:
-        raise UsageError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis "
-                         f"({mesh.shape['data']} = {jax.device_count()} devices // --fsdp {args.fsdp})")
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis "
+            f"({mesh.shape['data']} = {jax.device_count()} devices // --fsdp {args.fsdp})"
+        )
     if args.sample_only is not None:
         _, prompt_file = split_files(args) if args.prompt_midi is None else (None, args.prompt_midi)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -346,8 +395,10 @@ def train(args) -> None:
         params, rest = jax.device_put((state.params, state.rest), replicated(mesh))
         sample(args, nnx.merge(graphdef, params, rest), args.prompt_midi or heldout)
     if records:
-        print(f"steps {records[0]['step']}..{records[-1]['step']}: loss {records[0]['loss']:.4f} -> "
-              f"{records[-1]['loss']:.4f}; outputs in {args.out}")
+        print(
+            f"steps {records[0]['step']}..{records[-1]['step']}: loss {records[0]['loss']:.4f} -> "
+            f"{records[-1]['loss']:.4f}; outputs in {args.out}"
+        )
 
 
 def main(argv=None) -> int:

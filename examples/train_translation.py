@@ -173,8 +173,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-ff", type=int, help="feed-forward width (default 4 * d-model; book: 1024)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (book: 8)")
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--ffn-activation", choices=["none", "relu"], default="none",
-                   help="none: the book's feed-forward network; relu: the Annotated Transformer's")
+    p.add_argument(
+        "--ffn-activation",
+        choices=["none", "relu"],
+        default="none",
+        help="none: the book's feed-forward network; relu: the Annotated Transformer's",
+    )
     p.add_argument("--factor", type=float, default=1.0, help="Noam schedule factor")
     p.add_argument("--warmup", type=int, default=200, help="Noam warm-up steps (book: 2000)")
     p.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
@@ -187,8 +191,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/translation"), help="output folder")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "layers", "d_model", "heads", "warmup", "max_len", "copy_len",
-                 "copy_symbols", "copy_pairs"):
+    for name in (
+        "steps",
+        "batch_size",
+        "layers",
+        "d_model",
+        "heads",
+        "warmup",
+        "max_len",
+        "copy_len",
+        "copy_symbols",
+        "copy_pairs",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.holdout < 0:
@@ -204,8 +218,10 @@ def main(argv=None) -> dict:
 
     if args.data is None:
         train_pairs, test_pairs = copy_task(args.copy_pairs, args.holdout, args.copy_len, args.copy_symbols, rng)
-        print(f"copy task: {len(train_pairs)} training and {len(test_pairs)} held-out sequences of "
-              f"{args.copy_len} symbols out of {args.copy_symbols}")
+        print(
+            f"copy task: {len(train_pairs)} training and {len(test_pairs)} held-out sequences of "
+            f"{args.copy_len} symbols out of {args.copy_symbols}"
+        )
     else:
         pairs = read_pairs(args.data)
         kept = [p for p in pairs if len(p[0]) <= args.max_len and len(p[1]) <= args.max_len]
@@ -227,8 +243,14 @@ def main(argv=None) -> dict:
 
     d_ff = args.d_ff or 4 * args.d_model
     model = flax_ln.make_model(
-        len(src_vocab), len(tgt_vocab), N=args.layers, d_model=args.d_model, d_ff=d_ff, h=args.heads,
-        dropout=args.dropout, ffn_activation=None if args.ffn_activation == "none" else "relu",
+        len(src_vocab),
+        len(tgt_vocab),
+        N=args.layers,
+        d_model=args.d_model,
+        d_ff=d_ff,
+        h=args.heads,
+        dropout=args.dropout,
+        ffn_activation=None if args.ffn_activation == "none" else "relu",
         rngs=nnx.Rngs(params=args.seed, dropout=args.seed + 1),
     )
     model.train()
@@ -237,15 +259,19 @@ def main(argv=None) -> dict:
     step_fn = make_train_step(encoder_decoder_loss(padding_idx=PAD, smoothing=args.smoothing), tx)
     graphdef, state = init_train_state(model, tx)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    print(f"model: N={args.layers} d_model={args.d_model} d_ff={d_ff} h={args.heads}, {n_params:,} parameters, "
-          f"on {jax.devices()[0].platform}")
+    print(
+        f"model: N={args.layers} d_model={args.d_model} d_ff={d_ff} h={args.heads}, {n_params:,} parameters, "
+        f"on {jax.devices()[0].platform}"
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     losses: list[float] = []
     start = time.perf_counter()
     index_batches = batches(len(src_train), args.batch_size, rng)
-    with open(args.out / "metrics.jsonl", "w") as metrics, tqdm(range(1, args.steps + 1), desc="train",
-                                                                 mininterval=0.5) as bar:
+    with (
+        open(args.out / "metrics.jsonl", "w") as metrics,
+        tqdm(range(1, args.steps + 1), desc="train", mininterval=0.5) as bar,
+    ):
         for step in bar:
             idx = next(index_batches)
             batch = make_batch(jnp.asarray(src_train[idx]), jnp.asarray(tgt_train[idx]), PAD)
@@ -261,8 +287,12 @@ def main(argv=None) -> dict:
 
     nnx.update(model, state.params, state.rest)
     refs = [t for _, t in test_pairs]
-    result = {"steps": args.steps, "train_seconds": round(train_seconds, 2), "final_loss": losses[-1],
-              "heldout": len(test_pairs)}
+    result = {
+        "steps": args.steps,
+        "train_seconds": round(train_seconds, 2),
+        "final_loss": losses[-1],
+        "heldout": len(test_pairs),
+    }
     if test_pairs:
         hyps, exact = evaluate(model, src_test, refs, tgt_vocab, tgt_len)
         result["exact_match"] = exact
@@ -270,12 +300,16 @@ def main(argv=None) -> dict:
             {"source": " ".join(s), "reference": " ".join(t), "greedy": " ".join(h)}
             for (s, t), h in zip(test_pairs[: args.examples], hyps)
         ]
-        print(f"trained {args.steps} steps in {train_seconds:.1f} s, final loss {losses[-1]:.4f}; "
-              f"greedy exact match on {len(test_pairs)} held-out pairs: {exact:.1%}")
+        print(
+            f"trained {args.steps} steps in {train_seconds:.1f} s, final loss {losses[-1]:.4f}; "
+            f"greedy exact match on {len(test_pairs)} held-out pairs: {exact:.1%}"
+        )
         for ex in result["examples"]:
             mark = "ok" if ex["greedy"] == ex["reference"] else "xx"
-            print(f"  [{mark}] source:    {ex['source']}\n       reference: {ex['reference']}\n"
-                  f"       greedy:    {ex['greedy']}")
+            print(
+                f"  [{mark}] source:    {ex['source']}\n       reference: {ex['reference']}\n"
+                f"       greedy:    {ex['greedy']}"
+            )
     else:
         print(f"trained {args.steps} steps in {train_seconds:.1f} s, final loss {losses[-1]:.4f}; no held-out pairs")
     (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")

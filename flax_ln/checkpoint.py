@@ -216,8 +216,11 @@ def flatten_state(tree: Any) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def _mismatches(meta: dict, expect: dict | None) -> list[str]:
-    return [f"{key}: checkpoint has {meta.get(key)!r}, this run has {value!r}"
-            for key, value in (expect or {}).items() if meta.get(key) != value]
+    return [
+        f"{key}: checkpoint has {meta.get(key)!r}, this run has {value!r}"
+        for key, value in (expect or {}).items()
+        if meta.get(key) != value
+    ]
 
 
 def _describe(x) -> list:
@@ -262,14 +265,21 @@ class Checkpointer:
         """
         ocp = self._ocp
         flat, impls = flatten_state(state)
-        meta = {**meta, "format": FORMAT, "step": step, "prng_impls": impls,
-                "arrays": {name: _describe(x) for name, x in flat.items()}}
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
-                                                         meta=ocp.args.JsonSave(meta)))
+        meta = {
+            **meta,
+            "format": FORMAT,
+            "step": step,
+            "prng_impls": impls,
+            "arrays": {name: _describe(x) for name, x in flat.items()},
+        }
+        self._manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta))
+        )
 
     def _no_checkpoint(self) -> CheckpointError:
-        return CheckpointError(f"{self.directory}: no complete checkpoint in this folder (it is empty or "
-                               "holds only unfinished writes)")
+        return CheckpointError(
+            f"{self.directory}: no complete checkpoint in this folder (it is empty or holds only unfinished writes)"
+        )
 
     def read_meta(self, step: int | None = None) -> dict:
         """The metadata of checkpoint ``step`` (default: the latest).
@@ -285,8 +295,9 @@ class Checkpointer:
                 meta = self._manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore()))
             meta = meta["meta"]
         except Exception as e:  # orbax raises several types for missing or corrupt items
-            raise UnreadableCheckpointError(self.directory / str(step), step,
-                                            f"cannot read the checkpoint metadata ({_one_line(e)})") from None
+            raise UnreadableCheckpointError(
+                self.directory / str(step), step, f"cannot read the checkpoint metadata ({_one_line(e)})"
+            ) from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"{self.directory / str(step)}: not a flax-ln checkpoint of format {FORMAT}")
         return meta
@@ -299,11 +310,11 @@ class Checkpointer:
         """Raise :class:`CheckpointError` listing every ``expect`` entry that differs from ``meta``'s."""
         problems = _mismatches(meta, expect)
         if problems:
-            raise CheckpointError(f"{self.directory / str(meta['step'])} is incompatible with this run:\n  "
-                                  + "\n  ".join(problems))
+            raise CheckpointError(
+                f"{self.directory / str(meta['step'])} is incompatible with this run:\n  " + "\n  ".join(problems)
+            )
 
-    def restore(self, abstract_state: Any, *, expect: dict | None = None,
-                step: int | None = None) -> tuple[Any, dict]:
+    def restore(self, abstract_state: Any, *, expect: dict | None = None, step: int | None = None) -> tuple[Any, dict]:
         """``(state, meta)`` of checkpoint ``step`` (default: the latest), placed as ``abstract_state`` says.
 
         Args:
@@ -324,34 +335,46 @@ class Checkpointer:
         wanted = {}
         for name, x in zip(names, leaves):
             if _is_key(x):
-                x = jax.ShapeDtypeStruct(jax.eval_shape(jax.random.key_data, x).shape, np.uint32,
-                                         sharding=getattr(x, "sharding", None))
+                x = jax.ShapeDtypeStruct(
+                    jax.eval_shape(jax.random.key_data, x).shape, np.uint32, sharding=getattr(x, "sharding", None)
+                )
             wanted[name] = x
         missing, unexpected = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
         if missing:
-            problems.append(f"arrays this run needs but the checkpoint lacks: {', '.join(missing[:8])}"
-                            + (" ..." if len(missing) > 8 else ""))
+            problems.append(
+                f"arrays this run needs but the checkpoint lacks: {', '.join(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
         if unexpected:
-            problems.append(f"arrays in the checkpoint this run does not have: {', '.join(unexpected[:8])}"
-                            + (" ..." if len(unexpected) > 8 else ""))
-        problems += [f"{name}: checkpoint has shape/dtype {saved[name]}, this run {_describe(x)}"
-                     for name, x in wanted.items() if name in saved and saved[name] != _describe(x)]
+            problems.append(
+                f"arrays in the checkpoint this run does not have: {', '.join(unexpected[:8])}"
+                + (" ..." if len(unexpected) > 8 else "")
+            )
+        problems += [
+            f"{name}: checkpoint has shape/dtype {saved[name]}, this run {_describe(x)}"
+            for name, x in wanted.items()
+            if name in saved and saved[name] != _describe(x)
+        ]
         if problems:
             raise CheckpointError(f"{where} is incompatible with this run:\n  " + "\n  ".join(problems))
-        target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-                  for name, x in wanted.items()}
+        target = {
+            name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+            for name, x in wanted.items()
+        }
         ocp = self._ocp
         try:
             with _quiet_if_it_fails():
-                flat = self._manager.restore(meta["step"],
-                                             args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+                flat = self._manager.restore(
+                    meta["step"], args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+                )
         except Exception as e:
             raise UnreadableCheckpointError(where, meta["step"], f"cannot read the arrays ({_one_line(e)})") from None
         values = []
         for name in names:
             x = flat["state"][name]
-            values.append(jax.random.wrap_key_data(x, impl=meta["prng_impls"][name])
-                          if name in meta["prng_impls"] else x)
+            values.append(
+                jax.random.wrap_key_data(x, impl=meta["prng_impls"][name]) if name in meta["prng_impls"] else x
+            )
         return jax.tree.unflatten(jax.tree.structure(abstract_state), values), meta
 
     def _newest_readable(self, read):
@@ -370,8 +393,9 @@ class Checkpointer:
             raise self._no_checkpoint()
         raise CheckpointError(f"{self.directory}: no checkpoint can be read:\n  " + "\n  ".join(map(str, skipped)))
 
-    def restore_newest_readable(self, abstract_state: Any, *,
-                                expect: dict | None = None) -> tuple[Any, dict, list[UnreadableCheckpointError]]:
+    def restore_newest_readable(
+        self, abstract_state: Any, *, expect: dict | None = None
+    ) -> tuple[Any, dict, list[UnreadableCheckpointError]]:
         """``(state, meta, skipped)``: :meth:`restore` of the newest checkpoint that reads back.
 
         Checkpoints are tried newest first; each one whose metadata or arrays cannot be
@@ -385,7 +409,8 @@ class Checkpointer:
           abstract_state, expect: as :meth:`restore`.
         """
         (state, meta), skipped = self._newest_readable(
-            lambda step: self.restore(abstract_state, expect=expect, step=step))
+            lambda step: self.restore(abstract_state, expect=expect, step=step)
+        )
         return state, meta, skipped
 
     def set_aside(self, step: int) -> str:

@@ -23,16 +23,12 @@ from flax_ln.models.gpt import GPTConfig
 
 def LayerNorm(features: int, eps: float = 1e-6, *, dtype=None, param_dtype=jnp.float32, name=None):
     """Linen ``LayerNorm``: the book's chapter-9 norm (see :class:`flax_ln.LayerNorm`)."""
-    return bridge.to_linen(
-        _nnx.LayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name
-    )
+    return bridge.to_linen(_nnx.LayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 def TorchLayerNorm(features: int, eps: float = 1e-5, *, dtype=None, param_dtype=jnp.float32, name=None):
     """Linen ``TorchLayerNorm``: the ``torch.nn.LayerNorm`` twin (see :class:`flax_ln.TorchLayerNorm`)."""
-    return bridge.to_linen(
-        _nnx.TorchLayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name
-    )
+    return bridge.to_linen(_nnx.TorchLayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 # ---- whole models --------------------------------------------------------------------------------
@@ -52,9 +48,7 @@ def _build(factory, *args, deterministic: bool, **kwargs):
     module = factory(*args, **kwargs)
     if deterministic:
         module.eval()
-    elif "dropout" not in rngs and any(
-        isinstance(m, nnx.Dropout) and m.rate > 0 for _, m in nnx.iter_modules(module)
-    ):
+    elif "dropout" not in rngs and any(isinstance(m, nnx.Dropout) and m.rate > 0 for _, m in nnx.iter_modules(module)):
         raise ValueError(
             f"{getattr(factory, '__name__', factory)}: dropout is active (deterministic=False) but no 'dropout' PRNG "
             "stream was given; pass rngs={'params': key, 'dropout': key2} to init and rngs={'dropout': key} to "
@@ -63,8 +57,16 @@ def _build(factory, *args, deterministic: bool, **kwargs):
     return module
 
 
-def GPT(config: GPTConfig, *, scan_layers: bool = False, deterministic: bool = False, dtype=None,
-        param_dtype=jnp.float32, precision=None, name=None):
+def GPT(
+    config: GPTConfig,
+    *,
+    scan_layers: bool = False,
+    deterministic: bool = False,
+    dtype=None,
+    param_dtype=jnp.float32,
+    precision=None,
+    name=None,
+):
     """Linen ``GPT``: the book's GPT (see :class:`flax_ln.GPT`) as a ``flax.linen.Module``.
 
     ``init(rngs, idx)`` creates the ``params`` collection under the NNX attribute names
@@ -81,14 +83,32 @@ def GPT(config: GPTConfig, *, scan_layers: bool = False, deterministic: bool = F
       name: the Linen module name.
     """
     return bridge.to_linen(
-        functools.partial(_build, _gpt.GPT, deterministic=deterministic), config, scan_layers=scan_layers,
-        dtype=dtype, param_dtype=param_dtype, precision=precision, name=name,
+        functools.partial(_build, _gpt.GPT, deterministic=deterministic),
+        config,
+        scan_layers=scan_layers,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        name=name,
     )
 
 
-def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
-               dropout: float = 0.1, ffn_activation: str | None = None, *, deterministic: bool = False, dtype=None,
-               param_dtype=jnp.float32, precision=None, name=None):
+def make_model(
+    src_vocab: int,
+    tgt_vocab: int,
+    N: int = 6,
+    d_model: int = 512,
+    d_ff: int = 2048,
+    h: int = 8,
+    dropout: float = 0.1,
+    ffn_activation: str | None = None,
+    *,
+    deterministic: bool = False,
+    dtype=None,
+    param_dtype=jnp.float32,
+    precision=None,
+    name=None,
+):
     """Linen encoder-decoder: the book's ``make_model`` (see :func:`flax_ln.make_model`) as a ``flax.linen.Module``.
 
     ``init(rngs, src, tgt, src_mask, tgt_mask)`` creates ``params`` under the NNX
@@ -107,6 +127,17 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
       name: the Linen module name.
     """
     return bridge.to_linen(
-        functools.partial(_build, _ed.make_model, deterministic=deterministic), src_vocab, tgt_vocab, N, d_model,
-        d_ff, h, dropout, ffn_activation, dtype=dtype, param_dtype=param_dtype, precision=precision, name=name,
+        functools.partial(_build, _ed.make_model, deterministic=deterministic),
+        src_vocab,
+        tgt_vocab,
+        N,
+        d_model,
+        d_ff,
+        h,
+        dropout,
+        ffn_activation,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        name=name,
     )

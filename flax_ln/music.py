@@ -82,8 +82,10 @@ def _pretty_midi():
     try:
         import pretty_midi
     except ImportError:
-        raise ImportError("flax_ln.music reads and writes MIDI with pretty_midi, as the book does: "
-                          "pip install pretty_midi (or flax-ln[examples])") from None
+        raise ImportError(
+            "flax_ln.music reads and writes MIDI with pretty_midi, as the book does: "
+            "pip install pretty_midi (or flax-ln[examples])"
+        ) from None
     return pretty_midi
 
 
@@ -247,8 +249,10 @@ def decode_notes(ids: Sequence[int] | np.ndarray) -> list[Note]:
     """
     ids = np.asarray(ids).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= VOCAB_SIZE):
-        raise ValueError(f"decode_notes: ids must be in [0, {VOCAB_SIZE}), got min {ids.min()} max {ids.max()}; "
-                         "pass the model's output token ids")
+        raise ValueError(
+            f"decode_notes: ids must be in [0, {VOCAB_SIZE}), got min {ids.min()} max {ids.max()}; "
+            "pass the model's output token ids"
+        )
     notes: list[Note] = []
     pending: dict[int, tuple[float, int]] = {}  # pitch -> (time, velocity) of its note-on
     time, velocity = 0, 0
@@ -300,17 +304,16 @@ def training_pair(ids: Sequence[int] | np.ndarray, length: int = SEQ_LEN) -> tup
     """
     ids = np.asarray(ids, np.int32).reshape(-1)
     if length < 1 or ids.size < 1:
-        raise ValueError(f"training_pair: need length >= 1 and at least one id, got length {length}, "
-                         f"{ids.size} ids")
+        raise ValueError(f"training_pair: need length >= 1 and at least one id, got length {length}, {ids.size} ids")
     x = np.full(length, PAD, np.int32)
     y = np.full(length, PAD, np.int32)
     if ids.size <= length:
-        x[:ids.size] = ids
-        y[:ids.size - 1] = ids[1:]
+        x[: ids.size] = ids
+        y[: ids.size - 1] = ids[1:]
         y[ids.size - 1] = EOS
     else:
         x[:] = ids[:length]
-        y[:] = ids[1:length + 1]
+        y[:] = ids[1 : length + 1]
     return x, y
 
 
@@ -392,8 +395,10 @@ def maestro_split(folder: str | os.PathLike) -> dict[str, list[Path]] | None:
         split.setdefault(row["split"], []).append(folder / row["midi_filename"])
     missing = [str(p) for files in split.values() for p in files if not p.is_file()]
     if missing:
-        raise FileNotFoundError(f"{tables[-1]} lists {len(missing)} MIDI files that are not there, e.g. "
-                                f"{missing[:3]}; pass the unpacked maestro-v2.0.0 folder")
+        raise FileNotFoundError(
+            f"{tables[-1]} lists {len(missing)} MIDI files that are not there, e.g. "
+            f"{missing[:3]}; pass the unpacked maestro-v2.0.0 folder"
+        )
     if not split["train"] or not split["test"]:
         raise ValueError(f"{tables[-1]}: expected 'train' and 'test' pieces in the split column")
     return split

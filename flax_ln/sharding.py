@@ -56,8 +56,7 @@ def make_mesh(fsdp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mes
             f"--fsdp: expected a positive divisor of the device count {len(devices)}, got {fsdp!r}; "
             f"the mesh is (data, fsdp) = ({len(devices)} // fsdp, fsdp)"
         )
-    return jax.make_mesh((len(devices) // fsdp, fsdp), (DATA, FSDP), axis_types=(AxisType.Auto,) * 2,
-                         devices=devices)
+    return jax.make_mesh((len(devices) // fsdp, fsdp), (DATA, FSDP), axis_types=(AxisType.Auto,) * 2, devices=devices)
 
 
 def fsdp_spec(shape: Sequence[int], fsdp_size: int) -> P:
@@ -98,8 +97,9 @@ def abstract_model(make: Callable[[], nnx.Module], mesh: Mesh | None = None) -> 
     rest_shardings = None if mesh is None else state_shardings(rest, mesh)
     rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], out_shardings=rest_shardings)()
     if mesh is not None:
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              params, state_shardings(params, mesh))
+        params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, state_shardings(params, mesh)
+        )
     return nnx.merge(graphdef, params, rest)
 
 

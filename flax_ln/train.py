@@ -52,8 +52,9 @@ def noam_schedule(d_model: int, factor: float = 1.0, warmup: int = 2000) -> opta
     return schedule
 
 
-def noam_adam(d_model: int, factor: float = 1.0, warmup: int = 2000, *, b1: float = 0.9, b2: float = 0.98,
-              eps: float = 1e-9) -> optax.GradientTransformation:
+def noam_adam(
+    d_model: int, factor: float = 1.0, warmup: int = 2000, *, b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9
+) -> optax.GradientTransformation:
     """Chapter 10's optimizer: Adam (betas 0.9/0.98, eps 1e-9) under :func:`noam_schedule`.
 
     Same update as ``torch.optim.Adam`` with the rate set before each step: optax's
@@ -72,6 +73,7 @@ def global_norm(tree) -> jax.Array:
     training step. Flattened first (a copy only where the layout is not row-major), the
     sum is an ordinary 1-D reduction. Accumulated in at least float32.
     """
+
     def squares(leaf):
         flat = jax.lax.optimization_barrier(leaf.reshape(-1))  # (size,)
         flat = flat.astype(jnp.promote_types(flat.dtype, jnp.float32))
@@ -103,7 +105,11 @@ def gpt_adam(learning_rate: float = 1e-4, clip_norm: float = 1.0) -> optax.Gradi
 
 
 def label_smoothing_loss(
-    log_probs: Float[Array, "*N V"], target: Int[Array, "*N"], *, padding_idx: int, smoothing: float = 0.1,
+    log_probs: Float[Array, "*N V"],
+    target: Int[Array, "*N"],
+    *,
+    padding_idx: int,
+    smoothing: float = 0.1,
     debug_checks: bool = False,
 ) -> Float[Array, ""]:
     """Chapter 10's label-smoothed loss: ``KL(true_dist || p)`` summed over every token and class.
@@ -205,7 +211,11 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation) -> tup
 
 
 def make_train_step(
-    loss_fn: LossFn, tx: optax.GradientTransformation, *, donate: bool = True, state_sharding: Any = None,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    *,
+    donate: bool = True,
+    state_sharding: Any = None,
     batch_sharding: Any = None,
 ) -> Callable[[nnx.GraphDef, TrainState, Batch], tuple[TrainState, jax.Array]]:
     """A jitted ``step(graphdef, state, batch) -> (state, loss)`` for any loss and optax transformation.
@@ -241,5 +251,10 @@ def make_train_step(
     donate_argnums = (1,) if donate else ()
     if state_sharding is None and batch_sharding is None:
         return jax.jit(step, static_argnums=0, donate_argnums=donate_argnums)
-    return jax.jit(step, static_argnums=0, donate_argnums=donate_argnums,
-                   in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None))
+    return jax.jit(
+        step,
+        static_argnums=0,
+        donate_argnums=donate_argnums,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, None),
+    )

@@ -22,12 +22,18 @@ def test_run_quick_prints_the_ratio_tables():
     out = run([sys.executable, "benchmarks/run.py", "--quick"])
     assert "### LayerNorm 256x128 float32: ratios" in out
     assert "| workload | comparison | ratio | target | met |" in out
-    for row in ("LN forward | flax_ln.LayerNorm (jit) vs torch", "LN forward | flax_ln.LayerNorm (jit) vs numpy copy",
-                "LN forward+backward | flax_ln.LayerNorm (jit) vs torch"):
+    for row in (
+        "LN forward | flax_ln.LayerNorm (jit) vs torch",
+        "LN forward | flax_ln.LayerNorm (jit) vs numpy copy",
+        "LN forward+backward | flax_ln.LayerNorm (jit) vs torch",
+    ):
         assert row in out, row
     assert "### LayerNorm forward+backward at other shapes" in out
-    for title in ("### GPT training step (fwd+bwd+clip+Adam): ratios", "forward+backward compile time, scan_layers",
-                  "training step: per-block rematerialisation"):
+    for title in (
+        "### GPT training step (fwd+bwd+clip+Adam): ratios",
+        "forward+backward compile time, scan_layers",
+        "training step: per-block rematerialisation",
+    ):
         assert title in out, title
     # every benchmark reports the load it ran under (the smoke run marks, never waits)
     assert out.count("Load average (1 min):") >= 4

@@ -138,14 +138,18 @@ def damage(step_dir: Path, size=None) -> None:
 
 def leaves_equal(a, b) -> bool:
     keys = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
-    return all(np.array_equal(np.asarray(keys(x)), np.asarray(keys(y)))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    return all(
+        np.array_equal(np.asarray(keys(x)), np.asarray(keys(y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_readable(tmp_path):
     _, state = train_state()
-    saved = {step: jax.tree.map(lambda x, s=step: x + s if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-             for step in (1, 2, 3)}
+    saved = {
+        step: jax.tree.map(lambda x, s=step: x + s if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+        for step in (1, 2, 3)
+    }
     ckpt = Checkpointer(tmp_path)
     for step, value in saved.items():
         ckpt.save(step, value, {"tag": step})
@@ -209,8 +213,13 @@ def test_a_failed_read_prints_nothing_else(tmp_path):
                 print(str(e).splitlines()[0][:60])
         ckpt.close()
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [f"{tmp_path / '1'}: unreadable checkpoint: cann"[:60]] * 8, proc.stdout
     assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, proc.stderr[-3000:]
@@ -235,8 +244,20 @@ def test_noise_filter_drops_only_the_closed_loop_reports(monkeypatch):
 # train_music.py: resume past a damaged checkpoint, and folders it cannot write
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_music.py"
-COMMON = ["--config", "tiny", "--max-files", "4", "--batch-size", "8", "--seq-len", "64", "--seed", "3",
-          "--generate-tokens", "0"]
+COMMON = [
+    "--config",
+    "tiny",
+    "--max-files",
+    "4",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+    "--seed",
+    "3",
+    "--generate-tokens",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -260,8 +281,9 @@ def test_train_music_resumes_from_the_newest_readable_checkpoint(script, tmp_pat
     err = capsys.readouterr().err
     warned = [line for line in err.splitlines() if "unreadable" in line]
     assert len(warned) == 1 and warned[0].startswith(f"warning: {out / 'checkpoints' / '3'}: unreadable checkpoint: ")
-    assert warned[0].endswith(f"resuming from checkpoint 2 instead, and moved the unreadable one to "
-                              f"{out / 'checkpoints' / '3.unreadable'}"), warned[0]
+    assert warned[0].endswith(
+        f"resuming from checkpoint 2 instead, and moved the unreadable one to {out / 'checkpoints' / '3.unreadable'}"
+    ), warned[0]
     assert "Traceback" not in err and "Event loop" not in err, err
     resumed = [(r["step"], r["loss"]) for r in read_metrics(out / "metrics.jsonl")]
     # Step 3 is redone from checkpoint 2 on bitwise-identical arrays and data position: the same loss

@@ -88,9 +88,19 @@ def hf_folder(folder, dtype):
         tensors[key] = (value.t() if conv1d else value).contiguous().to(dtype)
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
-        "vocab_size": config.vocab_size, "n_positions": config.block_size, "tie_word_embeddings": True}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_layer": config.n_layer,
+                "n_head": config.n_head,
+                "n_embd": config.n_embd,
+                "vocab_size": config.vocab_size,
+                "n_positions": config.block_size,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     return folder
 
 
@@ -137,14 +147,22 @@ def enc_dec_state():
     return {k: v.contiguous() for k, v in torch_ref.make_model(**TINY_SIZES).state_dict().items()}
 
 
-@pytest.mark.parametrize(("problem", "says"), [
-    ("only-wte", ["missing: transformer.wpe.weight, transformer.ln_f.weight, transformer.ln_f.bias, lm_head.weight",
-                  "missing: no layers (transformer.h.0.*"]),
-    ("1-d-wte", ["malformed: transformer.wte.weight has shape [96], expected a 2-D tensor"]),
-    ("h.x", ["malformed: layer keys without an integer index after 'transformer.h.': transformer.h.x.ln_1.weight"]),
-    ("gap", ["missing: layers transformer.h.1.*"]),
-    ("no-tgt-embed", ["looks like a torch_ref encoder-decoder", "missing: tgt_embed.0.lut.weight"]),
-])
+@pytest.mark.parametrize(
+    ("problem", "says"),
+    [
+        (
+            "only-wte",
+            [
+                "missing: transformer.wpe.weight, transformer.ln_f.weight, transformer.ln_f.bias, lm_head.weight",
+                "missing: no layers (transformer.h.0.*",
+            ],
+        ),
+        ("1-d-wte", ["malformed: transformer.wte.weight has shape [96], expected a 2-D tensor"]),
+        ("h.x", ["malformed: layer keys without an integer index after 'transformer.h.': transformer.h.x.ln_1.weight"]),
+        ("gap", ["missing: layers transformer.h.1.*"]),
+        ("no-tgt-embed", ["looks like a torch_ref encoder-decoder", "missing: tgt_embed.0.lut.weight"]),
+    ],
+)
 def test_incomplete_state_dict_lists_what_is_missing_or_malformed(tmp_path, capsys, problem, says):
     if problem == "no-tgt-embed":
         state = {k: v for k, v in enc_dec_state().items() if not k.startswith("tgt_embed.")}
@@ -168,14 +186,17 @@ def test_incomplete_state_dict_lists_what_is_missing_or_malformed(tmp_path, caps
 # ---- item 7: --seq-len against each model's limit ----------------------------------------
 
 
-@pytest.mark.parametrize(("model", "seq_len", "limit"), [
-    ("encoder-decoder", 100_000, 5000),  # OOM-killed before
-    ("encoder-decoder", 6000, 5000),
-    ("gpt2-xl-block", 1100, 1024),
-    ("gpt", 33, 32),
-    ("music", 2049, 2048),
-    ("all", 33, 32),  # the first model that cannot take it, before any model runs
-])
+@pytest.mark.parametrize(
+    ("model", "seq_len", "limit"),
+    [
+        ("encoder-decoder", 100_000, 5000),  # OOM-killed before
+        ("encoder-decoder", 6000, 5000),
+        ("gpt2-xl-block", 1100, 1024),
+        ("gpt", 33, 32),
+        ("music", 2049, 2048),
+        ("all", 33, 32),  # the first model that cannot take it, before any model runs
+    ],
+)
 def test_seq_len_beyond_a_models_limit_is_refused_before_building(capsys, model, seq_len, limit):
     assert_usage_error(capsys, "--model", model, "--seq-len", seq_len, says=f"at most {limit} ")
 
@@ -206,8 +227,14 @@ def test_unwritable_output_is_refused_before_the_run(tmp_path, capsys, option, w
 
 
 def test_plot_format_must_be_one_matplotlib_writes(tmp_path, capsys):
-    assert_usage_error(capsys, "--model", "layernorm", "--plot", tmp_path / "chart.xyz",
-                       says=["--plot", "extension .xyz", ".png", ".svg"])
+    assert_usage_error(
+        capsys,
+        "--model",
+        "layernorm",
+        "--plot",
+        tmp_path / "chart.xyz",
+        says=["--plot", "extension .xyz", ".png", ".svg"],
+    )
 
 
 @pytest.mark.parametrize("option", ["--rtol", "--atol"])
@@ -219,8 +246,10 @@ def test_tolerance_must_be_finite_and_non_negative(capsys, option, value):
 def test_usage_error_is_2_and_parity_fail_is_1(capsys):
     assert run(capsys, "--model", "layernorm", "--rtol", "-1")[0] == 2
     # float32 parity is ~1e-7, not exact: zero tolerance is a real FAIL
-    assert run(capsys, "--model", "layernorm", "--rtol", "0", "--atol", "0", "--quiet", "--batch", 1,
-               "--seq-len", 2)[0] == 1
+    assert (
+        run(capsys, "--model", "layernorm", "--rtol", "0", "--atol", "0", "--quiet", "--batch", 1, "--seq-len", 2)[0]
+        == 1
+    )
 
 
 # ---- issue 14 item 3: mesh arguments -----------------------------------------------------
@@ -228,16 +257,25 @@ def test_usage_error_is_2_and_parity_fail_is_1(capsys):
 
 def test_more_devices_than_jax_has_says_how_to_get_them(capsys):
     jax.devices()  # this process's backend has started: its CPU device count is fixed
-    assert_usage_error(capsys, "--model", "layernorm", "--devices", jax.device_count() + 7,
-                       says=f"XLA_FLAGS=--xla_force_host_platform_device_count={jax.device_count() + 7}")
+    assert_usage_error(
+        capsys,
+        "--model",
+        "layernorm",
+        "--devices",
+        jax.device_count() + 7,
+        says=f"XLA_FLAGS=--xla_force_host_platform_device_count={jax.device_count() + 7}",
+    )
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["--devices", "0"], "--devices must be at least 1"),
-    (["--fsdp", "0"], "--fsdp must be at least 1"),
-    (["--devices", "1", "--fsdp", "2"], "--fsdp 2 must divide --devices 1"),
-    (["--devices", "1", "--train-steps", "1"], "--train-steps runs unsharded"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--devices", "0"], "--devices must be at least 1"),
+        (["--fsdp", "0"], "--fsdp must be at least 1"),
+        (["--devices", "1", "--fsdp", "2"], "--fsdp 2 must divide --devices 1"),
+        (["--devices", "1", "--train-steps", "1"], "--train-steps runs unsharded"),
+    ],
+)
 def test_mesh_arguments_are_checked(capsys, args, says):
     assert_usage_error(capsys, "--model", "layernorm", *args, says=says)
 
@@ -246,15 +284,24 @@ def test_mesh_arguments_are_checked(capsys, args, says):
 
 
 def test_save_reference_into_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
-    assert_usage_error(capsys, "--model", "layernorm", "--save-reference", tmp_path / "nope" / "ref.safetensors",
-                       says=["--save-reference", "does not exist"])
+    assert_usage_error(
+        capsys,
+        "--model",
+        "layernorm",
+        "--save-reference",
+        tmp_path / "nope" / "ref.safetensors",
+        says=["--save-reference", "does not exist"],
+    )
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["--model", "gpt"], "--reference replaces --model"),
-    (["--seq-len", "4"], "--reference replaces --model"),
-    (["--attribute"], "takes attribution from the file"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--model", "gpt"], "--reference replaces --model"),
+        (["--seq-len", "4"], "--reference replaces --model"),
+        (["--attribute"], "takes attribution from the file"),
+    ],
+)
 def test_reference_refuses_what_the_file_decides(tmp_path, capsys, args, says):
     ref = tmp_path / "ref.safetensors"
     ref.write_bytes(b"")  # exists: only the combination is wrong

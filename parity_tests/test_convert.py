@@ -121,8 +121,14 @@ def test_every_problem_is_listed_in_one_error_and_nothing_changes():
     assert err.unexpected == ["layers.3.weight"]
     assert [k for k, _ in err.mismatched] == ["head.weight", "ln_f.weight", "norm.a_2"]
     message = str(err)
-    for fragment in ["layers.2.bias", "layers.3.weight", "expected shape (6,), got (7,)", "int64",
-                     "expected shape (4, 6), got (6, 4)", "nothing was loaded"]:
+    for fragment in [
+        "layers.2.bias",
+        "layers.3.weight",
+        "expected shape (6,), got (7,)",
+        "int64",
+        "expected shape (4, 6), got (6, 4)",
+        "nothing was loaded",
+    ]:
         assert fragment in message
     assert isinstance(err, ValueError)
     after = flat_params(model)
@@ -205,8 +211,10 @@ def test_module_without_a_rule_is_refused():
 
 
 def test_layernorm_modules_round_trip_with_torch_twins():
-    for torch_mod, flax_mod in [(torch_ref.LayerNorm(5), flax_ln.LayerNorm(5)),
-                                (torch.nn.LayerNorm(5), flax_ln.TorchLayerNorm(5))]:
+    for torch_mod, flax_mod in [
+        (torch_ref.LayerNorm(5), flax_ln.LayerNorm(5)),
+        (torch.nn.LayerNorm(5), flax_ln.TorchLayerNorm(5)),
+    ]:
         with torch.no_grad():
             for p in torch_mod.parameters():
                 p.copy_(torch.randn_like(p))
@@ -295,8 +303,17 @@ STANDARD_LAYERS = {
     ),
     "conv1d_groups_strided_no_bias": (
         lambda: torch.nn.Conv1d(4, 6, 3, stride=2, padding=2, groups=2, bias=False),
-        lambda d: nnx.Conv(4, 6, (3,), strides=2, padding=_conv_padding((2,)), feature_group_count=2,
-                           use_bias=False, param_dtype=d, rngs=nnx.Rngs(0)),
+        lambda d: nnx.Conv(
+            4,
+            6,
+            (3,),
+            strides=2,
+            padding=_conv_padding((2,)),
+            feature_group_count=2,
+            use_bias=False,
+            param_dtype=d,
+            rngs=nnx.Rngs(0),
+        ),
         (2, 4, 9),
         True,
     ),
@@ -308,8 +325,17 @@ STANDARD_LAYERS = {
     ),
     "conv2d_depthwise_dilated_no_bias": (
         lambda: torch.nn.Conv2d(4, 8, (3, 2), padding=2, dilation=2, groups=4, bias=False),
-        lambda d: nnx.Conv(4, 8, (3, 2), padding=_conv_padding((2, 2)), kernel_dilation=2, feature_group_count=4,
-                           use_bias=False, param_dtype=d, rngs=nnx.Rngs(0)),
+        lambda d: nnx.Conv(
+            4,
+            8,
+            (3, 2),
+            padding=_conv_padding((2, 2)),
+            kernel_dilation=2,
+            feature_group_count=4,
+            use_bias=False,
+            param_dtype=d,
+            rngs=nnx.Rngs(0),
+        ),
         (2, 4, 7, 5),
         True,
     ),
@@ -416,8 +442,9 @@ def test_embedding_converts_and_matches_torch():
 def test_conv_kernel_layout_is_declared_per_axis():
     """torch (out, in/groups, kh, kw) against flax (kh, kw, in/groups, out), checked element by element."""
     torch_conv = randomized(torch.nn.Conv2d(4, 6, (3, 2), groups=2))
-    flax_conv = load_torch_state_dict(nnx.Conv(4, 6, (3, 2), feature_group_count=2, rngs=nnx.Rngs(0)),
-                                      torch_conv.state_dict())
+    flax_conv = load_torch_state_dict(
+        nnx.Conv(4, 6, (3, 2), feature_group_count=2, rngs=nnx.Rngs(0)), torch_conv.state_dict()
+    )
     w = torch_conv.weight.detach().numpy()
     assert flax_conv.kernel.shape == (3, 2, 2, 6)
     for o, i, h, v in [(0, 0, 0, 0), (5, 1, 2, 1), (3, 0, 1, 1)]:
@@ -557,8 +584,13 @@ def test_registered_rename_maps_attribute_names(rules):
     back = to_torch_state_dict(flax_model)
     assert back.keys() == torch_model.state_dict().keys()
     TorchStack().load_state_dict({k: torch.from_numpy(v) for k, v in back.items()}, strict=True)
-    assert torch_module_paths(flax_model) == {"": "", "blocks": "layers", "blocks.0": "layers.0",
-                                              "blocks.1": "layers.1", "proj": "linear"}
+    assert torch_module_paths(flax_model) == {
+        "": "",
+        "blocks": "layers",
+        "blocks.0": "layers.0",
+        "blocks.1": "layers.1",
+        "proj": "linear",
+    }
 
     register_rename(ProjectedLinear, {"unused": "x"})
     assert RULES[ProjectedLinear].leaves == RULES[nnx.Linear].leaves

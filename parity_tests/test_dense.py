@@ -16,8 +16,14 @@ from flax_ln.models.dense import linear_dot_general
 
 def linear_pair(shape_in, features, use_bias):
     """Two ``nnx.Linear`` twins on the same parameters, float64: ours and plain ``lax.dot_general``."""
-    ours = nnx.Linear(shape_in[-1], features, use_bias=use_bias, param_dtype=jnp.float64,
-                      dot_general=linear_dot_general, rngs=nnx.Rngs(0))
+    ours = nnx.Linear(
+        shape_in[-1],
+        features,
+        use_bias=use_bias,
+        param_dtype=jnp.float64,
+        dot_general=linear_dot_general,
+        rngs=nnx.Rngs(0),
+    )
     plain = nnx.Linear(shape_in[-1], features, use_bias=use_bias, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     return nnx.split(ours), nnx.split(plain)
 

@@ -66,7 +66,9 @@ def test_dropout_under_jit_and_grad():
 
         return jax.jit(jax.grad(f))(x)
 
-    np.testing.assert_array_equal(grad_of(Dropout(0.25, rngs=nnx.Rngs(2))), grad_of(nnx.Dropout(0.25, rngs=nnx.Rngs(2))))
+    np.testing.assert_array_equal(
+        grad_of(Dropout(0.25, rngs=nnx.Rngs(2))), grad_of(nnx.Dropout(0.25, rngs=nnx.Rngs(2)))
+    )
 
 
 def test_the_mask_is_hashed_once_in_a_compiled_training_step():

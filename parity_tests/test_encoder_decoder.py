@@ -59,8 +59,15 @@ def check(torch_mod, flax_mod, inputs, out_shape, forward=None):
     """Every output and gradient (inputs and parameters) within the engine's policy for the parameters'
     dtype; the engine also checks that flax's dtypes are torch's. Returns flax's output in eval mode."""
     dtype = str(next(torch_mod.parameters()).dtype).removeprefix("torch.")
-    case = Case("encoder-decoder part", torch_mod, flax_mod, inputs, [f"input{i}" for i in range(len(inputs))],
-                dtype=dtype, forward=forward)
+    case = Case(
+        "encoder-decoder part",
+        torch_mod,
+        flax_mod,
+        inputs,
+        [f"input{i}" for i in range(len(inputs))],
+        dtype=dtype,
+        forward=forward,
+    )
     report = check_case(case)
     assert report.passed, str(report)
     output = next(r for r in report.results if r.kind == "output")
@@ -117,8 +124,9 @@ def test_attention(dtype, kind):
 def test_feed_forward(dtype, activation):
     torch.manual_seed(0)
     torch_mod = perturb(te.PositionwiseFeedForward(D, D_FF, DROPOUT, activation), 1).to(torch_dtype(dtype))
-    flax_mod = fe.PositionwiseFeedForward(D, D_FF, dropout=DROPOUT, activation=activation,
-                                          param_dtype=jnp.dtype(dtype), rngs=rngs())
+    flax_mod = fe.PositionwiseFeedForward(
+        D, D_FF, dropout=DROPOUT, activation=activation, param_dtype=jnp.dtype(dtype), rngs=rngs()
+    )
     x = np.random.default_rng(3).normal(size=(B, T, D)).astype(dtype)
     out = check(torch_mod, flax_mod, [x], (B, T, D))
     # The two activations really differ: the book's network is affine, the Annotated one is not.
@@ -155,8 +163,9 @@ def test_sublayer_connection(dtype):
 
 def test_encoder_layer(dtype):
     torch.manual_seed(0)
-    layer = te.EncoderLayer(D, te.MultiHeadedAttention(H, D, DROPOUT), te.PositionwiseFeedForward(D, D_FF, DROPOUT),
-                            DROPOUT)
+    layer = te.EncoderLayer(
+        D, te.MultiHeadedAttention(H, D, DROPOUT), te.PositionwiseFeedForward(D, D_FF, DROPOUT), DROPOUT
+    )
     torch_mod = perturb(layer, 1).to(torch_dtype(dtype))
     flax_mod = fe.EncoderLayer(D, H, D_FF, dropout=DROPOUT, param_dtype=jnp.dtype(dtype), rngs=rngs())
     rng = np.random.default_rng(5)
@@ -167,8 +176,13 @@ def test_encoder_layer(dtype):
 
 def test_decoder_layer(dtype):
     torch.manual_seed(0)
-    layer = te.DecoderLayer(D, te.MultiHeadedAttention(H, D, DROPOUT), te.MultiHeadedAttention(H, D, DROPOUT),
-                            te.PositionwiseFeedForward(D, D_FF, DROPOUT), DROPOUT)
+    layer = te.DecoderLayer(
+        D,
+        te.MultiHeadedAttention(H, D, DROPOUT),
+        te.MultiHeadedAttention(H, D, DROPOUT),
+        te.PositionwiseFeedForward(D, D_FF, DROPOUT),
+        DROPOUT,
+    )
     torch_mod = perturb(layer, 1).to(torch_dtype(dtype))
     flax_mod = fe.DecoderLayer(D, H, D_FF, dropout=DROPOUT, param_dtype=jnp.dtype(dtype), rngs=rngs())
     rng = np.random.default_rng(6)
@@ -183,10 +197,12 @@ def test_embeddings_and_positional_encoding(dtype):
     torch.manual_seed(0)
     torch_mod = perturb(torch.nn.Sequential(te.Embeddings(D, SRC_V), te.PositionalEncoding(D, DROPOUT)), 1)
     torch_mod = torch_mod.to(torch_dtype(dtype))
-    flax_mod = fe.Sequential([
-        fe.Embeddings(D, SRC_V, param_dtype=jnp.dtype(dtype), rngs=rngs()),
-        fe.PositionalEncoding(D, dropout=DROPOUT, param_dtype=jnp.dtype(dtype), rngs=rngs()),
-    ])
+    flax_mod = fe.Sequential(
+        [
+            fe.Embeddings(D, SRC_V, param_dtype=jnp.dtype(dtype), rngs=rngs()),
+            fe.PositionalEncoding(D, dropout=DROPOUT, param_dtype=jnp.dtype(dtype), rngs=rngs()),
+        ]
+    )
     src = tokens(np.random.default_rng(7), SRC_V, (B, S), pad_tail=[0, 1, 3])
     check(torch_mod, flax_mod, [src], (B, S, D))
     # The table came from torch and goes back bit for bit.
@@ -225,8 +241,18 @@ def model_pair(dtype, ffn_activation=None, seed=0):
     torch.manual_seed(seed)
     torch_model = te.make_model(SRC_V, TGT_V, N, D, D_FF, H, DROPOUT, ffn_activation)
     torch_model = perturb(torch_model, seed + 1).to(torch_dtype(dtype))
-    flax_model = flax_ln.make_model(SRC_V, TGT_V, N, D, D_FF, H, DROPOUT, ffn_activation,
-                                    param_dtype=jnp.dtype(dtype), rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+    flax_model = flax_ln.make_model(
+        SRC_V,
+        TGT_V,
+        N,
+        D,
+        D_FF,
+        H,
+        DROPOUT,
+        ffn_activation,
+        param_dtype=jnp.dtype(dtype),
+        rngs=nnx.Rngs(params=seed, dropout=seed + 1),
+    )
     return torch_model, flax_model
 
 
@@ -258,9 +284,16 @@ def test_full_model(dtype, ffn_activation):
 def test_state_dict_round_trip_and_book_keys():
     torch_model, flax_model = model_pair("float32")
     sd = torch_model.state_dict()
-    for key in ["encoder.layers.0.sublayer.1.norm.a_2", "decoder.layers.1.sublayer.2.norm.b_2",
-                "decoder.layers.0.src_attn.linears.3.weight", "src_embed.0.lut.weight", "src_embed.1.pe",
-                "tgt_embed.1.pe", "generator.proj.weight", "encoder.norm.a_2"]:
+    for key in [
+        "encoder.layers.0.sublayer.1.norm.a_2",
+        "decoder.layers.1.sublayer.2.norm.b_2",
+        "decoder.layers.0.src_attn.linears.3.weight",
+        "src_embed.0.lut.weight",
+        "src_embed.1.pe",
+        "tgt_embed.1.pe",
+        "generator.proj.weight",
+        "encoder.norm.a_2",
+    ]:
         assert key in sd, key
     back = flax_ln.to_torch_state_dict(flax_ln.load_torch_state_dict(flax_model, sd))
     assert back.keys() == sd.keys()
@@ -270,8 +303,15 @@ def test_state_dict_round_trip_and_book_keys():
     fresh = te.make_model(SRC_V, TGT_V, N, D, D_FF, H, DROPOUT)
     fresh.load_state_dict({k: torch.from_numpy(v) for k, v in back.items()}, strict=True)
     # a flax-initialised model exports a state dict the book's model loads strictly
-    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in flax_ln.to_torch_state_dict(
-        flax_ln.make_model(SRC_V, TGT_V, N, D, D_FF, H, rngs=nnx.Rngs(3))).items()}, strict=True)
+    fresh.load_state_dict(
+        {
+            k: torch.from_numpy(v)
+            for k, v in flax_ln.to_torch_state_dict(
+                flax_ln.make_model(SRC_V, TGT_V, N, D, D_FF, H, rngs=nnx.Rngs(3))
+            ).items()
+        },
+        strict=True,
+    )
 
 
 def test_mask_helpers_match_torch():
@@ -363,14 +403,22 @@ def test_bad_input_raises_before_compute(no_compute, jit):
     call = jax.jit(lambda *a: model(*a)) if jit else model
     long_src, long_mask = jnp.ones((1, 5001), jnp.int32), jnp.ones((1, 1, 5001), bool)
     cases = [
-        ((src.astype(jnp.float32), tgt, src_mask, tgt_mask),
-         r"src: expected integer token ids of shape \(batch, seq_len <= 5000\).*float32"),
-        ((src, tgt.astype(jnp.float32), src_mask, tgt_mask),
-         r"tgt: expected integer token ids of shape \(3, seq_len <= 5000\)"),
-        ((src, tgt, src_mask[:, :, :-1], tgt_mask),
-         r"src_mask: expected a boolean mask of shape \(3 or 1, 7 or 1, 7\), .*\(3, 1, 6\)"),
-        ((src, tgt, src_mask, tgt_mask[:, :, :-1]),
-         r"tgt_mask: expected a boolean mask of shape \(3 or 1, 5 or 1, 5\), .*\(3, 5, 4\)"),
+        (
+            (src.astype(jnp.float32), tgt, src_mask, tgt_mask),
+            r"src: expected integer token ids of shape \(batch, seq_len <= 5000\).*float32",
+        ),
+        (
+            (src, tgt.astype(jnp.float32), src_mask, tgt_mask),
+            r"tgt: expected integer token ids of shape \(3, seq_len <= 5000\)",
+        ),
+        (
+            (src, tgt, src_mask[:, :, :-1], tgt_mask),
+            r"src_mask: expected a boolean mask of shape \(3 or 1, 7 or 1, 7\), .*\(3, 1, 6\)",
+        ),
+        (
+            (src, tgt, src_mask, tgt_mask[:, :, :-1]),
+            r"tgt_mask: expected a boolean mask of shape \(3 or 1, 5 or 1, 5\), .*\(3, 5, 4\)",
+        ),
         ((src, tgt, src_mask, tgt_mask.astype(jnp.float32)), r"tgt_mask: .*dtype float32"),
         # a (B, S, S) source mask cannot serve the decoder's T=5 queries
         ((src, tgt, jnp.ones((B, S, S), bool), tgt_mask), r"src_mask: expected .*\(3 or 1, 5 or 1, 7\)"),
@@ -421,7 +469,8 @@ def test_label_smoothing_matches_torch(dtype):
     loss_t = crit(x_t, torch.tensor(target))
     loss_t.backward()
     loss_f, grad_f = jax.value_and_grad(flax_ln.label_smoothing_loss)(
-        jnp.asarray(log_probs), to_jax(target), padding_idx=PAD, smoothing=0.1)
+        jnp.asarray(log_probs), to_jax(target), padding_idx=PAD, smoothing=0.1
+    )
     assert loss_f.shape == () and loss_f.dtype == jnp.dtype(dtype)
     # float64: the same sum in a different order; float32: 40x13 terms summed in two orders.
     tol = 1e-12 if dtype == "float64" else 1e-6
@@ -429,8 +478,9 @@ def test_label_smoothing_matches_torch(dtype):
     assert relative_error(grad_f, x_t.grad.numpy()) <= tol  # d/dx = -true_dist
     np.testing.assert_array_equal(-np.asarray(grad_f), crit.true_dist.numpy())
     # leading dims are allowed: (B, T, V) with (B, T) targets is the same loss
-    loss_3d = flax_ln.label_smoothing_loss(jnp.asarray(log_probs).reshape(4, 10, vocab), to_jax(target).reshape(4, 10),
-                                           padding_idx=PAD)
+    loss_3d = flax_ln.label_smoothing_loss(
+        jnp.asarray(log_probs).reshape(4, 10, vocab), to_jax(target).reshape(4, 10), padding_idx=PAD
+    )
     assert relative_error(loss_3d, loss_f) <= tol
     with pytest.raises(ValueError, match=r"target: expected integer class ids of shape \(40,\)"):
         flax_ln.label_smoothing_loss(jnp.asarray(log_probs), jnp.zeros((41,), jnp.int32), padding_idx=PAD)
@@ -449,7 +499,8 @@ def test_label_smoothing_closed_form_at_the_edges(x64):
         loss_t = te.LabelSmoothing(vocab, PAD, smoothing)(x_t, torch.tensor(target))
         loss_t.backward()
         loss_f, grad_f = jax.value_and_grad(flax_ln.label_smoothing_loss)(
-            jnp.asarray(log_probs), to_jax(target), padding_idx=PAD, smoothing=smoothing)
+            jnp.asarray(log_probs), to_jax(target), padding_idx=PAD, smoothing=smoothing
+        )
         # float64: a sum over 12 x vocab terms in another order (closed form against the full target)
         assert relative_error(loss_f, loss_t.item()) <= 1e-12, (vocab, smoothing)
         assert relative_error(grad_f, x_t.grad.numpy()) <= 1e-12, (vocab, smoothing)

@@ -22,8 +22,9 @@ EXAMPLES = ROOT / "examples"
 
 def run_example(script: str, *args: str) -> str:
     """Run ``examples/<script>`` with ``args``; returns its stdout, failing with its output if it fails."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -47,8 +48,23 @@ def test_translation_smoke_on_a_tsv_file(tmp_path):
         lines.append(" ".join(src) + "\t" + " ".join(w.upper() for w in src[::-1]))
     (tmp_path / "pairs.tsv").write_text("\n".join(lines[:20]) + "\n\n" + "\n".join(lines[20:]) + "\n", encoding="utf-8")
     out = tmp_path / "out"
-    stdout = run_example("train_translation.py", "--data", tmp_path / "pairs.tsv", "--steps", 3, "--batch-size", 8,
-                         "--layers", 1, "--d-model", 16, "--heads", 2, "--out", out)
+    stdout = run_example(
+        "train_translation.py",
+        "--data",
+        tmp_path / "pairs.tsv",
+        "--steps",
+        3,
+        "--batch-size",
+        8,
+        "--layers",
+        1,
+        "--d-model",
+        16,
+        "--heads",
+        2,
+        "--out",
+        out,
+    )
     assert "36 training and 4 held-out pairs" in stdout and "exact match" in stdout
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(np.isfinite(m["loss"]) and m["lr"] > 0 for m in metrics)
@@ -73,8 +89,23 @@ def test_translation_reads_and_rejects_tsv(tmp_path):
 def test_translation_copy_task_converges(tmp_path):
     """A short copy-task run greedily reproduces every held-out sequence exactly."""
     out = tmp_path / "out"
-    stdout = run_example("train_translation.py", "--steps", 300, "--d-model", 32, "--heads", 2, "--dropout", 0,
-                         "--holdout", 100, "--seed", 0, "--out", out)
+    stdout = run_example(
+        "train_translation.py",
+        "--steps",
+        300,
+        "--d-model",
+        32,
+        "--heads",
+        2,
+        "--dropout",
+        0,
+        "--holdout",
+        100,
+        "--seed",
+        0,
+        "--out",
+        out,
+    )
     result = json.loads((out / "eval.json").read_text())
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert np.mean(losses[-20:]) < 0.1 * np.mean(losses[:20]), losses[::20]
@@ -119,8 +150,16 @@ def write_hf_gpt2(folder: Path, model: flax_ln.GPT) -> None:
             tensors[key] = np.ascontiguousarray(value.T if action == "transpose" else value)
     save_file(tensors, str(folder / "model.safetensors"))
     c = model.config
-    config = dict(model_type="gpt2", n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
-                  n_positions=c.block_size, activation_function="gelu_new", tie_word_embeddings=False)
+    config = dict(
+        model_type="gpt2",
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_embd=c.n_embd,
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        activation_function="gelu_new",
+        tie_word_embeddings=False,
+    )
     (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -129,8 +168,17 @@ def generated_ids(stdout: str) -> list[list[int]]:
 
 
 # A byte-level BPE small enough to check by hand: every byte, then the merges below, then <|endoftext|>.
-MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or"), ("l", "d"),
-          ("Ġwor", "ld")]
+MERGES = [
+    ("h", "e"),
+    ("l", "l"),
+    ("he", "ll"),
+    ("hell", "o"),
+    ("Ġ", "w"),
+    ("o", "r"),
+    ("Ġw", "or"),
+    ("l", "d"),
+    ("Ġwor", "ld"),
+]
 
 
 def write_vocab_merges(folder: Path) -> dict[str, int]:
@@ -157,8 +205,13 @@ def test_generate_gpt2_tokenizer_from_vocab_and_merges(tmp_path):
     # "hello" merges h+e, l+l, he+ll, hell+o; " world" is Ġ+w, o+r, Ġw+or, l+d, Ġwor+ld
     assert tokenizer.encode("hello world") == [vocab["hello"], vocab["Ġworld"]]
     # <|endoftext|> stays whole; "world" without its space: w, or, ld
-    assert tokenizer.encode("hello<|endoftext|>world") == [vocab["hello"], vocab["<|endoftext|>"], vocab["w"],
-                                                          vocab["or"], vocab["ld"]]
+    assert tokenizer.encode("hello<|endoftext|>world") == [
+        vocab["hello"],
+        vocab["<|endoftext|>"],
+        vocab["w"],
+        vocab["or"],
+        vocab["ld"],
+    ]
     for text in ["hello world", "  Tabs\tand\nnewlines  ", "naïve café, 日本語 😀 x² don't", ""]:
         assert tokenizer.decode(tokenizer.encode(text)) == text  # byte-level: any text round-trips
     # tokenizer.json, when present, is read instead: here the same BPE saved by tokenizers itself
@@ -174,16 +227,39 @@ def test_generate_gpt2_from_a_hugging_face_folder(tmp_path):
     write_hf_gpt2(tmp_path, model)
 
     # --prompt-ids, greedy, past block_size: the same ids as flax_ln.generate on the original model
-    stdout = run_example("generate_gpt2.py", "--checkpoint", tmp_path, "--prompt-ids", "5,17,250",
-                         "--max-new-tokens", 20, "--temperature", 0)
+    stdout = run_example(
+        "generate_gpt2.py",
+        "--checkpoint",
+        tmp_path,
+        "--prompt-ids",
+        "5,17,250",
+        "--max-new-tokens",
+        20,
+        "--temperature",
+        0,
+    )
     assert "no tokenizer.json or vocab.json + merges.txt" in stdout
     want = flax_ln.generate(model, jnp.asarray([[5, 17, 250]], jnp.int32), 20, temperature=0, rng=jax.random.key(0))
     assert generated_ids(stdout) == np.asarray(want).tolist()
 
     # a text prompt through the folder's vocab.json + merges.txt, sampled with temperature and top-k
     vocab = write_vocab_merges(tmp_path)
-    stdout = run_example("generate_gpt2.py", "--checkpoint", tmp_path, "--prompt", "hello world", "--max-new-tokens",
-                         5, "--temperature", 0.8, "--top-k", 5, "--num-samples", 2, "--no-scan-layers")
+    stdout = run_example(
+        "generate_gpt2.py",
+        "--checkpoint",
+        tmp_path,
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        5,
+        "--temperature",
+        0.8,
+        "--top-k",
+        5,
+        "--num-samples",
+        2,
+        "--no-scan-layers",
+    )
     rows = generated_ids(stdout)
     assert len(rows) == 2 and all(row[:2] == [vocab["hello"], vocab["Ġworld"]] and len(row) == 7 for row in rows)
     assert "prompt:       'hello world'" in stdout

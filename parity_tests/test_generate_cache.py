@@ -31,7 +31,7 @@ def greedy_by_recompute(gpt: flax_ln.GPT, prompt: np.ndarray, new: int) -> np.nd
     forward = jax.jit(lambda idx: nnx.merge(graphdef, state)(idx)[0])
     seq = np.asarray(prompt)
     for _ in range(new):
-        context = seq[:, -TINY.block_size:]
+        context = seq[:, -TINY.block_size :]
         n = context.shape[1]
         padded = np.pad(context, ((0, 0), (0, TINY.block_size - n)))  # (B, block_size)
         logits = forward(jnp.asarray(padded))[:, n - 1]  # (B, V): the logits after the last real token
@@ -59,7 +59,7 @@ def test_decode_into_a_short_cache_matches_the_full_forward(scan_layers):
     logits, cache = gpt.decode(seq[:, :4], cache, 0)
     steps = [logits]
     for pos in range(4, 9):
-        logits, cache = gpt.decode(seq[:, pos:pos + 1], cache, pos)
+        logits, cache = gpt.decode(seq[:, pos : pos + 1], cache, pos)
         steps.append(logits)
     # float32: only the reduction order of the attention differs (9 slots, T=1 queries) from the full pass
     assert relative_error(jnp.concatenate(steps, axis=1), full) <= 1e-5
@@ -91,8 +91,21 @@ def test_compiled_generation_never_copies_the_whole_cache_per_token(scan_layers)
     # (L, B, nh, S, hs) buffer for every layer at every token: 24 x 38 MB per GPT-2 124M token.
     graphdef, state = nnx.split(model(scan_layers))
     prompt = jnp.zeros((2, 4), jnp.int32)
-    hlo = fg._generate.lower(graphdef, state, prompt, jax.random.key(0), jnp.float32(1.0), max_new_tokens=9,
-                             greedy=True, top_k=None, vocab_limit=None).compile().as_text()
+    hlo = (
+        fg._generate.lower(
+            graphdef,
+            state,
+            prompt,
+            jax.random.key(0),
+            jnp.float32(1.0),
+            max_new_tokens=9,
+            greedy=True,
+            top_k=None,
+            vocab_limit=None,
+        )
+        .compile()
+        .as_text()
+    )
     cache_shape = "f32[2,2,4,12,8]"  # (L, B, nh, S, hs), S = min(block_size, 4 + 9 - 1)
     body = loop_instructions(hlo)
     assert any(cache_shape in line for line in body)  # the token loop carries the cache, at its short length

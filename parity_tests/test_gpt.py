@@ -163,7 +163,8 @@ def test_gpt_logits_loss_and_every_gradient(request, dtype, scan_layers):
     l_short, loss_short = flax_model(jnp.asarray(short))
     assert loss_short is None and l_short.shape == (3, 7, SMALL.vocab_size)
     assert [r.name for r in assert_parity(torch_model, flax_model, short).results if r.kind == "output"] == [
-        "output[0]"]
+        "output[0]"
+    ]
 
 
 @pytest.mark.parametrize("ignored", ["some", "all"])
@@ -186,7 +187,8 @@ def test_head_cross_entropy_equals_the_composition(x64, ignored):
         return flax_ln.head_cross_entropy(nnx.merge(graphdef, params), hidden, targets, -1)
 
     (value, grads), (expected, expected_grads) = (
-        jax.value_and_grad(f, argnums=(0, 1))(hidden, params) for f in (one_piece, composed))
+        jax.value_and_grad(f, argnums=(0, 1))(hidden, params) for f in (one_piece, composed)
+    )
     if ignored == "all":
         assert np.isnan(value) and np.isnan(expected)
         assert all(not np.any(leaf) for leaf in jax.tree.leaves((grads, expected_grads)))
@@ -201,7 +203,8 @@ def test_head_cross_entropy_equals_the_composition(x64, ignored):
         return flax_ln.head_logits_and_cross_entropy(nnx.merge(graphdef, params), hidden, targets, -1)[0]
 
     (logits, d_logits), (expected, expected_d) = (
-        jax.jvp(f, (hidden, params), direction) for f in (logits_of, lambda h, p: nnx.merge(graphdef, p)(h)))
+        jax.jvp(f, (hidden, params), direction) for f in (logits_of, lambda h, p: nnx.merge(graphdef, p)(h))
+    )
     # the same head call gives the same bits; the tangent is the same linear map, evaluated through
     # jax.linearize instead of jax.jvp (float64: at most a rounding of op order)
     assert relative_error(logits, expected) == 0 and relative_error(d_logits, expected_d) <= 1e-15
@@ -282,7 +285,8 @@ def test_half_precision_compute_with_float32_params(half):
     model = flax_twin(torch_model, flax_ln.GPT, SMALL, "float32", dtype=getattr(jnp, half))
     idx, targets = tokens((2, 16), 50, 1), tokens((2, 16), 50, 2)
     logits, loss = jax.jit(lambda s, i, t: nnx.merge(nnx.graphdef(model), s)(i, t))(
-        nnx.state(model), jnp.asarray(idx), jnp.asarray(targets))
+        nnx.state(model), jnp.asarray(idx), jnp.asarray(targets)
+    )
     assert model.lm_head.kernel.dtype == jnp.float32
     assert logits.dtype == getattr(jnp, half) and logits.shape == (2, 16, 50)
     assert loss.dtype == jnp.float32  # the loss is taken in float32
@@ -306,10 +310,13 @@ def test_dropout_follows_train_and_eval():
         np.testing.assert_array_equal(model(idx)[0], model(idx)[0])
 
 
-@pytest.mark.parametrize("scan_layers, remat", [
-    (False, True),  # nothing_saveable
-    (True, jax.checkpoint_policies.dots_with_no_batch_dims_saveable),  # any jax.checkpoint policy
-])
+@pytest.mark.parametrize(
+    "scan_layers, remat",
+    [
+        (False, True),  # nothing_saveable
+        (True, jax.checkpoint_policies.dots_with_no_batch_dims_saveable),  # any jax.checkpoint policy
+    ],
+)
 def test_remat_gives_the_same_gradients(x64, scan_layers, remat):
     """remat recomputes each block in the backward pass; loss, gradients and dropout RNG are unchanged.
 
@@ -338,9 +345,11 @@ def test_remat_gives_the_same_gradients(x64, scan_layers, remat):
     assert relative_error(loss_r, loss) <= 1e-12
     for (path, g), g_r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads_r)):
         assert g_r.dtype == jnp.float64 and relative_error(g_r, g) <= 1e-12, path
-    raw = [jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a
-           for a in jax.tree.leaves(rng_state) + jax.tree.leaves(rng_state_r)]
-    for a, b in zip(raw[: len(raw) // 2], raw[len(raw) // 2:]):  # the same dropout draws
+    raw = [
+        jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+        for a in jax.tree.leaves(rng_state) + jax.tree.leaves(rng_state_r)
+    ]
+    for a, b in zip(raw[: len(raw) // 2], raw[len(raw) // 2 :]):  # the same dropout draws
         np.testing.assert_array_equal(a, b)
 
 
@@ -389,8 +398,9 @@ def test_round_trip_torch_flax_scanned_torch_is_bit_exact():
     fresh.load_state_dict({k: torch.from_numpy(v) for k, v in back.items()}, strict=True)
     # and the same state dict loads into the unrolled layout
     unrolled = flax_twin(fresh, flax_ln.GPT, SMALL)
-    np.testing.assert_array_equal(unrolled.transformer.h[1].mlp.c_fc.kernel[...],
-                                  flax_model.transformer.h.mlp.c_fc.kernel[...][1])
+    np.testing.assert_array_equal(
+        unrolled.transformer.h[1].mlp.c_fc.kernel[...], flax_model.transformer.h.mlp.c_fc.kernel[...][1]
+    )
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -420,7 +430,10 @@ def test_converter_errors(scan_layers):
 
     longer = tg.GPT(dataclasses.replace(SMALL, block_size=32)).state_dict()  # another block_size
     assert {k for k, _ in error(longer).mismatched} == {
-        "transformer.wpe.weight", "transformer.h.0.attn.bias", "transformer.h.1.attn.bias"}
+        "transformer.wpe.weight",
+        "transformer.h.0.attn.bias",
+        "transformer.h.1.attn.bias",
+    }
 
     tampered = dict(sd)
     tampered["transformer.h.0.attn.bias"] = torch.ones(1, 1, 16, 16)  # not causal
@@ -463,10 +476,19 @@ def tied_torch_gpt(config=SMALL, seed=12):
 
 
 def hf_config(config, **extra):
-    return {"model_type": "gpt2", "activation_function": "gelu_new", "n_layer": config.n_layer,
-            "n_head": config.n_head, "n_embd": config.n_embd, "vocab_size": config.vocab_size,
-            "n_positions": config.block_size, "n_ctx": config.block_size, "layer_norm_epsilon": 1e-5,
-            "tie_word_embeddings": True, **extra}
+    return {
+        "model_type": "gpt2",
+        "activation_function": "gelu_new",
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+        **extra,
+    }
 
 
 def write_hf(folder, tensors, config=None):
@@ -608,7 +630,7 @@ def test_cached_decode_matches_full_recompute(scan_layers):
     logits, cache = _decode(graphdef, state, seq[:, :5], cache, 0)  # prefill
     steps = [logits]
     for pos in range(5, 16):
-        logits, cache = _decode(graphdef, state, seq[:, pos:pos + 1], cache, pos)
+        logits, cache = _decode(graphdef, state, seq[:, pos : pos + 1], cache, pos)
         steps.append(logits)
     cached = jnp.concatenate(steps, axis=1)
     assert cached.shape == full.shape
@@ -651,8 +673,7 @@ def test_sampling():
     top1 = flax_ln.generate(model, prompt[:2], 6, temperature=1.5, top_k=1, rng=jax.random.key(4))
     np.testing.assert_array_equal(greedy, top1)
     np.testing.assert_array_equal(flax_ln.generate(model, prompt[:1], 0, rng=jax.random.key(0)), prompt[:1])
-    for kwargs, fragment in [({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k"),
-                             ({"top_k": 51}, "top_k")]:
+    for kwargs, fragment in [({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_k": 51}, "top_k")]:
         with pytest.raises(ValueError, match=fragment):
             flax_ln.generate(model, prompt[:1], 2, rng=jax.random.key(0), **kwargs)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -676,10 +697,22 @@ def test_presets_and_shared_config():
     assert (small.n_layer, small.n_head, small.n_embd, small.vocab_size, small.block_size) == (12, 12, 768, 50257, 1024)
     c12 = GPTConfig.chapter12(vocab_size=10000)
     assert (c12.n_layer, c12.n_head, c12.n_embd, c12.vocab_size, c12.block_size, c12.c_proj_reinit) == (
-        3, 4, 256, 10000, 128, True)
+        3,
+        4,
+        256,
+        10000,
+        128,
+        True,
+    )
     music = GPTConfig.music()
     assert (music.n_layer, music.n_head, music.n_embd, music.vocab_size, music.block_size, music.ignore_index) == (
-        6, 8, 512, 390, 2048, 389)
+        6,
+        8,
+        512,
+        390,
+        2048,
+        389,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         xl.n_layer = 1
     with pytest.raises(ValueError, match="n_embd=30 is not divisible by n_head=4"):

@@ -40,9 +40,15 @@ RTOL_F32 = 1e-5
 def hf_model(config: GPTConfig = SMALL, *, tied: bool = True, seed: int = 0):
     """A ``transformers.GPT2LMHeadModel`` with O(1) random weights (LayerNorms too), eval mode."""
     hf_config = transformers.GPT2Config(
-        n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, vocab_size=config.vocab_size,
-        n_positions=config.block_size, tie_word_embeddings=tied, activation_function="gelu_new",
-        bos_token_id=None, eos_token_id=None,  # GPT-2's 50256 is outside this small vocabulary
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+        vocab_size=config.vocab_size,
+        n_positions=config.block_size,
+        tie_word_embeddings=tied,
+        activation_function="gelu_new",
+        bos_token_id=None,
+        eos_token_id=None,  # GPT-2's 50256 is outside this small vocabulary
     )
     torch.manual_seed(seed)
     return randomize(transformers.GPT2LMHeadModel(hf_config), seed).eval()  # a tied lm_head follows wte
@@ -138,16 +144,21 @@ def test_shard_paths_leaving_the_folder_are_refused_unopened(tmp_path, monkeypat
     index_file = folder / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
     entry = sorted(k for k, v in index["weight_map"].items() if v == "model-2.safetensors")[0]
-    bad = {"parent": "../good/model.safetensors", "absolute": str(outside), "passwd": "../../../../etc/passwd",
-           "symlink": "link.safetensors"}[where]
+    bad = {
+        "parent": "../good/model.safetensors",
+        "absolute": str(outside),
+        "passwd": "../../../../etc/passwd",
+        "symlink": "link.safetensors",
+    }[where]
     if where == "symlink":
         (folder / "link.safetensors").symlink_to(outside)
     index["weight_map"][entry] = bad
     index_file.write_text(json.dumps(index))
     opened = []
     real_safe_open = safetensors.safe_open
-    monkeypatch.setattr(safetensors, "safe_open",
-                        lambda file, *a, **k: opened.append(file) or real_safe_open(file, *a, **k))
+    monkeypatch.setattr(
+        safetensors, "safe_open", lambda file, *a, **k: opened.append(file) or real_safe_open(file, *a, **k)
+    )
     for reader in (read_hf_gpt2, flax_ln.load_hf_gpt2):
         with pytest.raises(ValueError, match="leads outside the checkpoint folder") as info:
             reader(folder)
@@ -162,10 +173,11 @@ def test_shard_paths_leaving_the_folder_are_refused_unopened(tmp_path, monkeypat
 @pytest.mark.parametrize(
     ("entry", "fragment"),
     [
-        ({"n_positions": 1_000_000}, "n_positions=1000000, but transformer.wpe.weight in model.safetensors has "
-                                     "shape (16, 32)"),
-        ({"n_layer": 1_000_000_000}, "n_layer=1000000000, but the checkpoint holds transformer.h.0 to "
-                                     "transformer.h.1"),
+        (
+            {"n_positions": 1_000_000},
+            "n_positions=1000000, but transformer.wpe.weight in model.safetensors has shape (16, 32)",
+        ),
+        ({"n_layer": 1_000_000_000}, "n_layer=1000000000, but the checkpoint holds transformer.h.0 to transformer.h.1"),
         ({"vocab_size": 10**9, "n_embd": 64, "n_head": 2}, "vocab_size=1000000000, but transformer.wte.weight"),
     ],
     ids=["n_positions", "n_layer", "vocab_size"],
@@ -203,17 +215,38 @@ def test_a_long_block_loads_without_a_block_squared_buffer(tmp_path):
     folder = tmp_path / "hf"
     folder.mkdir()
     rng = np.random.default_rng(0)
-    shapes = {"wte.weight": (5, 2), "wpe.weight": (100_000, 2), "ln_f.weight": (2,), "ln_f.bias": (2,),
-              "h.0.ln_1.weight": (2,), "h.0.ln_1.bias": (2,), "h.0.ln_2.weight": (2,), "h.0.ln_2.bias": (2,),
-              "h.0.attn.c_attn.weight": (2, 6), "h.0.attn.c_attn.bias": (6,), "h.0.attn.c_proj.weight": (2, 2),
-              "h.0.attn.c_proj.bias": (2,), "h.0.mlp.c_fc.weight": (2, 8), "h.0.mlp.c_fc.bias": (8,),
-              "h.0.mlp.c_proj.weight": (8, 2), "h.0.mlp.c_proj.bias": (2,)}
+    shapes = {
+        "wte.weight": (5, 2),
+        "wpe.weight": (100_000, 2),
+        "ln_f.weight": (2,),
+        "ln_f.bias": (2,),
+        "h.0.ln_1.weight": (2,),
+        "h.0.ln_1.bias": (2,),
+        "h.0.ln_2.weight": (2,),
+        "h.0.ln_2.bias": (2,),
+        "h.0.attn.c_attn.weight": (2, 6),
+        "h.0.attn.c_attn.bias": (6,),
+        "h.0.attn.c_proj.weight": (2, 2),
+        "h.0.attn.c_proj.bias": (2,),
+        "h.0.mlp.c_fc.weight": (2, 8),
+        "h.0.mlp.c_fc.bias": (8,),
+        "h.0.mlp.c_proj.weight": (8, 2),
+        "h.0.mlp.c_proj.bias": (2,),
+    }
     tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(
-        {"model_type": "gpt2", "n_layer": 1, "n_head": 1, "n_embd": 2, "vocab_size": 5, "n_positions": 100_000}))
-    proc = subprocess.run([sys.executable, "-c", LONG_BLOCK, str(folder)], capture_output=True, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"model_type": "gpt2", "n_layer": 1, "n_head": 1, "n_embd": 2, "vocab_size": 5, "n_positions": 100_000}
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", LONG_BLOCK, str(folder)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[-2] == "(100000, 2) (1, 4, 5) True"
 
@@ -229,14 +262,27 @@ def test_a_long_block_loads_without_a_block_squared_buffer(tmp_path):
         ("config.json", '{"n_layer": 2,', "invalid JSON syntax at line 1, column 15"),
         ("config.json", '{"n_layer": "2"}', "n_layer must be a positive int, got '2'"),
         ("model.safetensors.index.json", '{"metadata": {}}', 'no "weight_map" entry'),
-        ("model.safetensors.index.json", '{"weight_map": ["model-1.safetensors"]}',
-         '"weight_map" must be a JSON object mapping tensor names to shard file names, got a JSON array'),
-        ("model.safetensors.index.json", '{"weight_map": {"wte.weight": 3}}',
-         "\"weight_map\" entry 'wte.weight': expected a shard file name, got 3"),
+        (
+            "model.safetensors.index.json",
+            '{"weight_map": ["model-1.safetensors"]}',
+            '"weight_map" must be a JSON object mapping tensor names to shard file names, got a JSON array',
+        ),
+        (
+            "model.safetensors.index.json",
+            '{"weight_map": {"wte.weight": 3}}',
+            "\"weight_map\" entry 'wte.weight': expected a shard file name, got 3",
+        ),
         ("model.safetensors.index.json", '{"weight_map": {', "invalid JSON syntax at line 1, column 17"),
     ],
-    ids=["config-list", "config-syntax", "config-string-size", "index-no-weight-map", "index-weight-map-list",
-         "index-shard-not-a-name", "index-syntax"],
+    ids=[
+        "config-list",
+        "config-syntax",
+        "config-string-size",
+        "index-no-weight-map",
+        "index-weight-map-list",
+        "index-shard-not-a-name",
+        "index-syntax",
+    ],
 )
 def test_malformed_json_names_the_file(tmp_path, file, text, fragment):
     folder = saved(hf_model(), tmp_path / "hf")
@@ -345,8 +391,13 @@ MESH = textwrap.dedent("""
 def mesh_report(tmp_path_factory):
     folder = saved(hf_model(), tmp_path_factory.mktemp("mesh") / "hf")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", MESH, str(folder), str(folder.parent / "out")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", MESH, str(folder), str(folder.parent / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

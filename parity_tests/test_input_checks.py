@@ -172,11 +172,18 @@ def test_debug_checks_in_the_encoder_decoder_and_loss():
     src_mask, tgt_mask = jnp.ones((1, 1, 3), bool), flax_ln.subsequent_mask(2)
     call = checkify.checkify(jax.jit(lambda src, tgt: model(src, tgt, src_mask, tgt_mask)))
     assert call(jnp.array([[1, 2, 3]]), jnp.array([[1, 2]]))[0].get() is None
-    assert call(jnp.array([[1, 2, SRC_V]]), jnp.array([[1, 2]]))[0].get().startswith(
-        f"Transformer: src holds an id outside [0, {SRC_V}): {SRC_V} at index [0 2]")
-    assert call(jnp.array([[1, 2, 3]]), jnp.array([[-1, 2]]))[0].get().startswith(
-        f"Transformer: tgt holds an id outside [0, {TGT_V}): -1 at index [0 0]")
-    loss = checkify.checkify(jax.jit(lambda t: flax_ln.label_smoothing_loss(
-        jnp.zeros((2, 6)), t, padding_idx=0, debug_checks=True)))
+    assert (
+        call(jnp.array([[1, 2, SRC_V]]), jnp.array([[1, 2]]))[0]
+        .get()
+        .startswith(f"Transformer: src holds an id outside [0, {SRC_V}): {SRC_V} at index [0 2]")
+    )
+    assert (
+        call(jnp.array([[1, 2, 3]]), jnp.array([[-1, 2]]))[0]
+        .get()
+        .startswith(f"Transformer: tgt holds an id outside [0, {TGT_V}): -1 at index [0 0]")
+    )
+    loss = checkify.checkify(
+        jax.jit(lambda t: flax_ln.label_smoothing_loss(jnp.zeros((2, 6)), t, padding_idx=0, debug_checks=True))
+    )
     assert loss(jnp.array([1, 5]))[0].get() is None
     assert loss(jnp.array([1, 6]))[0].get().startswith("label_smoothing_loss: target holds an id outside [0, 6)")

@@ -16,7 +16,12 @@ from flax_ln.parity import Tolerance, assert_parity, relative_error
 # (flax class, torch factory, numpy ddof, flax param names -> torch param names)
 NORMS = {
     "book": (flax_ln.LayerNorm, lambda n, eps: torch_ref.LayerNorm(n, eps), 1, {"a_2": "a_2", "b_2": "b_2"}),
-    "torch": (flax_ln.TorchLayerNorm, lambda n, eps: torch.nn.LayerNorm(n, eps), 0, {"scale": "weight", "bias": "bias"}),
+    "torch": (
+        flax_ln.TorchLayerNorm,
+        lambda n, eps: torch.nn.LayerNorm(n, eps),
+        0,
+        {"scale": "weight", "bias": "bias"},
+    ),
 }
 DEFAULT_EPS = {"book": 1e-6, "torch": 1e-5}
 

@@ -36,8 +36,15 @@ def test_encoder_decoder_bfloat16_matches_float32_torch():
     torch_model = perturb(te.make_model(SRC_V, TGT_V, N, D, D_FF, H, DROPOUT), 1)  # as test_encoder_decoder's
     half = flax_ln.make_model(SRC_V, TGT_V, N, D, D_FF, H, DROPOUT, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     inputs = model_inputs(np.random.default_rng(9))
-    case = Case("encoder-decoder bfloat16", torch_model, half, inputs, ["src", "tgt", "src_mask", "tgt_mask"],
-                dtype="bfloat16", forward=full_model)
+    case = Case(
+        "encoder-decoder bfloat16",
+        torch_model,
+        half,
+        inputs,
+        ["src", "tgt", "src_mask", "tgt_mask"],
+        dtype="bfloat16",
+        forward=full_model,
+    )
     report = check_case(case, TOLERANCE)
     assert report.passed, str(report)
     assert {r.kind for r in report.results} == {"output", "param grad", "grads"}

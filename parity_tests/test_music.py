@@ -151,8 +151,9 @@ def test_velocity_event_compares_the_bin_with_the_raw_previous_velocity(tmp_path
 def test_first_quiet_note_and_velocity_changes(tmp_path):
     # velocity 3: 3 // 4 = 0 == the initial 0, no event; after a note-off (None) 100 -> 381; then 101 // 4 = 25
     # != 100 -> 381 again; 72 // 4 = 18 -> 374.
-    ids = encode(tmp_path, (0, [(60, 3, 0.0, 0.25), (64, 100, 0.5, 0.75), (67, 101, 0.5, 1.0),
-                                (69, 72, 1.0, 1.25)], []))
+    ids = encode(
+        tmp_path, (0, [(60, 3, 0.0, 0.25), (64, 100, 0.5, 0.75), (67, 101, 0.5, 1.0), (69, 72, 1.0, 1.25)], [])
+    )
     assert ids == [60, 280, 188, 280, 381, 64, 381, 67, 280, 192, 280, 195, 374, 69, 280, 197]
 
 
@@ -169,8 +170,14 @@ def test_pedal_holds_and_drops_the_notes_after_the_last_interval(tmp_path):
     # Interval [1, 2]. Walk (pretty_midi order = by end): 60 starts before 1 -> stream; 62 starts within ->
     # held; 64 starts after 2 -> stop: 62 is released to max(2, 1.5) = 2, and the list from 64 on (64, 65) is
     # never added. Events: on60 @0, off60 @0.5, on62 @1.25, off62 @2.
-    ids = encode(tmp_path, (0, [(60, 80, 0.0, 0.5), (62, 80, 1.25, 1.5), (64, 80, 2.5, 3.0), (65, 80, 2.75, 3.25)],
-                            [(1.0, 127), (2.0, 0)]))
+    ids = encode(
+        tmp_path,
+        (
+            0,
+            [(60, 80, 0.0, 0.5), (62, 80, 1.25, 1.5), (64, 80, 2.5, 3.0), (65, 80, 2.75, 3.25)],
+            [(1.0, 127), (2.0, 0)],
+        ),
+    )
     assert ids == [376, 60, 305, 188, 330, 376, 62, 330, 190]
 
 
@@ -185,8 +192,7 @@ def test_second_interval_walks_the_same_notes_again(tmp_path):
     # Intervals [1, 2] and [3, 4]. The first walk never stops (stream 60, held 62), so the second walks the
     # same list: 60 and 62 both start before 3 -> stream again. Stream 60 60 62 + held 62: every note twice.
     # Events: on60 on60 @0, off off @0.5, on62 on62 @1.25, off off @1.5.
-    ids = encode(tmp_path, (0, [(60, 80, 0.0, 0.5), (62, 80, 1.25, 1.5)], [(1.0, 127), (2.0, 0), (3.0, 127),
-                                                                           (4.0, 0)]))
+    ids = encode(tmp_path, (0, [(60, 80, 0.0, 0.5), (62, 80, 1.25, 1.5)], [(1.0, 127), (2.0, 0), (3.0, 127), (4.0, 0)]))
     assert ids == [376, 60, 376, 60, 305, 188, 188, 330, 376, 62, 376, 62, 280, 190, 190]
 
 
@@ -195,8 +201,14 @@ def test_repeated_pedal_release_moves_the_interval_end(tmp_path):
     # 60 (1.25-1.5) and 64 (1.75-2.25, within [1, 2] only thanks to the moved end); 67 at 2.5 stops the walk
     # and is dropped. Release, last held first: 64 -> max(2, 2.25) = 2.25; 60 -> max(2, 1.5) = 2.
     # Events: on60 @1.25, on64 @1.75, off60 @2, off64 @2.25.
-    ids = encode(tmp_path, (0, [(60, 80, 1.25, 1.5), (64, 80, 1.75, 2.25), (67, 80, 2.5, 2.75)],
-                            [(0.5, 0), (1.0, 127), (1.5, 0), (2.0, 10)]))
+    ids = encode(
+        tmp_path,
+        (
+            0,
+            [(60, 80, 1.25, 1.5), (64, 80, 1.75, 2.25), (67, 80, 2.5, 2.75)],
+            [(0.5, 0), (1.0, 127), (1.5, 0), (2.0, 10)],
+        ),
+    )
     assert ids == [355, 280, 376, 60, 305, 376, 64, 280, 188, 280, 192]
 
 
@@ -204,8 +216,7 @@ def test_pedal_release_ends_a_note_where_its_pitch_is_struck_again(tmp_path):
     # Held: 60 (1-1.25) and 60 (1.5-1.75); 67 at 2.5 stops the walk. Release, last first: the later 60 ends
     # at max(2, 1.75) = 2; the earlier one at the later one's start, 1.5.
     # Events: on @1, off @1.5, on @1.5, off @2.
-    ids = encode(tmp_path, (0, [(60, 80, 1.0, 1.25), (60, 80, 1.5, 1.75), (67, 80, 2.5, 2.75)],
-                            [(1.0, 127), (2.0, 0)]))
+    ids = encode(tmp_path, (0, [(60, 80, 1.0, 1.25), (60, 80, 1.5, 1.75), (67, 80, 2.5, 2.75)], [(1.0, 127), (2.0, 0)]))
     assert ids == [355, 376, 60, 305, 188, 376, 60, 305, 188]
 
 
@@ -213,16 +224,20 @@ def test_pedal_release_can_make_a_zero_length_note(tmp_path):
     # Two 60s struck together at 1.25: pretty_midi's note-off at 1.5 closes both (1.25-1.5 twice). Release, last
     # first: the second ends at max(2, 1.5) = 2, the first at the second's start 1.25: zero length, so its
     # note-on and note-off follow each other with no shift.
-    ids = encode(tmp_path, (0, [(60, 80, 1.25, 1.5), (60, 80, 1.25, 1.75), (67, 80, 2.5, 2.75)],
-                            [(1.0, 127), (2.0, 0)]))
+    ids = encode(
+        tmp_path, (0, [(60, 80, 1.25, 1.5), (60, 80, 1.25, 1.75), (67, 80, 2.5, 2.75)], [(1.0, 127), (2.0, 0)])
+    )
     assert ids == [355, 280, 376, 60, 188, 376, 60, 330, 188]
 
 
 def test_pedal_is_per_instrument(tmp_path):
     # The second instrument's interval [0.25, 1] holds its own 62 (0.5-0.75, released to 1 by 67 at 1.5, which
     # is dropped); the first instrument has no pedal and keeps all its notes.
-    ids = encode(tmp_path, (0, [(60, 80, 0.0, 0.5), (64, 80, 1.5, 1.75)], []),
-                 (1, [(62, 80, 0.5, 0.75), (67, 80, 1.5, 1.75)], [(0.25, 127), (1.0, 0)]))
+    ids = encode(
+        tmp_path,
+        (0, [(60, 80, 0.0, 0.5), (64, 80, 1.5, 1.75)], []),
+        (1, [(62, 80, 0.5, 0.75), (67, 80, 1.5, 1.75)], [(0.25, 127), (1.0, 0)]),
+    )
     assert ids == [376, 60, 305, 188, 376, 62, 305, 190, 305, 376, 64, 280, 192]
 
 
@@ -241,8 +256,10 @@ def test_decoder_pairing_rules():
 
 
 def test_decoder_velocity_is_four_times_the_bin_and_starts_at_zero():
-    assert_notes(notes([60, 256, 188, 387, 61, 256, 189, 356, 62, 256, 190]),
-                 [(60, 0, 0.0, 0.01), (61, 124, 0.01, 0.02), (62, 0, 0.02, 0.03)])
+    assert_notes(
+        notes([60, 256, 188, 387, 61, 256, 189, 356, 62, 256, 190]),
+        [(60, 0, 0.0, 0.01), (61, 124, 0.01, 0.02), (62, 0, 0.02, 0.03)],
+    )
 
 
 def test_decoder_sorts_by_start_stably():

@@ -70,10 +70,13 @@ def flax_norm(x, scale, offset, *, ddof, eps):
 
 def hard_rows(data, features, rows=4, max_log10_offset=6.0):
     """Rows ``offset + spread * N(0, 1)``: offsets 0 or ±1e2..1e6, spreads 1e-3..1e3."""
-    offset = data.draw(st.one_of(
-        st.just(0.0),
-        st.builds(lambda sign, e: sign * 10.0**e, st.sampled_from([-1.0, 1.0]), st.floats(2, max_log10_offset)),
-    ), label="offset")
+    offset = data.draw(
+        st.one_of(
+            st.just(0.0),
+            st.builds(lambda sign, e: sign * 10.0**e, st.sampled_from([-1.0, 1.0]), st.floats(2, max_log10_offset)),
+        ),
+        label="offset",
+    )
     spread = 10.0 ** data.draw(st.floats(-3, 3), label="log10 spread")
     seed = data.draw(st.integers(0, 2**16), label="seed")
     rng = np.random.default_rng(seed)
@@ -92,14 +95,22 @@ def test_float32_never_less_accurate_than_torch(data, kind, features):
     x = x.astype(np.float32)
     expected = truth(x, scale, offset, eps, ddof)
     with torch.no_grad():
-        torch_err = row_errors(torch_norm(kind, features, scale, offset, torch.float32)(torch.tensor(x)).numpy(), expected)
-    flax_err = row_errors(flax_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(offset), ddof=ddof, eps=eps), expected)
+        torch_err = row_errors(
+            torch_norm(kind, features, scale, offset, torch.float32)(torch.tensor(x)).numpy(), expected
+        )
+    flax_err = row_errors(
+        flax_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(offset), ddof=ddof, eps=eps), expected
+    )
     bound = np.maximum(torch_err, F32_FLOOR)
     assert (flax_err <= bound).all(), (flax_err, torch_err)
 
 
-@given(data=st.data(), kind=st.sampled_from(sorted(KINDS)), features=st.sampled_from(WIDTHS),
-       half=st.sampled_from(["bfloat16", "float16"]))
+@given(
+    data=st.data(),
+    kind=st.sampled_from(sorted(KINDS)),
+    features=st.sampled_from(WIDTHS),
+    half=st.sampled_from(["bfloat16", "float16"]),
+)
 def test_half_precision_never_less_accurate_than_torch(data, kind, features, half):
     """Half-precision input, parameters and output on both sides; the floor is that type's rounding."""
     _, _, ddof, eps, _ = KINDS[kind]
@@ -340,7 +351,7 @@ def check_model_derivatives(torch_model, torch_call, flax_model, apply_flax, sma
     leaves = [leaf for _, leaf in flat]
 
     def of_leaf(leaf):
-        return f(jax.tree_util.tree_unflatten(treedef, leaves[:index] + [leaf] + leaves[index + 1:]))
+        return f(jax.tree_util.tree_unflatten(treedef, leaves[:index] + [leaf] + leaves[index + 1 :]))
 
     leaf = leaves[index]
     jac = jax.jacfwd(of_leaf)(leaf)  # out.shape + leaf.shape
@@ -365,8 +376,13 @@ def check_model_derivatives(torch_model, torch_call, flax_model, apply_flax, sma
 
     hvp = jax.jvp(jax.grad(loss), (params,), (direction,))[1]
     expected = central_difference(jax.grad(loss), params, direction)
-    assert relative_error(jnp.concatenate([a.ravel() for a in jax.tree.leaves(hvp)]),
-                          jnp.concatenate([b.ravel() for b in jax.tree.leaves(expected)])) <= CD_TOL
+    assert (
+        relative_error(
+            jnp.concatenate([a.ravel() for a in jax.tree.leaves(hvp)]),
+            jnp.concatenate([b.ravel() for b in jax.tree.leaves(expected)]),
+        )
+        <= CD_TOL
+    )
 
 
 @pytest.mark.parametrize("scan_layers, remat", [(False, False), (True, False), (True, True)])
@@ -378,8 +394,12 @@ def test_gpt_every_transformation(x64, scan_layers, remat):
     model.eval()
     idx = np.random.default_rng(16).integers(0, GPT_SMALL.vocab_size, size=(2, 5))
     check_model_derivatives(
-        torch_model, lambda p: torch.func.functional_call(torch_model, p, (torch.tensor(idx),))[0],
-        model, lambda m: m(jnp.asarray(idx))[0], small_leaf="['ln_f']['scale']", seed=17,
+        torch_model,
+        lambda p: torch.func.functional_call(torch_model, p, (torch.tensor(idx),))[0],
+        model,
+        lambda m: m(jnp.asarray(idx))[0],
+        small_leaf="['ln_f']['scale']",
+        seed=17,
     )
     # vmap over sequences and jit of the batched jvp agree with the batched call.
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -400,8 +420,12 @@ def test_gpt_loss_every_transformation(x64):
     idx, targets = (rng.integers(0, GPT_SMALL.vocab_size, size=(2, 5)) for _ in range(2))
     targets[0, :2] = GPT_SMALL.ignore_index
     check_model_derivatives(
-        torch_model, lambda p: torch.func.functional_call(torch_model, p, (torch.tensor(idx), torch.tensor(targets)))[1],
-        model, lambda m: m(jnp.asarray(idx), jnp.asarray(targets))[1], small_leaf="['lm_head']['kernel']", seed=21,
+        torch_model,
+        lambda p: torch.func.functional_call(torch_model, p, (torch.tensor(idx), torch.tensor(targets)))[1],
+        model,
+        lambda m: m(jnp.asarray(idx), jnp.asarray(targets))[1],
+        small_leaf="['lm_head']['kernel']",
+        seed=21,
     )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -409,8 +433,10 @@ def test_gpt_loss_every_transformation(x64):
         return nnx.merge(graphdef, params, rest)(ids[None], tgt[None])[1]
 
     looped = [loss_of_one(jnp.asarray(i), jnp.asarray(t)) for i, t in zip(idx, targets)]
-    assert relative_error(jax.jit(jax.vmap(loss_of_one))(jnp.asarray(idx), jnp.asarray(targets)),
-                          jnp.stack(looped)) <= EXACT_TOL
+    assert (
+        relative_error(jax.jit(jax.vmap(loss_of_one))(jnp.asarray(idx), jnp.asarray(targets)), jnp.stack(looped))
+        <= EXACT_TOL
+    )
 
 
 def test_gpt_unrolled_remat_is_reverse_mode_only(x64):
@@ -448,8 +474,12 @@ def test_encoder_decoder_every_transformation(x64):
     torch_args = [torch.tensor(a) for a in (src, tgt, src_mask, tgt_mask)]
 
     check_model_derivatives(
-        torch_model, lambda p: _generator_logits(torch_model, p, torch_args),
-        model, lambda m: m.generator(m(*flax_args)), small_leaf="['decoder']['norm']['a_2']", seed=21,
+        torch_model,
+        lambda p: _generator_logits(torch_model, p, torch_args),
+        model,
+        lambda m: m.generator(m(*flax_args)),
+        small_leaf="['decoder']['norm']['a_2']",
+        seed=21,
     )
 
 

@@ -18,8 +18,21 @@ from flax_ln.parity import engine as parity
 from flax_ln.parity.capture import WHOLE_MODEL, capture_flax
 from flax_ln.parity.cli import MODEL_CHOICES, main
 
-JSON_TENSOR_KEYS = {"name", "kind", "shape", "max_abs_error", "max_error_index", "relative_error", "tolerance", "passed_by",
-                    "nonfinite", "passed", "problem", "torch_vs_float64", "flax_vs_float64"}
+JSON_TENSOR_KEYS = {
+    "name",
+    "kind",
+    "shape",
+    "max_abs_error",
+    "max_error_index",
+    "relative_error",
+    "tolerance",
+    "passed_by",
+    "nonfinite",
+    "passed",
+    "problem",
+    "torch_vs_float64",
+    "flax_vs_float64",
+}
 
 
 # ---- compare_modules on a model of plain torch.nn / flax.nnx layers ------------------------------
@@ -111,15 +124,17 @@ def test_kwargs_and_custom_loss_leave_the_modules_as_they_were():
     sentinel = torch.ones_like(torch_model.head.bias)
     torch_model.head.bias.grad = sentinel
     torch_model.train()
-    report = assert_parity(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc),
-                           kwargs={"scale": scale}, loss=loss)
+    report = assert_parity(
+        torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), kwargs={"scale": scale}, loss=loss
+    )
     assert report["loss"].kind == "loss" and report["loss"].shape == ()
     assert torch_model.head.bias.grad is sentinel and torch_model.training  # restored after the call
     # the kwarg reaches both forwards: a mistake in how flax applies it is found, right
     # after the last module that still agrees (head is the first fed the scaled hidden state)
     flax_model.scale_power = 2
-    report = compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc),
-                             kwargs={"scale": scale}, loss=loss)
+    report = compare_modules(
+        torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), kwargs={"scale": scale}, loss=loss
+    )
     assert not report.passed and report.first_divergence.module == "head"
     assert not all(r.passed for r in report.first_divergence.inputs)  # fed diverged data
 
@@ -141,8 +156,12 @@ def test_wrong_dtype_and_layout_are_clear_errors():
     with pytest.raises(ValueError, match=r"torch parameters in float64.*torch_module.to\(torch.float64\)"):
         compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), dtype="float64")
     with pytest.raises(ValueError, match=r"flax parameter 'embed.embedding' is float32, expected float64.*enable_x64"):
-        compare_modules(torch_model.double(), flax_model, (ids, features.astype(np.float64)),
-                        flax_inputs=(ids, features_nlc.astype(np.float64)))
+        compare_modules(
+            torch_model.double(),
+            flax_model,
+            (ids, features.astype(np.float64)),
+            flax_inputs=(ids, features_nlc.astype(np.float64)),
+        )
     torch_model.float()
     with pytest.raises(ValueError, match=r"flax_inputs\[1\] .* in some axis order"):
         compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc + 1))
@@ -425,8 +444,16 @@ def test_forward_mode_matches_torch_jvp_and_central_differences():
     assert [r.name for r in report.results if r.kind == "tangent"] == ["tangent hidden", "tangent logits"]
     assert report["tangent logits"].tolerance == parity.TOLERANCES["float64"]["grad"]
     # the torch tangent the engine compared with equals float64 central differences along the same tangents
-    side = parity.run_torch_side(torch_model, (ids, features), input_names=["input 0", "input 1"], kwargs={},
-                                 forward=None, loss=None, dtype="float64", mode="jvp")
+    side = parity.run_torch_side(
+        torch_model,
+        (ids, features),
+        input_names=["input 0", "input 1"],
+        kwargs={},
+        forward=None,
+        loss=None,
+        dtype="float64",
+        mode="jvp",
+    )
     tangent_params = {n: torch.from_numpy(side.tangents[n]) for n, _ in torch_model.named_parameters()}
     base = {n: p.detach().clone() for n, p in torch_model.named_parameters()}
 
@@ -441,13 +468,23 @@ def test_forward_mode_matches_torch_jvp_and_central_differences():
     central = (logits_at(h) - logits_at(-h)) / (2 * h)
     assert parity.relative_error(side.expected["tangent logits"], central) < 1e-8
     # float32: the twins agree in forward mode too; a planted mistake shows in the outputs and tangents
-    report = compare_modules(torch_model.float(), FlaxTagger("dict", rngs=nnx.Rngs(0)), (ids, features.astype(np.float32)),
-                             flax_inputs=(ids, features_nlc.astype(np.float32)), mode="jvp")
+    report = compare_modules(
+        torch_model.float(),
+        FlaxTagger("dict", rngs=nnx.Rngs(0)),
+        (ids, features.astype(np.float32)),
+        flax_inputs=(ids, features_nlc.astype(np.float32)),
+        mode="jvp",
+    )
     assert report.passed, str(report)
     bad = FlaxTagger("dict", rngs=nnx.Rngs(0))
     bad.act.approximate = True
-    report = compare_modules(torch_model, bad, (ids, features.astype(np.float32)),
-                             flax_inputs=(ids, features_nlc.astype(np.float32)), mode="jvp")
+    report = compare_modules(
+        torch_model,
+        bad,
+        (ids, features.astype(np.float32)),
+        flax_inputs=(ids, features_nlc.astype(np.float32)),
+        mode="jvp",
+    )
     assert not report["tangent hidden"].passed and report.first_divergence.module == "act"
 
 
@@ -535,8 +572,12 @@ def test_reference_file_checks_flax_without_torch(tmp_path):
     from flax_ln.parity.reference import METADATA_KEY
 
     ref = tmp_path / "ref.safetensors"
-    assert main(["parity", "--model", "layernorm", "--seq-len", "4", "--attribute", "--save-reference", str(ref),
-                 "--quiet"]) == 0
+    assert (
+        main(
+            ["parity", "--model", "layernorm", "--seq-len", "4", "--attribute", "--save-reference", str(ref), "--quiet"]
+        )
+        == 0
+    )
     proc = run_without_torch("--reference", str(ref), "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "torch None" in proc.stdout and "overall: 1/1 models within tolerance -> PASS" in proc.stdout
@@ -563,8 +604,11 @@ def test_reference_file_checks_flax_without_torch(tmp_path):
     save_file({"w": np.ones(3, np.float32)}, str(stranger))
     text = tmp_path / "notes.txt"
     text.write_text("not a reference\n")
-    for path, message in ((stranger, f"without '{METADATA_KEY}' metadata"), (text, "not a safetensors file"),
-                          (tmp_path / "missing.safetensors", "no such file")):
+    for path, message in (
+        (stranger, f"without '{METADATA_KEY}' metadata"),
+        (text, "not a safetensors file"),
+        (tmp_path / "missing.safetensors", "no such file"),
+    ):
         proc = run_without_torch("--reference", str(path))
         assert proc.returncode == 2, (path, proc.stdout, proc.stderr)
         assert message in proc.stderr
@@ -574,8 +618,10 @@ def test_reference_with_all_models_in_one_file(tmp_path):
     ref = tmp_path / "all.safetensors"
     from flax_ln.parity.reference import load_reference
 
-    assert main(["parity", "--model", "all", "--seq-len", "4", "--batch", "1", "--save-reference", str(ref),
-                 "--quiet"]) == 0
+    assert (
+        main(["parity", "--model", "all", "--seq-len", "4", "--batch", "1", "--save-reference", str(ref), "--quiet"])
+        == 0
+    )
     settings, models = load_reference(str(ref))
     assert [m.side.name for m in models] == MODEL_CHOICES
     assert settings["model"] == "all" and settings["seq_len"] == 4
@@ -584,8 +630,7 @@ def test_reference_with_all_models_in_one_file(tmp_path):
 
 def test_forward_mode_book_models(x64):
     """jvp through every book model in float64 against torch.func.jvp (needs the custom_jvp norms)."""
-    for build in (parity_cases.layernorm, parity_cases.torch_layernorm, parity_cases.gpt,
-                  parity_cases.encoder_decoder):
+    for build in (parity_cases.layernorm, parity_cases.torch_layernorm, parity_cases.gpt, parity_cases.encoder_decoder):
         case = build("float64", 2, 4, 0)
         report = parity.check_case(case, mode="jvp")
         assert report.passed, str(report)

@@ -38,10 +38,17 @@ def test_gpt_and_encoder_decoder_agree_with_torch_when_sharded():
     proc = run_python(SHARDED_CASES, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name, expect in (("gpt", {"lm_head.kernel": "P('fsdp', None)",  # (64, 50): 50 % 4 != 0
-                                  "transformer.wte.embedding": "P(None, 'fsdp')",  # (50, 64)
-                                  "transformer.h.0.mlp.c_fc.kernel": "P(None, 'fsdp')"}),  # (64, 256)
-                         ("encoder-decoder", {"generator.proj.kernel": "P('fsdp', None)"})):  # (32, 13)
+    for name, expect in (
+        (
+            "gpt",
+            {
+                "lm_head.kernel": "P('fsdp', None)",  # (64, 50): 50 % 4 != 0
+                "transformer.wte.embedding": "P(None, 'fsdp')",  # (50, 64)
+                "transformer.h.0.mlp.c_fc.kernel": "P(None, 'fsdp')",
+            },
+        ),  # (64, 256)
+        ("encoder-decoder", {"generator.proj.kernel": "P('fsdp', None)"}),
+    ):  # (32, 13)
         report = result[name]
         assert report["passed"], (name, report["failed"])
         assert report["sharding"]["mesh"] == {"data": 2, "fsdp": 4}
@@ -56,9 +63,26 @@ def test_gpt_and_encoder_decoder_agree_with_torch_when_sharded():
 def test_cli_sets_the_cpu_device_count_itself(tmp_path):
     out = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a plain shell: one CPU device
-    proc = subprocess.run([sys.executable, "-m", "flax_ln", "parity", "--model", "layernorm", "--devices", "4",
-                           "--fsdp", "2", "--quiet", "--json", str(out)],
-                          capture_output=True, text=True, env={**env, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flax_ln",
+            "parity",
+            "--model",
+            "layernorm",
+            "--devices",
+            "4",
+            "--fsdp",
+            "2",
+            "--quiet",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": os.getcwd()},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "layernorm (float32, mesh data 2 x fsdp 2)" in proc.stdout
     report = json.loads(out.read_text())

@@ -70,8 +70,9 @@ def test_torch_ref_imports_and_runs_with_jax_unimportable():
         print("ok")
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
@@ -87,8 +88,11 @@ def test_no_torch_ref_file_imports_the_port_or_jax():
                 names = [node.module or ""]
             else:
                 continue
-            offending += [f"{file.name}:{node.lineno} {n}" for n in names
-                          if n.split(".")[0] in ("flax_ln", "jax", "jaxlib", "flax", "optax")]
+            offending += [
+                f"{file.name}:{node.lineno} {n}"
+                for n in names
+                if n.split(".")[0] in ("flax_ln", "jax", "jaxlib", "flax", "optax")
+            ]
     assert not offending
 
 
@@ -103,9 +107,13 @@ class BookStyleConfig:
 
 @pytest.mark.parametrize("kind", ["book", "flax_ln", "namespace", "dict", "torch_ref"])
 def test_configs_cross_between_packages_as_plain_data(kind):
-    config = {"book": BookStyleConfig(), "flax_ln": flax_ln.GPTConfig(**TINY),
-              "namespace": types.SimpleNamespace(**TINY), "dict": dict(TINY),
-              "torch_ref": torch_ref.GPTConfig(**TINY)}[kind]
+    config = {
+        "book": BookStyleConfig(),
+        "flax_ln": flax_ln.GPTConfig(**TINY),
+        "namespace": types.SimpleNamespace(**TINY),
+        "dict": dict(TINY),
+        "torch_ref": torch_ref.GPTConfig(**TINY),
+    }[kind]
     torch_model = torch_ref.GPT(config).eval()
     expected = torch_ref.GPTConfig(**TINY)
     assert torch_model.config == expected  # defaults fill ignore_index, c_proj_reinit, dropouts
@@ -262,8 +270,7 @@ def test_an_untied_folder_keeps_its_own_lm_head(tmp_path):
     assert model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr()
     folder = save(model, tmp_path / "untied")
     ours = torch_ref.load_hf_gpt2(folder, dtype=torch.float64)
-    np.testing.assert_array_equal(ours.lm_head.weight.detach().numpy(),
-                                  model.lm_head.weight.detach().double().numpy())
+    np.testing.assert_array_equal(ours.lm_head.weight.detach().numpy(), model.lm_head.weight.detach().double().numpy())
     assert not torch.equal(ours.lm_head.weight, ours.transformer.wte.weight)
     expected = hf_logits(transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval(), IDX)
     assert relative_error(torch_ref_logits(ours, IDX), expected) <= 1e-12  # float64, op order only
@@ -281,8 +288,10 @@ def test_half_precision_folders_load(tmp_path, dtype):
     folder = save(half, tmp_path / str(dtype))
     ours = torch_ref.load_hf_gpt2(folder)  # float32 model: the half values upcast exactly
     assert ours.transformer.h[0].attn.c_attn.weight.dtype == torch.float32
-    np.testing.assert_array_equal(ours.transformer.h[1].mlp.c_fc.weight.detach().numpy(),
-                                  half.transformer.h[1].mlp.c_fc.weight.detach().float().T.numpy())
+    np.testing.assert_array_equal(
+        ours.transformer.h[1].mlp.c_fc.weight.detach().numpy(),
+        half.transformer.h[1].mlp.c_fc.weight.detach().float().T.numpy(),
+    )
     config, tie, state = torch_ref.read_hf_gpt2(folder)
     assert tie and {value.dtype for value in state.values()} == {dtype}  # the stored dtype, as read
     # Same (half-valued) weights in float64 on both sides: op order only.
@@ -364,12 +373,15 @@ def test_an_index_that_misplaces_a_tensor_is_refused(tmp_path, hf_model):
 # issue 11 item 3: declared sizes are checked against the tensors before anything is built
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("n_positions", 1_000_000, r"wpe.weight: expected shape \[1000000, 16\].*got \[12, 16\]"),
-    ("n_layer", 1_000_000_000, r"n_layer=1000000000, but the checkpoint holds layers \[0, 1\]"),
-    ("vocab_size", 10**9, r"wte.weight: expected shape \[1000000000, 16\]"),
-    ("n_embd", 4096, r"n_embd=4096"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("n_positions", 1_000_000, r"wpe.weight: expected shape \[1000000, 16\].*got \[12, 16\]"),
+        ("n_layer", 1_000_000_000, r"n_layer=1000000000, but the checkpoint holds layers \[0, 1\]"),
+        ("vocab_size", 10**9, r"wte.weight: expected shape \[1000000000, 16\]"),
+        ("n_embd", 4096, r"n_embd=4096"),
+    ],
+)
 def test_huge_declared_sizes_fail_before_allocation(tmp_path, hf_model, field, value, fragment):
     folder = save(hf_model, tmp_path / "f")
     config = json.loads((folder / "config.json").read_text())
@@ -396,17 +408,29 @@ def test_consistent_but_huge_positions_fail_before_the_mask_buffers(tmp_path):
     n_layer, C, P, V = 64, 2, 100_000, 5
     shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
     for i in range(n_layer):
-        for leaf, shape in {"ln_1.weight": (C,), "ln_1.bias": (C,), "ln_2.weight": (C,), "ln_2.bias": (C,),
-                            "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
-                            "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,), "mlp.c_fc.weight": (C, 4 * C),
-                            "mlp.c_fc.bias": (4 * C,), "mlp.c_proj.weight": (4 * C, C),
-                            "mlp.c_proj.bias": (C,)}.items():
+        for leaf, shape in {
+            "ln_1.weight": (C,),
+            "ln_1.bias": (C,),
+            "ln_2.weight": (C,),
+            "ln_2.bias": (C,),
+            "attn.c_attn.weight": (C, 3 * C),
+            "attn.c_attn.bias": (3 * C,),
+            "attn.c_proj.weight": (C, C),
+            "attn.c_proj.bias": (C,),
+            "mlp.c_fc.weight": (C, 4 * C),
+            "mlp.c_fc.bias": (4 * C,),
+            "mlp.c_proj.weight": (4 * C, C),
+            "mlp.c_proj.bias": (C,),
+        }.items():
             shapes[f"h.{i}.{leaf}"] = shape
     folder = tmp_path / "wide"
     folder.mkdir()
     save_file({k: torch.zeros(s) for k, s in shapes.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(
-        {"model_type": "gpt2", "n_layer": n_layer, "n_head": 1, "n_embd": C, "vocab_size": V, "n_positions": P}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"model_type": "gpt2", "n_layer": n_layer, "n_head": 1, "n_embd": C, "vocab_size": V, "n_positions": P}
+        )
+    )
     with pytest.raises(MemoryError, match="n_layer=64.*block_size=100000"):
         torch_ref.load_hf_gpt2(folder)
 
@@ -415,14 +439,17 @@ def test_consistent_but_huge_positions_fail_before_the_mask_buffers(tmp_path):
 # issue 11 item 5: malformed JSON names the file and the problem
 
 
-@pytest.mark.parametrize("which, text, fragment", [
-    ("config", "[1, 2, 3]", r"config.json' must hold a JSON object .*got a JSON list"),
-    ("config", '{"n_layer": 2,,}', r"config.json' is not valid JSON"),
-    ("index", '{"metadata": {}}', r"index.json' has no \"weight_map\" entry"),
-    ("index", '{"weight_map": ["a", "b"]}', r"index.json': \"weight_map\" must be a JSON object.*got a JSON list"),
-    ("index", '{"weight_map": {', r"index.json' is not valid JSON"),
-    ("index", '"just a string"', r"index.json' must hold a JSON object .*got a JSON str"),
-])
+@pytest.mark.parametrize(
+    "which, text, fragment",
+    [
+        ("config", "[1, 2, 3]", r"config.json' must hold a JSON object .*got a JSON list"),
+        ("config", '{"n_layer": 2,,}', r"config.json' is not valid JSON"),
+        ("index", '{"metadata": {}}', r"index.json' has no \"weight_map\" entry"),
+        ("index", '{"weight_map": ["a", "b"]}', r"index.json': \"weight_map\" must be a JSON object.*got a JSON list"),
+        ("index", '{"weight_map": {', r"index.json' is not valid JSON"),
+        ("index", '"just a string"', r"index.json' must hold a JSON object .*got a JSON str"),
+    ],
+)
 def test_malformed_json_names_the_file(tmp_path, hf_model, which, text, fragment):
     folder, index_path, _ = sharded_folder(tmp_path, hf_model)
     (index_path if which == "index" else folder / "config.json").write_text(text)
@@ -433,10 +460,12 @@ def test_malformed_json_names_the_file(tmp_path, hf_model, which, text, fragment
 def test_bad_values_in_config_json_are_named(tmp_path, hf_model):
     folder = save(hf_model, tmp_path / "f")
     base = json.loads((folder / "config.json").read_text())
-    for change, fragment in (({"n_layer": "2"}, "n_layer must be a positive integer, got '2'"),
-                             ({"n_positions": 1e3}, "n_positions must be a positive integer, got 1000.0"),
-                             ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
-                             ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon=1e-06")):
+    for change, fragment in (
+        ({"n_layer": "2"}, "n_layer must be a positive integer, got '2'"),
+        ({"n_positions": 1e3}, "n_positions must be a positive integer, got 1000.0"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+        ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon=1e-06"),
+    ):
         (folder / "config.json").write_text(json.dumps({**base, **change}))
         with pytest.raises(ValueError, match=f"config.json: .*{fragment}"):
             torch_ref.load_hf_gpt2(folder)

@@ -46,12 +46,22 @@ def chorales(tmp_path_factory):
 
 
 def run(out, *args, cache, devices=1, env=None, check=True):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **(env or {})}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        **(env or {}),
+    }
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *COMMON, *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *COMMON, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -99,8 +109,19 @@ def test_resume_after_three_steps_matches_six_straight_steps(straight, three_ste
     out = tmp_path / "resumed"
     shutil.copytree(three_steps, out)
     assert losses(out)[0] == [1, 2, 3]
-    run(out, "--steps", "6", "--ckpt-every", "3", "--generate-tokens", "0", "--resume", "--data", chorales,
-        cache=jax_cache)
+    run(
+        out,
+        "--steps",
+        "6",
+        "--ckpt-every",
+        "3",
+        "--generate-tokens",
+        "0",
+        "--resume",
+        "--data",
+        chorales,
+        cache=jax_cache,
+    )
     steps, resumed = losses(out)
     reference = losses(straight[0])[1]
     assert steps == [1, 2, 3, 4, 5, 6]
@@ -126,14 +147,30 @@ def test_sigkill_between_checkpoints_then_resume_matches(straight, tmp_path, jax
 def test_resume_on_eight_devices_with_fsdp(straight, three_steps, tmp_path, jax_cache, chorales):
     out = tmp_path / "eight"
     shutil.copytree(three_steps, out)
-    run(out, "--steps", "6", "--ckpt-every", "3", "--generate-tokens", "0", "--resume", "--fsdp", "2",
-        "--data", chorales, devices=8, cache=jax_cache)
+    run(
+        out,
+        "--steps",
+        "6",
+        "--ckpt-every",
+        "3",
+        "--generate-tokens",
+        "0",
+        "--resume",
+        "--fsdp",
+        "2",
+        "--data",
+        chorales,
+        devices=8,
+        cache=jax_cache,
+    )
     steps, resumed = losses(out)
     reference = losses(straight[0])[1]
     assert steps == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(resumed, reference, rtol=RTOL_DEVICES, atol=0)
-    print(f"1-device checkpoint resumed on 8 devices (4 x 2): max relative difference "
-          f"{np.max(np.abs(resumed / reference - 1)):.2e}")
+    print(
+        f"1-device checkpoint resumed on 8 devices (4 x 2): max relative difference "
+        f"{np.max(np.abs(resumed / reference - 1)):.2e}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +223,7 @@ def test_sampling_draws_only_the_388_event_ids():
     model = flax_ln.GPT(config, rngs=nnx.Rngs(0))
     model.transformer.ln_f.scale[...] = jnp.zeros(16)
     model.transformer.ln_f.bias[...] = jnp.ones(16)
-    model.lm_head.kernel[...] = jnp.zeros((16, 390)).at[:, music.EOS:].set(1.0)
+    model.lm_head.kernel[...] = jnp.zeros((16, 390)).at[:, music.EOS :].set(1.0)
     prompt = jnp.asarray([[376, 60, 305, 188]], jnp.int32)
     key = jax.random.key(0)
     free = np.asarray(flax_ln.generate(model, prompt, 40, rng=key))[0, 4:]
@@ -208,11 +245,36 @@ def test_sample_only_from_a_book_state_dict_and_from_a_checkpoint(script, capsys
     prompt = sorted(chorales.glob("*.mid"))[0]
     for source in (tmp_path / "book.pt", three_steps / "checkpoints"):
         out = tmp_path / source.stem
-        assert script.main(["--config", "tiny", "--sample-only", str(source), "--prompt-midi", str(prompt),
-                            "--generate-tokens", "8", "--out", str(out)]) == 0
+        assert (
+            script.main(
+                [
+                    "--config",
+                    "tiny",
+                    "--sample-only",
+                    str(source),
+                    "--prompt-midi",
+                    str(prompt),
+                    "--generate-tokens",
+                    "8",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert f"sample.mid: 32 prompt ids from {prompt} + 8 sampled" in capsys.readouterr().out
         assert pretty_midi.PrettyMIDI(str(out / "sample.mid")).instruments[0].program == 1
 
-    err = fails(script, capsys, "--config", "music", "--sample-only", str(tmp_path / "book.pt"), "--prompt-midi",
-                str(prompt), "--out", str(tmp_path / "x"))
+    err = fails(
+        script,
+        capsys,
+        "--config",
+        "music",
+        "--sample-only",
+        str(tmp_path / "book.pt"),
+        "--prompt-midi",
+        str(prompt),
+        "--out",
+        str(tmp_path / "x"),
+    )
     assert "does not fit --config music" in err and "transformer.wte.weight" in err

@@ -122,8 +122,7 @@ class Encoder(nn.Module):
 class DecoderLayer(nn.Module):
     """Self-attention, source attention over ``memory``, then feed-forward (``sublayer[0..2]``)."""
 
-    def __init__(self, size: int, self_attn: nn.Module, src_attn: nn.Module, feed_forward: nn.Module,
-                 dropout: float):
+    def __init__(self, size: int, self_attn: nn.Module, src_attn: nn.Module, feed_forward: nn.Module, dropout: float):
         super().__init__()
         self.size = size
         self.self_attn = self_attn
@@ -199,8 +198,9 @@ class Generator(nn.Module):
 class Transformer(nn.Module):
     """The encoder-decoder: ``forward`` returns the decoder output; ``generator`` maps it to log-probabilities."""
 
-    def __init__(self, encoder: Encoder, decoder: Decoder, src_embed: nn.Module, tgt_embed: nn.Module,
-                 generator: Generator):
+    def __init__(
+        self, encoder: Encoder, decoder: Decoder, src_embed: nn.Module, tgt_embed: nn.Module, generator: Generator
+    ):
         super().__init__()
         self.encoder = encoder
         self.decoder = decoder
@@ -218,8 +218,16 @@ class Transformer(nn.Module):
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
 
-def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
-               dropout: float = 0.1, ffn_activation: str | None = None) -> Transformer:
+def make_model(
+    src_vocab: int,
+    tgt_vocab: int,
+    N: int = 6,
+    d_model: int = 512,
+    d_ff: int = 2048,
+    h: int = 8,
+    dropout: float = 0.1,
+    ffn_activation: str | None = None,
+) -> Transformer:
     """The book's model; every parameter with more than one dimension is re-initialised Xavier-uniform."""
     attn = MultiHeadedAttention(h, d_model, dropout)
     ff = PositionwiseFeedForward(d_model, d_ff, dropout, ffn_activation)

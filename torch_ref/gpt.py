@@ -62,8 +62,10 @@ class GPTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                             "pick n_head among the divisors of n_embd")
+            raise ValueError(
+                f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                "pick n_head among the divisors of n_embd"
+            )
         for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
@@ -85,9 +87,11 @@ class GPTConfig:
             has, get = (lambda name: hasattr(config, name)), (lambda name: getattr(config, name))
         missing = [name for name in _REQUIRED_FIELDS if not has(name)]
         if missing:
-            raise TypeError(f"GPT config {type(config).__name__} lacks {missing}: expected an object or mapping with "
-                            f"the book's fields {list(_REQUIRED_FIELDS)} (e.g. torch_ref.GPTConfig, flax_ln.GPTConfig "
-                            "or types.SimpleNamespace)")
+            raise TypeError(
+                f"GPT config {type(config).__name__} lacks {missing}: expected an object or mapping with "
+                f"the book's fields {list(_REQUIRED_FIELDS)} (e.g. torch_ref.GPTConfig, flax_ln.GPTConfig "
+                "or types.SimpleNamespace)"
+            )
         return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls) if has(f.name)})
 
     @classmethod
@@ -109,8 +113,9 @@ class GPTConfig:
     @classmethod
     def music(cls, **overrides) -> GPTConfig:
         """Chapter 14's music Transformer: 6/8/512, vocab 390, block 2048, loss ignores padding id 389."""
-        base = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=390, block_size=2048, ignore_index=389,
-                    c_proj_reinit=True)
+        base = dict(
+            n_layer=6, n_head=8, n_embd=512, vocab_size=390, block_size=2048, ignore_index=389, c_proj_reinit=True
+        )
         return cls(**{**base, **overrides})
 
 
@@ -264,8 +269,15 @@ class GPT(nn.Module):
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """The book's sampling loop: crop to block_size, temperature, top-k, multinomial (argmax if temperature 0)."""
     block_size = model.config.block_size
     for _ in range(max_new_tokens):
@@ -282,4 +294,3 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
             idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
         idx = torch.cat((idx, idx_next), dim=1)
     return idx
-

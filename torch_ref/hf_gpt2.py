@@ -60,9 +60,15 @@ _REQUIRED_OPTIONS = {
     "reorder_and_upcast_attn": (False,),
     "add_cross_attention": (False,),
 }
-_HF_DEFAULTS = {"model_type": "gpt2", "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                "reorder_and_upcast_attn": False, "add_cross_attention": False}
+_HF_DEFAULTS = {
+    "model_type": "gpt2",
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,
+    "add_cross_attention": False,
+}
 _HF_SIZE_DEFAULTS = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
 
 
@@ -125,8 +131,14 @@ def gpt_config_from_hf(hf: dict, source: str = "config.json") -> tuple[GPTConfig
         raise ValueError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
     dropouts = {name: hf.get(name, 0.1) for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop")}
     try:
-        config = GPTConfig(n_layer=sizes["n_layer"], n_head=sizes["n_head"], n_embd=sizes["n_embd"],
-                           vocab_size=sizes["vocab_size"], block_size=sizes["n_positions"], **dropouts)
+        config = GPTConfig(
+            n_layer=sizes["n_layer"],
+            n_head=sizes["n_head"],
+            n_embd=sizes["n_embd"],
+            vocab_size=sizes["vocab_size"],
+            block_size=sizes["n_positions"],
+            **dropouts,
+        )
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from err
     return config, tie
@@ -137,16 +149,21 @@ def _resolve_shard(folder: Path, index_path: Path, key: str, name: Any) -> Path:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{str(index_path)!r}: weight_map[{key!r}] must be a shard file name, got {name!r}")
     if os.path.isabs(name):
-        raise ValueError(f"{str(index_path)!r}: weight_map[{key!r}] = {name!r} is an absolute path; shard names "
-                         "must be file names relative to the checkpoint folder")
+        raise ValueError(
+            f"{str(index_path)!r}: weight_map[{key!r}] = {name!r} is an absolute path; shard names "
+            "must be file names relative to the checkpoint folder"
+        )
     root = folder.resolve()
     target = (folder / name).resolve()  # follows symlinks, so a link pointing out is caught too
     if not target.is_relative_to(root):
-        raise ValueError(f"{str(index_path)!r}: weight_map[{key!r}] = {name!r} resolves to {str(target)!r}, outside "
-                         f"the checkpoint folder {str(root)!r}; shards must lie inside the folder")
+        raise ValueError(
+            f"{str(index_path)!r}: weight_map[{key!r}] = {name!r} resolves to {str(target)!r}, outside "
+            f"the checkpoint folder {str(root)!r}; shards must lie inside the folder"
+        )
     if not target.is_file():
-        raise FileNotFoundError(f"{str(index_path)!r}: weight_map[{key!r}] names shard {name!r}, which is not a file "
-                                f"in {str(folder)!r}")
+        raise FileNotFoundError(
+            f"{str(index_path)!r}: weight_map[{key!r}] names shard {name!r}, which is not a file in {str(folder)!r}"
+        )
     return target
 
 
@@ -156,11 +173,15 @@ def _checkpoint_files(path: Path, config: Any) -> tuple[list[Path], dict | None,
         raise FileNotFoundError(f"Hugging Face GPT-2 checkpoint {str(path)!r} does not exist")
     if path.is_file():
         if path.suffix != ".safetensors":
-            raise ValueError(f"{str(path)!r}: expected a .safetensors file or a model folder (only safetensors "
-                             "are read; pickled .bin/.pt files are never unpickled)")
+            raise ValueError(
+                f"{str(path)!r}: expected a .safetensors file or a model folder (only safetensors "
+                "are read; pickled .bin/.pt files are never unpickled)"
+            )
         if config is None:
-            raise ValueError(f"{str(path)!r} is a single safetensors file with no config.json beside it: pass "
-                             "config=GPTConfig(...) (or any object with the book's GPT fields)")
+            raise ValueError(
+                f"{str(path)!r} is a single safetensors file with no config.json beside it: pass "
+                "config=GPTConfig(...) (or any object with the book's GPT fields)"
+            )
         return [path], None, None
     hf_config = None
     if config is None:
@@ -172,16 +193,22 @@ def _checkpoint_files(path: Path, config: Any) -> tuple[list[Path], dict | None,
     if single.is_file():
         return [single], hf_config, None
     if not index_path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} holds neither model.safetensors nor model.safetensors.index.json. "
-                                "Only safetensors are read; convert pickled weights with safetensors first")
+        raise FileNotFoundError(
+            f"{str(path)!r} holds neither model.safetensors nor model.safetensors.index.json. "
+            "Only safetensors are read; convert pickled weights with safetensors first"
+        )
     index = _read_json_object(index_path, "index file")
     if "weight_map" not in index:
-        raise ValueError(f"index file {str(index_path)!r} has no \"weight_map\" entry (keys: {sorted(index)}); "
-                         "expected {\"weight_map\": {tensor name: shard file name}}")
+        raise ValueError(
+            f'index file {str(index_path)!r} has no "weight_map" entry (keys: {sorted(index)}); '
+            'expected {"weight_map": {tensor name: shard file name}}'
+        )
     weight_map = index["weight_map"]
     if not isinstance(weight_map, dict):
-        raise ValueError(f"index file {str(index_path)!r}: \"weight_map\" must be a JSON object mapping tensor names "
-                         f"to shard file names, got a JSON {type(weight_map).__name__}")
+        raise ValueError(
+            f'index file {str(index_path)!r}: "weight_map" must be a JSON object mapping tensor names '
+            f"to shard file names, got a JSON {type(weight_map).__name__}"
+        )
     shard_of = {key: _resolve_shard(path, index_path, key, name) for key, name in weight_map.items()}
     return sorted(set(shard_of.values())), hf_config, (index_path, shard_of)
 
@@ -197,18 +224,24 @@ def _read_headers(files: list[Path], index: tuple[Path, dict] | None) -> dict[st
                 for key in f.keys():
                     view = f.get_slice(key)
                     if key in entries:
-                        raise ValueError(f"tensor {key!r} is stored twice: in {str(entries[key][0])!r} and "
-                                         f"{str(file)!r}")
+                        raise ValueError(
+                            f"tensor {key!r} is stored twice: in {str(entries[key][0])!r} and {str(file)!r}"
+                        )
                     entries[key] = (file, tuple(view.get_shape()), view.get_dtype())
         except SafetensorError as err:
             raise ValueError(f"{str(file)!r} is not a readable safetensors file: {err}") from err
     if index is not None:
         index_path, shard_of = index
-        wrong = [f"{key!r} -> {shard.name!r}" for key, shard in shard_of.items()
-                 if key not in entries or entries[key][0] != shard]
+        wrong = [
+            f"{key!r} -> {shard.name!r}"
+            for key, shard in shard_of.items()
+            if key not in entries or entries[key][0] != shard
+        ]
         if wrong:
-            raise ValueError(f"index file {str(index_path)!r} places tensors in shards that do not hold them: "
-                             f"{', '.join(wrong[:10])}{' ...' if len(wrong) > 10 else ''}")
+            raise ValueError(
+                f"index file {str(index_path)!r} places tensors in shards that do not hold them: "
+                f"{', '.join(wrong[:10])}{' ...' if len(wrong) > 10 else ''}"
+            )
     return entries
 
 
@@ -236,16 +269,23 @@ def _plan(entries: dict[str, tuple[Path, tuple, str]], config: GPTConfig, tie: b
             if bare.split(".", 2)[2:] in (["attn.bias"], ["attn.masked_bias"]):
                 continue  # causal-mask buffers, not weights
         named[bare] = key
-    sizes = (f"n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
-             f"vocab_size={config.vocab_size}, n_positions={config.block_size}")
+    sizes = (
+        f"n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
+        f"vocab_size={config.vocab_size}, n_positions={config.block_size}"
+    )
     held = f"layers {sorted(layers)[:8]}{' ...' if len(layers) > 8 else ''}" if layers else "no h.{i} layers"
     if config.n_layer > len(entries):
-        raise HFCheckpointError(f"{source} declares n_layer={config.n_layer}, but the checkpoint holds {held} in "
-                                f"{len(entries)} tensors; fix n_layer to match the weights (nothing was allocated)")
+        raise HFCheckpointError(
+            f"{source} declares n_layer={config.n_layer}, but the checkpoint holds {held} in "
+            f"{len(entries)} tensors; fix n_layer to match the weights (nothing was allocated)"
+        )
 
     C, V, P = config.n_embd, config.vocab_size, config.block_size
-    generic = {name.replace("{i}", str(i)): name
-               for name in HF_TO_BOOK for i in (range(config.n_layer) if "{i}" in name else [0])}
+    generic = {
+        name.replace("{i}", str(i)): name
+        for name in HF_TO_BOOK
+        for i in (range(config.n_layer) if "{i}" in name else [0])
+    }
     plan, mismatched = [], []
     for bare, key in named.items():
         if bare not in generic:
@@ -272,7 +312,8 @@ def _plan(entries: dict[str, tuple[Path, tuple, str]], config: GPTConfig, tie: b
         raise HFCheckpointError(
             f"non-floating weights in {listed}. The book's GPT needs floating point (F16, BF16, F32 or F64); "
             "casting integer or bool weights into it would silently give wrong weights. Use the original "
-            "floating-point checkpoint")
+            "floating-point checkpoint"
+        )
     if missing or unexpected or mismatched:
         lines = [f"{source}: the checkpoint does not fit the GPT it declares ({sizes}; the checkpoint holds {held})"]
         if missing:
@@ -280,8 +321,9 @@ def _plan(entries: dict[str, tuple[Path, tuple, str]], config: GPTConfig, tie: b
         if unexpected:
             lines.append(f"  unexpected (not a GPT-2 weight, or a malformed layer key): {', '.join(unexpected)}")
         for key, want, shape in mismatched:
-            lines.append(f"  {key}: expected shape {list(want)} from the declared sizes (Hugging Face layout), "
-                         f"got {list(shape)}")
+            lines.append(
+                f"  {key}: expected shape {list(want)} from the declared sizes (Hugging Face layout), got {list(shape)}"
+            )
         raise HFCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected, mismatched=mismatched)
     return plan
 
@@ -345,9 +387,11 @@ def load_hf_gpt2(path: str | os.PathLike, *, config: Any = None, dtype: torch.dt
     if tie:
         stored_head = state.get("lm_head.weight")
         if stored_head is not None and not torch.equal(stored_head, wte):
-            raise HFCheckpointError(f"{str(path)!r}: lm_head.weight differs from transformer.wte.weight although "
-                                    "tie_word_embeddings is true; set it to false in config.json to keep both",
-                                    mismatched=[("lm_head.weight", tuple(wte.shape), tuple(stored_head.shape))])
+            raise HFCheckpointError(
+                f"{str(path)!r}: lm_head.weight differs from transformer.wte.weight although "
+                "tie_word_embeddings is true; set it to false in config.json to keep both",
+                mismatched=[("lm_head.weight", tuple(wte.shape), tuple(stored_head.shape))],
+            )
         state["lm_head.weight"] = wte
     model = GPT(config)
     buffers = {key: value for key, value in model.state_dict().items() if key.endswith(".attn.bias")}

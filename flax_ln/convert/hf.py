@@ -60,8 +60,17 @@ HF_GPT2_SIZES = {"n_layer": "n_layer", "block_size": "n_positions", "vocab_size"
 # safetensors dtype codes parameters may have (float64/32/16, bfloat16), and NumPy names of the others.
 SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 SAFETENSORS_OTHERS = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
-    "I32": "int32", "U64": "uint64", "I64": "int64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,13 +90,15 @@ def gpt_config_from_hf(hf: Mapping[str, Any]) -> tuple[GPTConfig, bool]:
     if hf.get("n_inner") not in (None, 4 * n_embd):
         problems.append(f"n_inner={hf['n_inner']!r} (this GPT's MLP is 4*n_embd = {4 * n_embd} wide)")
     if problems:
-        raise ValueError(
-            "this Hugging Face GPT-2 config cannot be expressed by flax_ln.GPT: " + "; ".join(problems)
-        )
+        raise ValueError("this Hugging Face GPT-2 config cannot be expressed by flax_ln.GPT: " + "; ".join(problems))
     config = GPTConfig(
-        n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
-        vocab_size=hf.get("vocab_size", 50257), block_size=hf.get("n_positions", 1024),
-        embd_pdrop=hf.get("embd_pdrop", 0.1), resid_pdrop=hf.get("resid_pdrop", 0.1),
+        n_layer=hf.get("n_layer", 12),
+        n_head=hf.get("n_head", 12),
+        n_embd=n_embd,
+        vocab_size=hf.get("vocab_size", 50257),
+        block_size=hf.get("n_positions", 1024),
+        embd_pdrop=hf.get("embd_pdrop", 0.1),
+        resid_pdrop=hf.get("resid_pdrop", 0.1),
         attn_pdrop=hf.get("attn_pdrop", 0.1),
     )
     return config, bool(hf.get("tie_word_embeddings", True))
@@ -100,13 +111,27 @@ def hf_config_from_gpt(config: GPTConfig, *, tied: bool, dtype: str) -> dict[str
     Hugging Face counterpart and are not written.
     """
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "n_inner": None,
-        "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
-        "embd_pdrop": config.embd_pdrop, "resid_pdrop": config.resid_pdrop, "attn_pdrop": config.attn_pdrop,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": tied, "torch_dtype": dtype, "use_cache": True,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "n_inner": None,
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "embd_pdrop": config.embd_pdrop,
+        "resid_pdrop": config.resid_pdrop,
+        "attn_pdrop": config.attn_pdrop,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype,
+        "use_cache": True,
     }
 
 
@@ -157,7 +182,8 @@ class _Checkpoint:
 
 def _json_type(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number")
+        type(value), "number"
+    )
 
 
 def _read_json_object(file: Path, holds: str) -> dict[str, Any]:
@@ -225,7 +251,9 @@ def _scan_headers(files: list[Path]) -> tuple[dict[str, _Tensor], _Tensor | None
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError as err:
-        raise ImportError("reading Hugging Face checkpoints needs the safetensors package: pip install safetensors") from err
+        raise ImportError(
+            "reading Hugging Face checkpoints needs the safetensors package: pip install safetensors"
+        ) from err
     tensors: dict[str, _Tensor] = {}
     refused: list[str] = []
     for file in files:
@@ -243,8 +271,10 @@ def _scan_headers(files: list[Path]) -> tuple[dict[str, _Tensor], _Tensor | None
                 refused.append(f"{hf_key!r} ({SAFETENSORS_OTHERS.get(code, code)}, in {file.name})")
                 continue
             if key in tensors:
-                raise ValueError(f"{file}: {hf_key!r} is stored twice (also in {tensors[key].file} as "
-                                 f"{tensors[key].name!r}); keep one copy")
+                raise ValueError(
+                    f"{file}: {hf_key!r} is stored twice (also in {tensors[key].file} as "
+                    f"{tensors[key].name!r}); keep one copy"
+                )
             conv1d = action == "transpose"
             torch_shape = shape[:-2] + shape[-2:][::-1] if conv1d else shape
             tensors[key] = _Tensor(file, hf_key, torch_shape, conv1d)
@@ -263,22 +293,34 @@ def _check_sizes(config: GPTConfig, tensors: Mapping[str, _Tensor], origin: str)
     hf = origin != "config="
     name = (lambda field: HF_GPT2_SIZES[field]) if hf else (lambda field: field)
     found: dict[str, tuple[int, str]] = {}  # GPTConfig field -> (size in the checkpoint, where it was read)
-    for key, axes in (("transformer.wte.weight", ("vocab_size", "n_embd")),
-                      ("transformer.wpe.weight", ("block_size", "n_embd"))):
+    for key, axes in (
+        ("transformer.wte.weight", ("vocab_size", "n_embd")),
+        ("transformer.wpe.weight", ("block_size", "n_embd")),
+    ):
         tensor = tensors.get(key)
         if tensor is not None and len(tensor.shape) == 2:
             for axis, field in enumerate(axes):
                 found.setdefault(field, (tensor.shape[axis], f"{key} in {tensor.file.name} has shape {tensor.shape}"))
     layers = {int(m.group(1)) for key in tensors if (m := re.match(r"transformer\.h\.(\d+)\.", key))}
     n_layers = max(layers) + 1 if layers else 0
-    found["n_layer"] = (n_layers, f"the checkpoint holds transformer.h.0 to transformer.h.{n_layers - 1}"
-                        if n_layers else "the checkpoint holds no transformer.h.* layer")
-    problems = [f"{name(field)}={getattr(config, field)}, but {evidence}"
-                for field, (size, evidence) in found.items() if getattr(config, field) != size]
+    found["n_layer"] = (
+        n_layers,
+        f"the checkpoint holds transformer.h.0 to transformer.h.{n_layers - 1}"
+        if n_layers
+        else "the checkpoint holds no transformer.h.* layer",
+    )
+    problems = [
+        f"{name(field)}={getattr(config, field)}, but {evidence}"
+        for field, (size, evidence) in found.items()
+        if getattr(config, field) != size
+    ]
     if problems:
         fix = "fix config.json" if hf else "pass a config that matches the checkpoint"
-        raise ValueError(f"{origin} does not match the checkpoint's tensors: " + "; ".join(problems)
-                         + f". Nothing was allocated; {fix}")
+        raise ValueError(
+            f"{origin} does not match the checkpoint's tensors: "
+            + "; ".join(problems)
+            + f". Nothing was allocated; {fix}"
+        )
 
 
 def _open_checkpoint(path, config: GPTConfig | None) -> _Checkpoint:
@@ -321,8 +363,10 @@ def _is_transpose(key: str, layout: Permute | None, ndim: int) -> bool:
         return False
     if ndim == 2 and layout.to_flax(ndim) == (1, 0):
         return True
-    raise NotImplementedError(f"{key}: the Hugging Face GPT-2 reader handles only matrix transposes, "
-                              f"not the layout {layout} of a {ndim}-axis array")
+    raise NotImplementedError(
+        f"{key}: the Hugging Face GPT-2 reader handles only matrix transposes, "
+        f"not the layout {layout} of a {ndim}-axis array"
+    )
 
 
 def _plan(model: nnx.Module, checkpoint: _Checkpoint) -> list[tuple[nnx.Variable, dict[int | None, _Tensor], bool]]:
@@ -359,11 +403,15 @@ def _check_tied_head(checkpoint: _Checkpoint) -> None:
     if head is None or wte is None:
         return
     if head.shape != wte.shape or not np.array_equal(head.read(), wte.read()):
-        raise ConversionError(mismatched=[(
-            "lm_head.weight",
-            "differs from transformer.wte.weight, but the checkpoint ties them (tie_word_embeddings); "
-            "fix the checkpoint or set tie_word_embeddings=false in config.json",
-        )])
+        raise ConversionError(
+            mismatched=[
+                (
+                    "lm_head.weight",
+                    "differs from transformer.wte.weight, but the checkpoint ties them (tie_word_embeddings); "
+                    "fix the checkpoint or set tie_word_embeddings=false in config.json",
+                )
+            ]
+        )
 
 
 def _checked(path, config: GPTConfig | None, build: Callable[[GPTConfig], GPT]):
@@ -469,7 +517,8 @@ def load_hf_gpt2(
 
     def build(c: GPTConfig) -> GPT:
         return abstract_model(
-            lambda: GPT(c, scan_layers=scan_layers, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)), mesh)
+            lambda: GPT(c, scan_layers=scan_layers, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)), mesh
+        )
 
     _, model, plan = _checked(path, config, build)
     for var, layers, transpose in plan:

@@ -325,8 +325,7 @@ class ConversionError(ValueError):
         lines += [f"unexpected key {k!r}" for k in self.unexpected]
         lines += [f"{k!r}: {why}" for k, why in self.mismatched]
         super().__init__(
-            f"state dict does not fit the model ({len(lines)} problem(s)); nothing was loaded:\n  "
-            + "\n  ".join(lines)
+            f"state dict does not fit the model ({len(lines)} problem(s)); nothing was loaded:\n  " + "\n  ".join(lines)
         )
 
 
@@ -378,8 +377,14 @@ def _stacks(modules: Mapping[tuple, nnx.Module]) -> dict[tuple, int]:
         if rule is None or rule.stacked is None:
             continue
         for relative, num_layers in rule.stacked(module).items():
-            target = next((p for p in modules if p[: len(path)] == path and
-                           tuple(map(str, p[len(path) :])) == tuple(relative.split("."))), None)
+            target = next(
+                (
+                    p
+                    for p in modules
+                    if p[: len(path)] == path and tuple(map(str, p[len(path) :])) == tuple(relative.split("."))
+                ),
+                None,
+            )
             if target is None:
                 raise ValueError(
                     f"the conversion rule for {type(module).__qualname__} declares stacked layers at {relative!r}, "
@@ -497,9 +502,7 @@ def _dtype_problem(got: np.dtype, want: np.dtype) -> str | None:
     return None
 
 
-def load_torch_state_dict(
-    model: nnx.Module, state_dict: Mapping[str, Any], *, strict: bool = True
-) -> nnx.Module:
+def load_torch_state_dict(model: nnx.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> nnx.Module:
     """Load a torch-style state dict into ``model`` in place and return it.
 
     Values may be ``torch.Tensor`` or NumPy arrays; each is cast to the dtype of the
@@ -540,9 +543,7 @@ def load_torch_state_dict(
         if isinstance(entry.leaf, DerivedBuffer):
             want = np.asarray(entry.leaf.make(entry.module), dtype=np.float64)
             if entry.leaf.exact and not np.array_equal(got.astype(np.float64), want):
-                mismatched.append(
-                    (entry.key, "buffer differs from the value this module computes from its config")
-                )
+                mismatched.append((entry.key, "buffer differs from the value this module computes from its config"))
             continue
         if entry.leaf.layout is not None:
             got = got.transpose(entry.leaf.layout.to_flax(got.ndim))
@@ -578,8 +579,11 @@ def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None,
     ``layout`` is the :class:`Leaf`'s (``None``: torch and flax agree). Reads only
     shapes, so it works on an abstract model (``nnx.eval_shape``).
     """
-    return {e.key: (getattr(e.module, e.leaf.flax), e.layer, e.leaf.layout)
-            for e in _entries(model) if isinstance(e.leaf, Leaf)}
+    return {
+        e.key: (getattr(e.module, e.leaf.flax), e.layer, e.leaf.layout)
+        for e in _entries(model)
+        if isinstance(e.leaf, Leaf)
+    }
 
 
 def to_torch_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:

@@ -53,8 +53,9 @@ def _out_of_range(ids, vocab: int, ignore: tuple[str, int] | None):
     return bad if ignore is None else bad & (ids != ignore[1])
 
 
-def check_id_values(ids, name: str, *, owner: str, vocab: int, ignore: tuple[str, int] | None = None,
-                    debug: bool = False) -> None:
+def check_id_values(
+    ids, name: str, *, owner: str, vocab: int, ignore: tuple[str, int] | None = None, debug: bool = False
+) -> None:
     """Check that every id is in ``[0, vocab)`` or equals the ``ignore`` value (e.g. a loss's ignore_index).
 
     Concrete ``ids`` are checked on the host: a ``ValueError`` lists the first bad values
@@ -77,7 +78,8 @@ def check_id_values(ids, name: str, *, owner: str, vocab: int, ignore: tuple[str
             checkify.check(
                 ~jnp.any(bad),
                 f"{owner}: {name} holds an id outside {valid}: {{value}} at index {{index}}",
-                value=ids[first], index=jnp.stack(first) if first else jnp.zeros(0, jnp.int32),
+                value=ids[first],
+                index=jnp.stack(first) if first else jnp.zeros(0, jnp.int32),
             )
         return
     host = np.asarray(ids)
@@ -98,9 +100,19 @@ def check_id_values(ids, name: str, *, owner: str, vocab: int, ignore: tuple[str
     )
 
 
-def check_token_ids(ids, name: str, *, owner: str, vocab: int | None, max_len: int | None = None,
-                    limit_name: str = "max_len", batch: int | None = None, crop_hint: bool = False,
-                    ignore: tuple[str, int] | None = None, debug: bool = False) -> jax.Array:
+def check_token_ids(
+    ids,
+    name: str,
+    *,
+    owner: str,
+    vocab: int | None,
+    max_len: int | None = None,
+    limit_name: str = "max_len",
+    batch: int | None = None,
+    crop_hint: bool = False,
+    ignore: tuple[str, int] | None = None,
+    debug: bool = False,
+) -> jax.Array:
     """``ids`` as a JAX array, once it is checked to be integer (batch, seq_len) ids in range (:func:`check_id_values`).
 
     Static checks (they also run while tracing): integer dtype, rank 2, ``batch`` rows if
@@ -132,12 +144,16 @@ def check_token_ids(ids, name: str, *, owner: str, vocab: int | None, max_len: i
     elif shape[1] < 1:
         problem = f"{name} has an empty time axis; pass at least one token"
     elif max_len is not None and shape[1] > max_len:
-        fix = (f"crop to the last {max_len} tokens ({name}[:, -{max_len}:])" if crop_hint
-               else f"a longer sequence needs a larger {limit_name}")
+        fix = (
+            f"crop to the last {max_len} tokens ({name}[:, -{max_len}:])"
+            if crop_hint
+            else f"a longer sequence needs a larger {limit_name}"
+        )
         problem = f"sequence length {shape[1]} exceeds {limit_name} {max_len}; {fix}"
     if problem is not None:
-        raise ValueError(f"{owner}: {name}: expected integer token ids of shape {want}, got shape {shape} "
-                         f"dtype {dtype}; {problem}")
+        raise ValueError(
+            f"{owner}: {name}: expected integer token ids of shape {want}, got shape {shape} dtype {dtype}; {problem}"
+        )
     if vocab is not None:
         check_id_values(ids, name, owner=owner, vocab=vocab, ignore=ignore, debug=debug)
     return jnp.asarray(ids)

@@ -16,8 +16,13 @@ from jax.custom_derivatives import SymbolicZero
 
 def _product(inputs, kernel, precision, preferred_element_type):
     """``inputs @ kernel`` over the last axis of ``inputs``: (..., in) x (in, out) -> (..., out)."""
-    return lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=precision,
-                           preferred_element_type=preferred_element_type)
+    return lax.dot_general(
+        inputs,
+        kernel,
+        (((inputs.ndim - 1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
@@ -53,8 +58,13 @@ def _linear_product_jvp(precision, preferred_element_type, primals, tangents):
         out_dot = _product(inputs_dot, kernel, precision, preferred_element_type)
     if not isinstance(kernel_dot, SymbolicZero):
         inputs_t = lax.optimization_barrier(inputs.reshape(-1, inputs.shape[-1]).T)  # (in, tokens)
-        kernel_term = lax.dot_general(inputs_t, kernel_dot, (((0,), (0,)), ((), ())), precision=precision,
-                                      preferred_element_type=preferred_element_type)  # (tokens, out)
+        kernel_term = lax.dot_general(
+            inputs_t,
+            kernel_dot,
+            (((0,), (0,)), ((), ())),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        )  # (tokens, out)
         kernel_term = kernel_term.reshape(*inputs.shape[:-1], kernel.shape[-1])  # (..., out)
         out_dot = kernel_term if out_dot is None else out_dot + kernel_term
     if out_dot is None:
@@ -73,8 +83,20 @@ def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
     contraction, or an explicit ``out_sharding``, is passed to ``lax.dot_general`` as it is.
     """
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-    if (tuple(lhs_contracting) == (lhs.ndim - 1,) and tuple(rhs_contracting) == (0,) and not lhs_batch
-            and not rhs_batch and rhs.ndim == 2 and out_sharding is None):
+    if (
+        tuple(lhs_contracting) == (lhs.ndim - 1,)
+        and tuple(rhs_contracting) == (0,)
+        and not lhs_batch
+        and not rhs_batch
+        and rhs.ndim == 2
+        and out_sharding is None
+    ):
         return _linear_product(lhs, rhs, precision, preferred_element_type)
-    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                           preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+    return lax.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+    )

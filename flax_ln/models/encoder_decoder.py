@@ -62,8 +62,17 @@ def _torch_bias_init(fan_in: int):
 def _linear(d_in: int, d_out: int, *, dtype, param_dtype, precision, rngs: nnx.Rngs) -> nnx.Linear:
     """``nnx.Linear`` initialised as the book's ``make_model``: Xavier-uniform kernel, torch's default bias;
     its product is :func:`~flax_ln.models.dense.linear_dot_general`."""
-    return nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                      kernel_init=_xavier, bias_init=_torch_bias_init(d_in), dot_general=linear_dot_general, rngs=rngs)
+    return nnx.Linear(
+        d_in,
+        d_out,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        kernel_init=_xavier,
+        bias_init=_torch_bias_init(d_in),
+        dot_general=linear_dot_general,
+        rngs=rngs,
+    )
 
 
 # ---- input validation: static shapes and dtypes only, so it also runs while tracing under jit ----
@@ -141,17 +150,28 @@ class MultiHeadedAttention(nnx.Module):
       rngs: parameter initialisation and dropout keys.
     """
 
-    def __init__(self, h: int, d_model: int, *, dropout: float = 0.1, dtype=None, param_dtype=jnp.float32,
-                 precision=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        h: int,
+        d_model: int,
+        *,
+        dropout: float = 0.1,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        rngs: nnx.Rngs,
+    ):
         if d_model % h:
             raise ValueError(f"d_model={d_model} must be divisible by the number of heads h={h}")
         self.h = h
         self.d_model = d_model
         self.precision = precision
-        self.linears = nnx.List([
-            _linear(d_model, d_model, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-            for _ in range(4)
-        ])
+        self.linears = nnx.List(
+            [
+                _linear(d_model, d_model, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+                for _ in range(4)
+            ]
+        )
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(
@@ -191,8 +211,18 @@ class PositionwiseFeedForward(nnx.Module):
       rngs: parameter initialisation and dropout keys.
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.1, activation: str | None = None,
-                 dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        dropout: float = 0.1,
+        activation: str | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        rngs: nnx.Rngs,
+    ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
         self.activation = activation
@@ -249,8 +279,19 @@ class EncoderLayer(nnx.Module):
       rngs: parameter initialisation and dropout keys.
     """
 
-    def __init__(self, size: int, h: int, d_ff: int, *, dropout: float = 0.1, ffn_activation: str | None = None,
-                 dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        size: int,
+        h: int,
+        d_ff: int,
+        *,
+        dropout: float = 0.1,
+        ffn_activation: str | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        rngs: nnx.Rngs,
+    ):
         kw = dict(dropout=dropout, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.self_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
         self.feed_forward = PositionwiseFeedForward(size, d_ff, activation=ffn_activation, precision=precision, **kw)
@@ -278,8 +319,19 @@ class DecoderLayer(nnx.Module):
       rngs: parameter initialisation and dropout keys.
     """
 
-    def __init__(self, size: int, h: int, d_ff: int, *, dropout: float = 0.1, ffn_activation: str | None = None,
-                 dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        size: int,
+        h: int,
+        d_ff: int,
+        *,
+        dropout: float = 0.1,
+        ffn_activation: str | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        rngs: nnx.Rngs,
+    ):
         kw = dict(dropout=dropout, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.self_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
         self.src_attn = MultiHeadedAttention(h, size, precision=precision, **kw)
@@ -303,14 +355,36 @@ class _Stack(nnx.Module):
 
     layer_cls: type[EncoderLayer] | type[DecoderLayer]
 
-    def __init__(self, size: int, h: int, d_ff: int, N: int, *, dropout: float = 0.1,
-                 ffn_activation: str | None = None, dtype=None, param_dtype=jnp.float32, precision=None,
-                 rngs: nnx.Rngs):
-        self.layers = nnx.List([
-            self.layer_cls(size, h, d_ff, dropout=dropout, ffn_activation=ffn_activation, dtype=dtype,
-                           param_dtype=param_dtype, precision=precision, rngs=rngs)
-            for _ in range(N)
-        ])
+    def __init__(
+        self,
+        size: int,
+        h: int,
+        d_ff: int,
+        N: int,
+        *,
+        dropout: float = 0.1,
+        ffn_activation: str | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        rngs: nnx.Rngs,
+    ):
+        self.layers = nnx.List(
+            [
+                self.layer_cls(
+                    size,
+                    h,
+                    d_ff,
+                    dropout=dropout,
+                    ffn_activation=ffn_activation,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    precision=precision,
+                    rngs=rngs,
+                )
+                for _ in range(N)
+            ]
+        )
         self.norm = LayerNorm(size, dtype=dtype, param_dtype=param_dtype)
 
     @property
@@ -421,8 +495,9 @@ class PositionalEncoding(nnx.Module):
       rngs: dropout keys.
     """
 
-    def __init__(self, d_model: int, *, dropout: float = 0.1, max_len: int = 5000, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, d_model: int, *, dropout: float = 0.1, max_len: int = 5000, param_dtype=jnp.float32, rngs: nnx.Rngs
+    ):
         self.d_model = d_model
         self.max_len = max_len
         self.pe = Buffer(jnp.asarray(sinusoid_table(d_model, max_len), param_dtype))
@@ -453,8 +528,9 @@ class Generator(nnx.Module):
       rngs: parameter initialisation key.
     """
 
-    def __init__(self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, precision=None,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs
+    ):
         self.proj = _linear(d_model, vocab, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
 
     def __call__(self, x: Float[Array, "*B d_model"]) -> Float[Array, "*B vocab"]:
@@ -486,8 +562,16 @@ class Transformer(nnx.Module):
         (wrap the jitted function in ``checkify.checkify``).
     """
 
-    def __init__(self, encoder: Encoder, decoder: Decoder, src_embed: Sequential, tgt_embed: Sequential,
-                 generator: Generator, *, debug_checks: bool = False):
+    def __init__(
+        self,
+        encoder: Encoder,
+        decoder: Decoder,
+        src_embed: Sequential,
+        tgt_embed: Sequential,
+        generator: Generator,
+        *,
+        debug_checks: bool = False,
+    ):
         self.encoder = encoder
         self.decoder = decoder
         self.src_embed = src_embed
@@ -497,8 +581,14 @@ class Transformer(nnx.Module):
 
     def _check_encode(self, src, src_mask, owner: str) -> jax.Array:
         """``src`` as a JAX array, after checking it (shape, dtype, ids in ``[0, src_vocab)``) and ``src_mask``."""
-        src = check_token_ids(src, "src", owner=owner, vocab=self.src_embed[0].vocab,
-                              max_len=self.src_embed[1].max_len, debug=self.debug_checks)
+        src = check_token_ids(
+            src,
+            "src",
+            owner=owner,
+            vocab=self.src_embed[0].vocab,
+            max_len=self.src_embed[1].max_len,
+            debug=self.debug_checks,
+        )
         batch, src_len = src.shape
         _check_mask("src_mask", src_mask, batch, src_len, src_len)
         return src
@@ -506,8 +596,15 @@ class Transformer(nnx.Module):
     def _check_decode(self, memory_shape: tuple[int, int, int], src_mask, tgt, tgt_mask, owner: str) -> jax.Array:
         """``tgt`` as a JAX array, after checking it against the memory's shape, and both masks."""
         batch, src_len, _ = memory_shape
-        tgt = check_token_ids(tgt, "tgt", owner=owner, vocab=self.tgt_embed[0].vocab,
-                              max_len=self.tgt_embed[1].max_len, batch=batch, debug=self.debug_checks)
+        tgt = check_token_ids(
+            tgt,
+            "tgt",
+            owner=owner,
+            vocab=self.tgt_embed[0].vocab,
+            max_len=self.tgt_embed[1].max_len,
+            batch=batch,
+            debug=self.debug_checks,
+        )
         tgt_len = tgt.shape[1]
         _check_mask("src_mask", src_mask, batch, tgt_len, src_len)
         _check_mask("tgt_mask", tgt_mask, batch, tgt_len, tgt_len)
@@ -545,9 +642,22 @@ class Transformer(nnx.Module):
         return self._decode(self._encode(src, src_mask), src_mask, tgt, tgt_mask)
 
 
-def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
-               dropout: float = 0.1, ffn_activation: str | None = None, *, dtype=None, param_dtype=jnp.float32,
-               precision=None, debug_checks: bool = False, rngs: nnx.Rngs) -> Transformer:
+def make_model(
+    src_vocab: int,
+    tgt_vocab: int,
+    N: int = 6,
+    d_model: int = 512,
+    d_ff: int = 2048,
+    h: int = 8,
+    dropout: float = 0.1,
+    ffn_activation: str | None = None,
+    *,
+    dtype=None,
+    param_dtype=jnp.float32,
+    precision=None,
+    debug_checks: bool = False,
+    rngs: nnx.Rngs,
+) -> Transformer:
     """The book's encoder-decoder, the twin of ``torch_ref.make_model``.
 
     Every parameter with more than one dimension is Xavier-uniform initialised, as in the
@@ -572,10 +682,12 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
     layer_kw = dict(dropout=dropout, ffn_activation=ffn_activation, **kw)
 
     def embed(vocab: int) -> Sequential:
-        return Sequential([
-            Embeddings(d_model, vocab, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
-            PositionalEncoding(d_model, dropout=dropout, param_dtype=param_dtype, rngs=rngs),
-        ])
+        return Sequential(
+            [
+                Embeddings(d_model, vocab, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+                PositionalEncoding(d_model, dropout=dropout, param_dtype=param_dtype, rngs=rngs),
+            ]
+        )
 
     return Transformer(
         Encoder(d_model, h, d_ff, N, **layer_kw),

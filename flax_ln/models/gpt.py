@@ -89,8 +89,10 @@ class GPTConfig:
         sizes = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
         missing = [name for name in sizes if name not in values]
         if missing:
-            raise TypeError(f"GPT config {type(config).__name__} lacks {missing}: expected a GPTConfig or an object "
-                            f"or dict with the book's fields {list(sizes)}")
+            raise TypeError(
+                f"GPT config {type(config).__name__} lacks {missing}: expected a GPTConfig or an object "
+                f"or dict with the book's fields {list(sizes)}"
+            )
         return cls(**values)
 
     @property
@@ -116,8 +118,9 @@ class GPTConfig:
     @classmethod
     def music(cls, **overrides) -> GPTConfig:
         """Chapter 14's music Transformer: 6/8/512, vocab 390, block 2048, loss ignores padding id 389."""
-        base = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=390, block_size=2048, ignore_index=389,
-                    c_proj_reinit=True)
+        base = dict(
+            n_layer=6, n_head=8, n_embd=512, vocab_size=390, block_size=2048, ignore_index=389, c_proj_reinit=True
+        )
         return cls(**{**base, **overrides})
 
 
@@ -167,8 +170,16 @@ def _init_fns(config: GPTConfig):
 def _linear(n_in, n_out, kernel_init, *, dtype, param_dtype, precision, rngs, use_bias=True):
     """``nnx.Linear`` with zero-initialised bias; its product is :func:`~flax_ln.models.dense.linear_dot_general`."""
     return nnx.Linear(
-        n_in, n_out, use_bias=use_bias, kernel_init=kernel_init, bias_init=nnx.initializers.zeros_init(),
-        dtype=dtype, param_dtype=param_dtype, precision=precision, dot_general=linear_dot_general, rngs=rngs,
+        n_in,
+        n_out,
+        use_bias=use_bias,
+        kernel_init=kernel_init,
+        bias_init=nnx.initializers.zeros_init(),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        dot_general=linear_dot_general,
+        rngs=rngs,
     )
 
 
@@ -236,8 +247,13 @@ class CausalSelfAttention(nnx.Module):
             k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)  # (B, nh, S, hs)
             v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)  # (B, nh, S, hs)
         y = scaled_dot_product_attention(
-            q, k, v, causal_mask(T, k.shape[2], pos), mask_value=-jnp.inf,
-            dropout=self.attn_dropout, precision=self.precision,
+            q,
+            k,
+            v,
+            causal_mask(T, k.shape[2], pos),
+            mask_value=-jnp.inf,
+            dropout=self.attn_dropout,
+            precision=self.precision,
         )  # (B, nh, T, hs)
         return self.resid_dropout(self.c_proj(merge_heads(y))), cache  # (B, T, C)
 
@@ -452,7 +468,9 @@ def checkpoint(fun, policy):
         floats = [c for c in jax.tree.leaves(cotangents) if jnp.issubdtype(c.dtype, jnp.inexact)]
         poisoned = jnp.isnan(sum(jnp.sum(c, dtype=jnp.float32) for c in floats))
         vjp_fn = jax.tree.map(
-            lambda r: jnp.where(poisoned, jnp.asarray(jnp.nan, r.dtype), r) if jnp.issubdtype(r.dtype, jnp.inexact) else r,
+            lambda r: (
+                jnp.where(poisoned, jnp.asarray(jnp.nan, r.dtype), r) if jnp.issubdtype(r.dtype, jnp.inexact) else r
+            ),
             vjp_fn,
         )
         return vjp_fn(cotangents)
@@ -631,8 +649,9 @@ class GPT(nnx.Module):
         c = self.config
         length = c.block_size if length is None else length
         if not isinstance(length, int) or not 1 <= length <= c.block_size:
-            raise ValueError(f"GPT.init_cache: length must be an int in [1, block_size={c.block_size}] or None, "
-                             f"got {length!r}")
+            raise ValueError(
+                f"GPT.init_cache: length must be an int in [1, block_size={c.block_size}] or None, got {length!r}"
+            )
         dtype = dtype or self.dtype or self.param_dtype
         shape = (c.n_layer, batch_size, c.n_head, length, c.head_size)  # (L, B, nh, S, hs)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -662,8 +681,17 @@ class GPT(nnx.Module):
         At most ``block_size`` tokens unless ``any_length``; ``ignore`` names one more legal value.
         """
         c = self.config
-        return check_token_ids(ids, name, owner=owner, vocab=c.vocab_size, max_len=None if any_length else c.block_size,
-                               limit_name="block_size", crop_hint=True, ignore=ignore, debug=self.debug_checks)
+        return check_token_ids(
+            ids,
+            name,
+            owner=owner,
+            vocab=c.vocab_size,
+            max_len=None if any_length else c.block_size,
+            limit_name="block_size",
+            crop_hint=True,
+            ignore=ignore,
+            debug=self.debug_checks,
+        )
 
     def _forward(self, idx, cache: KVCache | None, pos, *, last_only: bool = False):
         """``(logits, cache)`` of ``idx`` at positions ``pos..``; only the last position's logits
@@ -801,8 +829,9 @@ def generate(
     if not temperature >= 0:
         raise ValueError(f"generate: temperature must be >= 0 (0 means greedy), got {temperature!r}")
     if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
-        raise ValueError(f"generate: vocab_limit must be in [1, {model.config.vocab_size}] or None, "
-                         f"got {vocab_limit!r}")
+        raise ValueError(
+            f"generate: vocab_limit must be in [1, {model.config.vocab_size}] or None, got {vocab_limit!r}"
+        )
     n_drawable = vocab_limit or model.config.vocab_size
     if top_k is not None and not 1 <= top_k <= n_drawable:
         raise ValueError(f"generate: top_k must be in [1, {n_drawable}] or None, got {top_k!r}")
@@ -810,5 +839,14 @@ def generate(
         return idx
     graphdef, state = nnx.split(model)
     greedy = temperature == 0
-    return _generate(graphdef, state, idx, rng, jnp.float32(1.0 if greedy else temperature),
-                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, vocab_limit=vocab_limit)
+    return _generate(
+        graphdef,
+        state,
+        idx,
+        rng,
+        jnp.float32(1.0 if greedy else temperature),
+        max_new_tokens=max_new_tokens,
+        greedy=greedy,
+        top_k=top_k,
+        vocab_limit=vocab_limit,
+    )

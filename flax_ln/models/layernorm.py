@@ -24,9 +24,7 @@ def _check_features_argument(features, module: str) -> int:
             f"got {features!r} of type {type(features).__name__}; pass e.g. features=512"
         )
     if features < 1:
-        raise ValueError(
-            f"{module}: features must be a positive int (the size of the last axis), got {features!r}"
-        )
+        raise ValueError(f"{module}: features must be a positive int (the size of the last axis), got {features!r}")
     return int(features)
 
 
@@ -173,9 +171,7 @@ def normalize(
     """
     out_dtype = dtype if dtype is not None else jnp.result_type(x, scale, offset)
     compute_dtype = jnp.promote_types(x.dtype, jnp.float32)
-    y = _affine_normalize(
-        x.astype(compute_dtype), scale.astype(compute_dtype), offset.astype(compute_dtype), eps, ddof
-    )
+    y = _affine_normalize(x.astype(compute_dtype), scale.astype(compute_dtype), offset.astype(compute_dtype), eps, ddof)
     return y.astype(out_dtype)
 
 
@@ -194,7 +190,8 @@ _ACCURACY_NOTE = """
 
 
 class LayerNorm(nnx.Module):
-    __doc__ = """The book's chapter-9 LayerNorm: ``a_2 * (x - mean) / sqrt(std**2 + eps) + b_2``.
+    __doc__ = (
+        """The book's chapter-9 LayerNorm: ``a_2 * (x - mean) / sqrt(std**2 + eps) + b_2``.
 
     ``std`` is the *unbiased* standard deviation over the last axis (divisor n - 1),
     and ``eps`` is added to the unbiased variance inside the square root.
@@ -207,7 +204,9 @@ class LayerNorm(nnx.Module):
 
     With ``features == 1`` the unbiased variance is 0/0, so the output is NaN, exactly
     as in PyTorch.
-""" + _ACCURACY_NOTE + """
+"""
+        + _ACCURACY_NOTE
+        + """
     Args:
       features: size of the last axis, a positive int.
       eps: added to the unbiased variance, default 1e-6.
@@ -215,6 +214,7 @@ class LayerNorm(nnx.Module):
       param_dtype: dtype of ``a_2`` and ``b_2``.
       rngs: accepted for a uniform constructor; the parameters are deterministic.
     """
+    )
 
     def __init__(
         self,
@@ -238,13 +238,16 @@ class LayerNorm(nnx.Module):
 
 
 class TorchLayerNorm(nnx.Module):
-    __doc__ = """A twin of ``torch.nn.LayerNorm(features)``: ``scale * (x - mean) / sqrt(var + eps) + bias``.
+    __doc__ = (
+        """A twin of ``torch.nn.LayerNorm(features)``: ``scale * (x - mean) / sqrt(var + eps) + bias``.
 
     ``var`` is the *biased* variance (divisor n), computed two-pass, unlike
     ``flax.nnx.LayerNorm``'s fast ``E[x^2] - E[x]^2``. Default eps 1e-5, as torch.
     Used by the GPT blocks (``ln_1``, ``ln_2``, ``ln_f``). Parameters follow flax
     naming: ``scale`` is torch's ``weight``, ``bias`` is torch's ``bias``.
-""" + _ACCURACY_NOTE + """
+"""
+        + _ACCURACY_NOTE
+        + """
     Args:
       features: size of the last axis, a positive int.
       eps: added to the biased variance, default 1e-5.
@@ -252,6 +255,7 @@ class TorchLayerNorm(nnx.Module):
       param_dtype: dtype of ``scale`` and ``bias``.
       rngs: accepted for a uniform constructor; the parameters are deterministic.
     """
+    )
 
     def __init__(
         self,

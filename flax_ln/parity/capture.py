@@ -127,8 +127,12 @@ def capture_flax(model: nnx.Module, call: Callable[[], Any]) -> Records:
             code = frame.f_code
             owner = id(local.get(code.co_varnames[0]))
             if owner in paths and owner not in active:
-                n_args = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS) \
+                n_args = (
+                    code.co_argcount
+                    + code.co_kwonlyargcount
+                    + bool(code.co_flags & inspect.CO_VARARGS)
                     + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+                )
                 args = [local[name] for name in code.co_varnames[1:n_args] if name in local]
                 active.add(owner)
                 open_calls[id(frame)] = (owner, floating_leaves(args))

@@ -49,8 +49,17 @@ def _regression_training(target: np.ndarray, learning_rate: float) -> TrainSpec:
     )
 
 
-def _norm_case(name: str, torch_norm: torch.nn.Module, flax_cls, dtype: str, batch: int, seq_len: int, seed: int,
-               features: int, randomize: bool = True) -> Case:
+def _norm_case(
+    name: str,
+    torch_norm: torch.nn.Module,
+    flax_cls,
+    dtype: str,
+    batch: int,
+    seq_len: int,
+    seed: int,
+    features: int,
+    randomize: bool = True,
+) -> Case:
     if randomize:
         _perturb(torch_norm, seed, scale=1.0, replace=True)
     rng = np.random.default_rng(seed)
@@ -74,13 +83,22 @@ def layernorm(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
 
 def torch_layernorm(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
     """torch.nn.LayerNorm vs its twin flax_ln.TorchLayerNorm, 1600 features (GPT-2XL width)."""
-    return _norm_case("torch-layernorm", torch.nn.LayerNorm(1600), flax_ln.TorchLayerNorm, dtype, batch,
-                      seq_len or 16, seed, 1600)
+    return _norm_case(
+        "torch-layernorm", torch.nn.LayerNorm(1600), flax_ln.TorchLayerNorm, dtype, batch, seq_len or 16, seed, 1600
+    )
 
 
-def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, sizes: dict | None = None,
-                    torch_model: torch.nn.Module | None = None, ffn_activation: str | None = None,
-                    name: str = "encoder-decoder") -> Case:
+def encoder_decoder(
+    dtype: str,
+    batch: int,
+    seq_len: int | None,
+    seed: int,
+    *,
+    sizes: dict | None = None,
+    torch_model: torch.nn.Module | None = None,
+    ffn_activation: str | None = None,
+    name: str = "encoder-decoder",
+) -> Case:
     """Chapters 9-10's encoder-decoder, by default on a small config (N=2, d_model 32, 4 heads, d_ff 64,
     vocab 13), with padding in the source and the pad+causal target mask. Pad id 0."""
     sizes = sizes or dict(src_vocab=13, tgt_vocab=13, N=2, d_model=32, d_ff=64, h=4)
@@ -93,13 +111,14 @@ def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, s
         torch_model = torch_ref.make_model(**sizes, dropout=0.1, ffn_activation=ffn_activation)
         _perturb(torch_model, seed)
     torch_model = torch_model.to(getattr(torch, dtype))
-    flax_model = flax_ln.make_model(**sizes, dropout=0.1, ffn_activation=ffn_activation,
-                                    param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed))
+    flax_model = flax_ln.make_model(
+        **sizes, dropout=0.1, ffn_activation=ffn_activation, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed)
+    )
     rng = np.random.default_rng(seed)
     src = rng.integers(1, src_vocab, (batch, seq_len)).astype(np.int64)
     tgt = rng.integers(1, vocab, (batch, seq_len + 1)).astype(np.int64)
-    src[0, seq_len // 2:] = pad  # padding: masked keys in self- and source attention
-    tgt[-1, (seq_len + 1) // 2:] = pad
+    src[0, seq_len // 2 :] = pad  # padding: masked keys in self- and source attention
+    tgt[-1, (seq_len + 1) // 2 :] = pad
     tgt_in, tgt_y = tgt[:, :-1], tgt[:, 1:]
     src_mask = (src != pad)[:, None, :]  # (B, 1, S)
     tgt_mask = torch_ref.make_std_mask(torch.from_numpy(tgt_in), pad).numpy()  # (B, T, T)
@@ -111,8 +130,10 @@ def encoder_decoder(dtype: str, batch: int, seq_len: int | None, seed: int, *, s
         return criterion(outputs["log probs"].reshape(-1, vocab), torch.from_numpy(tgt_y).reshape(-1)) / ntokens
 
     def flax_loss(outputs):
-        return flax_ln.label_smoothing_loss(outputs["log probs"], jnp.asarray(tgt_y), padding_idx=pad,
-                                            smoothing=0.1) / ntokens
+        return (
+            flax_ln.label_smoothing_loss(outputs["log probs"], jnp.asarray(tgt_y), padding_idx=pad, smoothing=0.1)
+            / ntokens
+        )
 
     def torch_optimizer(m):  # chapter 10: Adam(0.9, 0.98, 1e-9) with the Noam rate set before each step
         opt = torch.optim.Adam(m.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
@@ -136,8 +157,16 @@ def _the_loss(outputs):
     return outputs["loss"]
 
 
-def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_len: int, seed: int,
-              pad_targets: bool, torch_model: torch.nn.Module | None = None) -> Case:
+def _gpt_case(
+    name: str,
+    config: flax_ln.GPTConfig,
+    dtype: str,
+    batch: int,
+    seq_len: int,
+    seed: int,
+    pad_targets: bool,
+    torch_model: torch.nn.Module | None = None,
+) -> Case:
     """A torch_ref.GPT (random, or the given one) and a flax_ln.GPT on (idx, targets);
     the book's Adam(1e-4) + clip 1 for training."""
     check_seq_len(name, seq_len, config.block_size, "positions (its block_size)")
@@ -150,9 +179,9 @@ def _gpt_case(name: str, config: flax_ln.GPTConfig, dtype: str, batch: int, seq_
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, config.vocab_size, (batch, seq_len)).astype(np.int64)
     targets = rng.integers(0, config.vocab_size, (batch, seq_len)).astype(np.int64)
-    targets[0, seq_len - max(1, seq_len // 4):] = config.ignore_index  # positions the loss skips
+    targets[0, seq_len - max(1, seq_len // 4) :] = config.ignore_index  # positions the loss skips
     if pad_targets:
-        idx[0, seq_len - max(1, seq_len // 4):] = config.ignore_index  # padding is a real token id too
+        idx[0, seq_len - max(1, seq_len // 4) :] = config.ignore_index  # padding is a real token id too
 
     return Case(
         name=name,
@@ -237,8 +266,10 @@ def check_seq_len(model: str, seq_len: int, limit: int | None = None, what: str 
             return
         limit, what = entry
     if seq_len > limit:
-        raise ValueError(f"--seq-len {seq_len} is too long for {model}: it takes at most {limit} {what}; "
-                         f"pass --seq-len {limit} or less")
+        raise ValueError(
+            f"--seq-len {seq_len} is too long for {model}: it takes at most {limit} {what}; "
+            f"pass --seq-len {limit} or less"
+        )
 
 
 BUILDERS: dict[str, Callable[[str, int, int | None, int], Case]] = {
@@ -354,8 +385,13 @@ def check_dtypes(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch
         )
 
 
-def _check_structure(state: Mapping[str, torch.Tensor], path: str, architecture: str, required: Mapping[str, int],
-                     layer_prefixes: tuple[str, ...]) -> dict[str, int]:
+def _check_structure(
+    state: Mapping[str, torch.Tensor],
+    path: str,
+    architecture: str,
+    required: Mapping[str, int],
+    layer_prefixes: tuple[str, ...],
+) -> dict[str, int]:
     """Layer counts per prefix, after checking the keys the sizes are read from; every problem listed at once.
 
     Args:
@@ -367,14 +403,17 @@ def _check_structure(state: Mapping[str, torch.Tensor], path: str, architecture:
     missing = [key for key in required if key not in state]
     if missing:
         problems.append(f"missing: {', '.join(missing)}")
-    problems += [f"malformed: {key} has shape {list(state[key].shape)}, expected a {ndim}-D tensor"
-                 for key, ndim in required.items() if key in state and state[key].ndim != ndim]
+    problems += [
+        f"malformed: {key} has shape {list(state[key].shape)}, expected a {ndim}-D tensor"
+        for key, ndim in required.items()
+        if key in state and state[key].ndim != ndim
+    ]
     counts = {}
     for prefix in layer_prefixes:
         indices, malformed = set(), []
         for key in state:
             if key.startswith(prefix):
-                index = key[len(prefix):].split(".")[0]
+                index = key[len(prefix) :].split(".")[0]
                 if index.isascii() and index.isdigit():
                     indices.add(int(index))
                 else:
@@ -388,25 +427,39 @@ def _check_structure(state: Mapping[str, torch.Tensor], path: str, architecture:
             problems.append(f"missing: layers {_shown([f'{prefix}{i}.*' for i in gaps])}")
         counts[prefix] = max(indices, default=-1) + 1
     if problems:
-        raise CheckpointError(f"--checkpoint {path!r} looks like {architecture} but is incomplete or malformed:\n  "
-                              + "\n  ".join(problems))
+        raise CheckpointError(
+            f"--checkpoint {path!r} looks like {architecture} but is incomplete or malformed:\n  "
+            + "\n  ".join(problems)
+        )
     return counts
 
 
-GPT_REQUIRED = {"transformer.wte.weight": 2, "transformer.wpe.weight": 2, "transformer.ln_f.weight": 1,
-                "transformer.ln_f.bias": 1, "lm_head.weight": 2}
-ENCODER_DECODER_REQUIRED = {"src_embed.0.lut.weight": 2, "tgt_embed.0.lut.weight": 2,
-                            "encoder.layers.0.feed_forward.w_1.weight": 2, "encoder.norm.a_2": 1,
-                            "decoder.norm.a_2": 1, "generator.proj.weight": 2}
+GPT_REQUIRED = {
+    "transformer.wte.weight": 2,
+    "transformer.wpe.weight": 2,
+    "transformer.ln_f.weight": 1,
+    "transformer.ln_f.bias": 1,
+    "lm_head.weight": 2,
+}
+ENCODER_DECODER_REQUIRED = {
+    "src_embed.0.lut.weight": 2,
+    "tgt_embed.0.lut.weight": 2,
+    "encoder.layers.0.feed_forward.w_1.weight": 2,
+    "encoder.norm.a_2": 1,
+    "decoder.norm.a_2": 1,
+    "generator.proj.weight": 2,
+}
 
 
-def _gpt_config_from_shapes(state: dict[str, torch.Tensor], preset: str | None, n_head: int | None,
-                            path: str) -> flax_ln.GPTConfig:
+def _gpt_config_from_shapes(
+    state: dict[str, torch.Tensor], preset: str | None, n_head: int | None, path: str
+) -> flax_ln.GPTConfig:
     """Sizes from the tensor shapes; the head count (and loss settings) from ``--n-head`` or ``--preset``."""
     n_layer = _check_structure(state, path, "a torch_ref GPT", GPT_REQUIRED, ("transformer.h.",))["transformer.h."]
     vocab_size, n_embd = state["transformer.wte.weight"].shape
-    sizes = dict(n_layer=n_layer, n_embd=n_embd, vocab_size=vocab_size,
-                 block_size=state["transformer.wpe.weight"].shape[0])
+    sizes = dict(
+        n_layer=n_layer, n_embd=n_embd, vocab_size=vocab_size, block_size=state["transformer.wpe.weight"].shape[0]
+    )
     base = {}
     if preset is not None:
         preset_config = GPT_PRESETS[preset](**({"vocab_size": vocab_size} if preset == "chapter12" else {}))
@@ -429,8 +482,9 @@ def _build(make: Callable[[], torch.nn.Module], path: str) -> torch.nn.Module:
     try:
         return make()
     except MemoryError as err:  # torch_ref refuses a config larger than the machine's memory
-        raise CheckpointError(f"--checkpoint {path!r}: the model its tensor shapes describe is too large: {err}") \
-            from err
+        raise CheckpointError(
+            f"--checkpoint {path!r}: the model its tensor shapes describe is too large: {err}"
+        ) from err
 
 
 def _load_checked(torch_model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str) -> torch.nn.Module:
@@ -461,9 +515,17 @@ def _checkpoint_seq_len(name: str, seq_len: int | None, block_size: int) -> int:
     return seq_len
 
 
-def checkpoint_case(path: str, dtype: str, batch: int, seq_len: int | None, seed: int, *,
-                    preset: str | None = None, n_head: int | None = None,
-                    ffn_activation: str | None = None) -> Case:
+def checkpoint_case(
+    path: str,
+    dtype: str,
+    batch: int,
+    seq_len: int | None,
+    seed: int,
+    *,
+    preset: str | None = None,
+    n_head: int | None = None,
+    ffn_activation: str | None = None,
+) -> Case:
     """A case for a user's checkpoint: a GPT or encoder-decoder state dict, a lone norm, or an HF GPT-2 folder.
 
     The architecture is recognised from the keys and its sizes from the tensor shapes;
@@ -502,33 +564,47 @@ def checkpoint_case(path: str, dtype: str, batch: int, seq_len: int | None, seed
         config = _gpt_config_from_shapes(state, preset, n_head, path)
         seq_len = _checkpoint_seq_len(name, seq_len, config.block_size)
         torch_model = _load_checked(_build(lambda: torch_ref.GPT(config), path), state, path)
-        case = _gpt_case(name, config, dtype, batch, seq_len, seed, pad_targets=config.ignore_index >= 0,
-                         torch_model=torch_model)
+        case = _gpt_case(
+            name, config, dtype, batch, seq_len, seed, pad_targets=config.ignore_index >= 0, torch_model=torch_model
+        )
     elif any(key.startswith(("src_embed.", "tgt_embed.", "encoder.layers.", "decoder.layers.")) for key in keys):
-        counts = _check_structure(state, path, "a torch_ref encoder-decoder", ENCODER_DECODER_REQUIRED,
-                                  ("encoder.layers.", "decoder.layers."))
+        counts = _check_structure(
+            state, path, "a torch_ref encoder-decoder", ENCODER_DECODER_REQUIRED, ("encoder.layers.", "decoder.layers.")
+        )
         if n_head is None:
-            raise CheckpointError(f"--checkpoint {path!r}: an encoder-decoder; its head count cannot be read from "
-                                  "tensor shapes, pass --n-head N")
+            raise CheckpointError(
+                f"--checkpoint {path!r}: an encoder-decoder; its head count cannot be read from "
+                "tensor shapes, pass --n-head N"
+            )
         src_vocab, d_model = state["src_embed.0.lut.weight"].shape
-        sizes = dict(src_vocab=src_vocab, tgt_vocab=state["tgt_embed.0.lut.weight"].shape[0],
-                     N=counts["encoder.layers."], d_model=d_model,
-                     d_ff=state["encoder.layers.0.feed_forward.w_1.weight"].shape[0], h=n_head)
+        sizes = dict(
+            src_vocab=src_vocab,
+            tgt_vocab=state["tgt_embed.0.lut.weight"].shape[0],
+            N=counts["encoder.layers."],
+            d_model=d_model,
+            d_ff=state["encoder.layers.0.feed_forward.w_1.weight"].shape[0],
+            h=n_head,
+        )
         if d_model % n_head:
             raise CheckpointError(f"--checkpoint {path!r}: d_model {d_model} is not divisible by --n-head {n_head}")
         check_seq_len(name, seq_len or 10, *SEQ_LEN_LIMITS["encoder-decoder"])
-        torch_model = _load_checked(_build(lambda: torch_ref.make_model(**sizes, ffn_activation=ffn_activation), path),
-                                    state, path)
-        case = encoder_decoder(dtype, batch, seq_len, seed, sizes=sizes, torch_model=torch_model,
-                               ffn_activation=ffn_activation, name=name)
+        torch_model = _load_checked(
+            _build(lambda: torch_ref.make_model(**sizes, ffn_activation=ffn_activation), path), state, path
+        )
+        case = encoder_decoder(
+            dtype, batch, seq_len, seed, sizes=sizes, torch_model=torch_model, ffn_activation=ffn_activation, name=name
+        )
     else:
-        for leaves, flax_cls, torch_cls in ((("a_2", "b_2"), flax_ln.LayerNorm, torch_ref.LayerNorm),
-                                            (("weight", "bias"), flax_ln.TorchLayerNorm, torch.nn.LayerNorm)):
+        for leaves, flax_cls, torch_cls in (
+            (("a_2", "b_2"), flax_ln.LayerNorm, torch_ref.LayerNorm),
+            (("weight", "bias"), flax_ln.TorchLayerNorm, torch.nn.LayerNorm),
+        ):
             if keys == set(leaves) and state[leaves[0]].ndim == 1:
                 features = state[leaves[0]].shape[0]
                 torch_norm = _load_checked(_build(lambda: torch_cls(features), path), state, path)
-                case = _norm_case(name, torch_norm, flax_cls, dtype, batch, seq_len or 16, seed, features,
-                                  randomize=False)
+                case = _norm_case(
+                    name, torch_norm, flax_cls, dtype, batch, seq_len or 16, seed, features, randomize=False
+                )
                 break
         else:
             raise CheckpointError(

@@ -30,47 +30,84 @@ def build_parser() -> argparse.ArgumentParser:
         "tolerance, 1 if any is not (the first submodule whose output diverges is named), 2 for a usage "
         "error or a refused checkpoint; every argument is checked before anything runs.",
     )
-    parity.add_argument("--model", choices=[*MODEL_CHOICES, "all"], default="all",
-                        help="which model to check (default: all, on small configs; gpt2-xl-block is full width)")
+    parity.add_argument(
+        "--model",
+        choices=[*MODEL_CHOICES, "all"],
+        default="all",
+        help="which model to check (default: all, on small configs; gpt2-xl-block is full width)",
+    )
     parity.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parity.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     parity.add_argument("--seq-len", type=int, default=None, help="sequence length (default: per model)")
     parity.add_argument("--seed", type=int, default=0)
-    parity.add_argument("--train-steps", type=int, default=0, metavar="K",
-                        help="also run K optimizer steps in both frameworks and compare loss and parameters")
+    parity.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run K optimizer steps in both frameworks and compare loss and parameters",
+    )
     parity.add_argument("--rtol", type=float, default=None, help="override the relative tolerance of every tensor")
     parity.add_argument("--atol", type=float, default=None, help="override the absolute tolerance of every tensor")
     parity.add_argument("--json", metavar="PATH", help="write a machine-readable report with every number")
-    parity.add_argument("--plot", metavar="PATH",
-                        help="save a chart of per-module output and gradient errors (.png, .pdf, .svg, ...)")
+    parity.add_argument(
+        "--plot", metavar="PATH", help="save a chart of per-module output and gradient errors (.png, .pdf, .svg, ...)"
+    )
     parity.add_argument("--quiet", action="store_true", help="print only the summary lines")
     parity.add_argument("--worst", type=int, default=8, help="rows per table (default 8)")
-    parity.add_argument("--attribute", action="store_true",
-                        help="also run both models in float64 and give, for every failing tensor, torch's and "
-                        "flax's error against that float64 truth: which side is wrong")
+    parity.add_argument(
+        "--attribute",
+        action="store_true",
+        help="also run both models in float64 and give, for every failing tensor, torch's and "
+        "flax's error against that float64 truth: which side is wrong",
+    )
     ref = parity.add_argument_group("parity without torch on the machine")
-    ref.add_argument("--save-reference", metavar="FILE",
-                     help="write the torch side of every selected model (inputs, weights, cotangents, outputs, "
-                     "gradients, per-submodule records; float64 values with --attribute) to one safetensors file")
-    ref.add_argument("--reference", metavar="FILE",
-                     help="check the flax side against a file written by --save-reference; needs no torch "
-                     "(replaces --model/--checkpoint; dtype and sizes come from the file; --devices/--fsdp apply)")
+    ref.add_argument(
+        "--save-reference",
+        metavar="FILE",
+        help="write the torch side of every selected model (inputs, weights, cotangents, outputs, "
+        "gradients, per-submodule records; float64 values with --attribute) to one safetensors file",
+    )
+    ref.add_argument(
+        "--reference",
+        metavar="FILE",
+        help="check the flax side against a file written by --save-reference; needs no torch "
+        "(replaces --model/--checkpoint; dtype and sizes come from the file; --devices/--fsdp apply)",
+    )
     mesh = parity.add_argument_group("running the flax side sharded")
-    mesh.add_argument("--devices", type=int, metavar="N",
-                      help="run the flax side on a (data, fsdp) mesh of the first N devices; on CPU, N devices are "
-                      "simulated (XLA's host device count, set before JAX starts)")
-    mesh.add_argument("--fsdp", type=int, metavar="K",
-                      help="FSDP size of the mesh (default 1; with --fsdp alone, the mesh spans every device): "
-                      "parameters are split K ways by the training rules, the batch over N // K")
+    mesh.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="run the flax side on a (data, fsdp) mesh of the first N devices; on CPU, N devices are "
+        "simulated (XLA's host device count, set before JAX starts)",
+    )
+    mesh.add_argument(
+        "--fsdp",
+        type=int,
+        metavar="K",
+        help="FSDP size of the mesh (default 1; with --fsdp alone, the mesh spans every device): "
+        "parameters are split K ways by the training rules, the batch over N // K",
+    )
     ckpt = parity.add_argument_group("checking a checkpoint of your own")
-    ckpt.add_argument("--checkpoint", metavar="PATH",
-                      help="a torch_ref GPT, encoder-decoder or LayerNorm state dict (.safetensors, or .pt/.pth/.bin "
-                      "read with weights_only=True) or a Hugging Face GPT-2 folder; replaces --model")
-    ckpt.add_argument("--preset", choices=["gpt2", "gpt2-xl", "chapter12", "music"],
-                      help="GPT preset for what tensor shapes cannot tell (head count, ignore_index)")
+    ckpt.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="a torch_ref GPT, encoder-decoder or LayerNorm state dict (.safetensors, or .pt/.pth/.bin "
+        "read with weights_only=True) or a Hugging Face GPT-2 folder; replaces --model",
+    )
+    ckpt.add_argument(
+        "--preset",
+        choices=["gpt2", "gpt2-xl", "chapter12", "music"],
+        help="GPT preset for what tensor shapes cannot tell (head count, ignore_index)",
+    )
     ckpt.add_argument("--n-head", type=int, help="attention heads (not visible in the weights)")
-    ckpt.add_argument("--ffn-activation", choices=["none", "relu"], default="none",
-                      help="encoder-decoder feed-forward activation (default none, as the book)")
+    ckpt.add_argument(
+        "--ffn-activation",
+        choices=["none", "relu"],
+        default="none",
+        help="encoder-decoder feed-forward activation (default none, as the book)",
+    )
     return parser
 
 
@@ -114,11 +151,15 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--checkpoint replaces --model; give one of them")
     if args.reference:
         if args.checkpoint or args.model != "all" or args.save_reference or args.train_steps or args.seq_len:
-            parser.error("--reference replaces --model, --checkpoint, --save-reference, --train-steps and --seq-len; "
-                         "the file says what to check")
+            parser.error(
+                "--reference replaces --model, --checkpoint, --save-reference, --train-steps and --seq-len; "
+                "the file says what to check"
+            )
         if args.attribute:
-            parser.error("--reference takes attribution from the file: write it with --save-reference FILE "
-                         "--attribute (on the machine with torch)")
+            parser.error(
+                "--reference takes attribution from the file: write it with --save-reference FILE "
+                "--attribute (on the machine with torch)"
+            )
         if not os.path.isfile(args.reference):
             parser.error(f"--reference {args.reference!r}: no such file")
     if args.save_reference:
@@ -179,12 +220,15 @@ def _make_mesh(parser: argparse.ArgumentParser, args: argparse.Namespace):
         )
     fsdp = args.fsdp or 1
     if wanted % fsdp:
-        parser.error(f"--fsdp {fsdp} must divide --devices {wanted}: the mesh is (data, fsdp) = "
-                     f"({wanted} // fsdp, fsdp)")
+        parser.error(
+            f"--fsdp {fsdp} must divide --devices {wanted}: the mesh is (data, fsdp) = ({wanted} // fsdp, fsdp)"
+        )
     mesh = make_mesh(fsdp, devices=devices[:wanted])
     if not args.reference and args.batch % mesh.shape[DATA]:  # a reference's batch is checked on reading it
-        parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({mesh.shape[DATA]} = "
-                     f"devices {wanted} // fsdp {fsdp}): the batch is split over it")
+        parser.error(
+            f"--batch {args.batch} must be a multiple of the mesh's data axis ({mesh.shape[DATA]} = "
+            f"devices {wanted} // fsdp {fsdp}): the batch is split over it"
+        )
     return mesh
 
 
@@ -194,9 +238,12 @@ def _tolerances(args: argparse.Namespace, dtype: str) -> dict:
 
     from flax_ln.parity import engine as parity
 
-    return {kind: dataclasses.replace(tol, rtol=tol.rtol if args.rtol is None else args.rtol,
-                                      atol=tol.atol if args.atol is None else args.atol)
-            for kind, tol in parity.TOLERANCES[dtype].items()}
+    return {
+        kind: dataclasses.replace(
+            tol, rtol=tol.rtol if args.rtol is None else args.rtol, atol=tol.atol if args.atol is None else args.atol
+        )
+        for kind, tol in parity.TOLERANCES[dtype].items()
+    }
 
 
 def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> int:
@@ -204,12 +251,17 @@ def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> i
     from flax_ln.parity import report as parity_report
 
     passed = all(r.passed for r in reports)
-    print(f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
-          f"{'PASS' if passed else 'FAIL'}")
+    print(
+        f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
+        f"{'PASS' if passed else 'FAIL'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": env, "dtype": dtype, "passed": passed,
-                       "models": [r.to_json() for r in reports]}, f, indent=1)
+            json.dump(
+                {"environment": env, "dtype": dtype, "passed": passed, "models": [r.to_json() for r in reports]},
+                f,
+                indent=1,
+            )
     if args.plot:
         parity_report.plot_errors(reports, args.plot)
     return 0 if passed else 1
@@ -231,9 +283,12 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
         from flax_ln.sharding import DATA
 
         if settings["batch"] % mesh.shape[DATA]:
-            print(f"flax-ln parity: error: --reference {args.reference!r} holds batch {settings['batch']}, not a "
-                  f"multiple of the mesh's data axis ({mesh.shape[DATA]}): the batch is split over it; choose "
-                  "--devices/--fsdp to fit, or write the reference with a --batch that divides", file=sys.stderr)
+            print(
+                f"flax-ln parity: error: --reference {args.reference!r} holds batch {settings['batch']}, not a "
+                f"multiple of the mesh's data axis ({mesh.shape[DATA]}): the batch is split over it; choose "
+                "--devices/--fsdp to fit, or write the reference with a --batch that divides",
+                file=sys.stderr,
+            )
             return 2
     dtype = settings["dtype"]
     reports = []
@@ -241,10 +296,14 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
         env = parity_report.environment()
         print(parity_report.format_environment(env) + f" | dtype {dtype} | reference {args.reference}", flush=True)
         for index, model in enumerate(models, 1):
-            print(f"[{index}/{len(models)}] {model.side.name}: building, compiling and comparing ...",
-                  file=sys.stderr, flush=True)
-            report = reference.check_reference(model, _tolerances(args, dtype), capture_modules=bool(args.plot),
-                                               mesh=mesh)
+            print(
+                f"[{index}/{len(models)}] {model.side.name}: building, compiling and comparing ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            report = reference.check_reference(
+                model, _tolerances(args, dtype), capture_modules=bool(args.plot), mesh=mesh
+            )
             reports.append(report)
             print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
     return _finish(args, env, dtype, reports)
@@ -271,8 +330,15 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
             try:
                 if args.checkpoint:
                     case = parity_cases.checkpoint_case(
-                        args.checkpoint, args.dtype, args.batch, args.seq_len, args.seed, preset=args.preset,
-                        n_head=args.n_head, ffn_activation=None if args.ffn_activation == "none" else "relu")
+                        args.checkpoint,
+                        args.dtype,
+                        args.batch,
+                        args.seq_len,
+                        args.seed,
+                        preset=args.preset,
+                        n_head=args.n_head,
+                        ffn_activation=None if args.ffn_activation == "none" else "relu",
+                    )
                 else:
                     case = parity_cases.BUILDERS[name](args.dtype, args.batch, args.seq_len, args.seed)
             except ValueError as err:  # CheckpointError, or sizes the model cannot take
@@ -281,22 +347,38 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
             tolerances = _tolerances(args, args.dtype)
             if args.save_reference:
                 side = parity.torch_side_of_case(case, attribute=args.attribute, record=True)
-                saved.append(parity_reference.ReferenceModel(side, dict(case.spec), parity_reference.forward_name(
-                    case.forward), case.lm_logits, case.stored_dtype))
-                report = parity.compare_side(side, case.flax_model, forward=case.forward, tolerances=tolerances,
-                                             capture_modules=bool(args.plot), lm_logits=case.lm_logits, mesh=mesh)
+                saved.append(
+                    parity_reference.ReferenceModel(
+                        side,
+                        dict(case.spec),
+                        parity_reference.forward_name(case.forward),
+                        case.lm_logits,
+                        case.stored_dtype,
+                    )
+                )
+                report = parity.compare_side(
+                    side,
+                    case.flax_model,
+                    forward=case.forward,
+                    tolerances=tolerances,
+                    capture_modules=bool(args.plot),
+                    lm_logits=case.lm_logits,
+                    mesh=mesh,
+                )
                 report.stored_dtype = case.stored_dtype
             else:
-                report = parity.check_case(case, tolerances, capture_modules=bool(args.plot),
-                                           attribute=args.attribute, mesh=mesh)
+                report = parity.check_case(
+                    case, tolerances, capture_modules=bool(args.plot), attribute=args.attribute, mesh=mesh
+                )
             if args.train_steps and case.train is not None:
                 report.train_steps = parity.check_training(case, args.train_steps, tolerances)
             report.seconds = time.perf_counter() - start
             reports.append(report)
             print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
     if args.save_reference:
-        settings = {key: getattr(args, key) for key in ("model", "checkpoint", "dtype", "batch", "seq_len", "seed",
-                                                        "attribute")}
+        settings = {
+            key: getattr(args, key) for key in ("model", "checkpoint", "dtype", "batch", "seq_len", "seed", "attribute")
+        }
         parity_reference.save_reference(args.save_reference, saved, settings)
         print(f"reference: {len(saved)} model(s) written to {args.save_reference}")
     return _finish(args, env, args.dtype, reports)

@@ -112,8 +112,16 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
 HALF_PRECISION = ("bfloat16", "float16")  # compared against a float32 torch reference
 
 
-def compare_tensors(name: str, kind: str, actual, expected, tolerance: Tolerance, *, gradient_norm: float = 0.0,
-                    dtype: str | None = None) -> TensorResult:
+def compare_tensors(
+    name: str,
+    kind: str,
+    actual,
+    expected,
+    tolerance: Tolerance,
+    *,
+    gradient_norm: float = 0.0,
+    dtype: str | None = None,
+) -> TensorResult:
     """Compare ``actual`` (flax) with ``expected`` (torch). NaN/Inf are flagged and fail.
 
     Args:
@@ -123,9 +131,11 @@ def compare_tensors(name: str, kind: str, actual, expected, tolerance: Tolerance
       gradient_norm: the norm of the whole gradient this tensor belongs to, for ``tolerance.gtol``.
       dtype: the dtype ``actual`` must have, if any (a different dtype fails).
     """
+
     def unusable(problem: str) -> TensorResult:
-        return TensorResult(name, kind, tuple(np.shape(expected)), math.inf, None, math.inf, tolerance, None, False,
-                            problem=problem)
+        return TensorResult(
+            name, kind, tuple(np.shape(expected)), math.inf, None, math.inf, tolerance, None, False, problem=problem
+        )
 
     if actual is None:
         return unusable("missing on the flax side")
@@ -156,8 +166,9 @@ def compare_tensors(name: str, kind: str, actual, expected, tolerance: Tolerance
         "gtol": float(np.linalg.norm(diff)) <= tolerance.gtol * gradient_norm,
     }
     passed_by = next((c for c, held in criteria.items() if held), None) if nonfinite is None else None
-    return TensorResult(name, kind, tuple(b.shape), max_abs, index, rel, tolerance, nonfinite,
-                        passed_by is not None, passed_by)
+    return TensorResult(
+        name, kind, tuple(b.shape), max_abs, index, rel, tolerance, nonfinite, passed_by is not None, passed_by
+    )
 
 
 def _global_norm(arrays) -> float:
@@ -242,8 +253,10 @@ def _torch_tensors(inputs, kwargs, *, grad: bool = False, double: bool = False):
             x = x.astype(np.float64)
         return torch.from_numpy(x).requires_grad_(track and _is_float(x))
 
-    return ([tensor(x, grad) for x in inputs],
-            {k: tensor(v, False) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()})
+    return (
+        [tensor(x, grad) for x in inputs],
+        {k: tensor(v, False) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()},
+    )
 
 
 def _run_torch(module, inputs, input_names, kwargs, forward, loss, cotangents=None, *, double=False):
@@ -260,8 +273,11 @@ def _run_torch(module, inputs, input_names, kwargs, forward, loss, cotangents=No
         if loss is None:
             if cotangents is None:
                 cotangents = _cotangents(named)
-            value = sum((v * torch.from_numpy(cotangents[k]).to(v.dtype)).sum()
-                        for k, v in named_outputs(outputs) if k in cotangents)
+            value = sum(
+                (v * torch.from_numpy(cotangents[k]).to(v.dtype)).sum()
+                for k, v in named_outputs(outputs)
+                if k in cotangents
+            )
         else:
             cotangents = {}
             value = loss[0](outputs)
@@ -272,13 +288,17 @@ def _run_torch(module, inputs, input_names, kwargs, forward, loss, cotangents=No
     return dict(named), cotangents, value.detach().numpy(), grads
 
 
-def _tangents(inputs, input_names, params: Mapping[str, np.ndarray], with_params: bool,
-              seed: int = 1) -> dict[str, np.ndarray]:
+def _tangents(
+    inputs, input_names, params: Mapping[str, np.ndarray], with_params: bool, seed: int = 1
+) -> dict[str, np.ndarray]:
     """Fixed random tangents shared by both sides: ``tangent <input>`` for floating inputs, and
     every parameter by torch name when ``with_params`` (or when no input is floating)."""
     rng = np.random.default_rng(seed)
-    tangents = {f"tangent {n}": rng.standard_normal(x.shape).astype(x.dtype)
-                for n, x in zip(input_names, inputs) if _is_float(x)}
+    tangents = {
+        f"tangent {n}": rng.standard_normal(x.shape).astype(x.dtype)
+        for n, x in zip(input_names, inputs)
+        if _is_float(x)
+    }
     if with_params or not tangents:
         tangents.update({k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in params.items()})
     return tangents
@@ -318,13 +338,14 @@ def _run_torch_jvp(module, inputs, input_names, kwargs, forward, tangents, *, do
         return torch.from_numpy(np.array(tangents[key])).to(like.dtype)
 
     primal_in = (params, *(tensors[i] for i in float_positions))
-    tangent_in = ({n: tangent(n, p) for n, p in params.items()},
-                  *(tangent(f"tangent {input_names[i]}", tensors[i]) for i in float_positions))
+    tangent_in = (
+        {n: tangent(n, p) for n, p in params.items()},
+        *(tangent(f"tangent {input_names[i]}", tensors[i]) for i in float_positions),
+    )
     with _torch_eval_untouched(module), torch.no_grad():
         outputs, output_tangents = jvp(run, primal_in, tangent_in)
     named = {k: v.detach().numpy() for k, v in named_outputs(outputs)}
-    named.update({f"tangent {k}": v.detach().numpy() for k, v in named_outputs(output_tangents)
-                  if _is_float(named[k])})
+    named.update({f"tangent {k}": v.detach().numpy() for k, v in named_outputs(output_tangents) if _is_float(named[k])})
     return named
 
 
@@ -369,8 +390,9 @@ def _flax_split(model, inputs, kwargs):
 def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, param_names, mesh=None):
     """Outputs, loss and gradients (same keys as :func:`_run_torch`) of the flax side, jitted; on ``mesh``
     (see :func:`_on_mesh`) when given. Also returns the sharding record (``None`` without a mesh)."""
-    graphdef, params, rest, float_positions, float_inputs, other_inputs, array_kwargs, static_kwargs = \
-        _flax_split(model, inputs, kwargs)
+    graphdef, params, rest, float_positions, float_inputs, other_inputs, array_kwargs, static_kwargs = _flax_split(
+        model, inputs, kwargs
+    )
 
     def objective(params, rest, float_inputs, other_inputs, array_kwargs):
         args = list(other_inputs)
@@ -379,14 +401,16 @@ def _run_flax(model, inputs, input_names, kwargs, forward, loss, cotangents, par
         outputs = _call(forward, nnx.merge(graphdef, params, rest), args, {**array_kwargs, **static_kwargs})
         if loss is not None:
             return loss[1](outputs), outputs
-        value = sum(jnp.sum(v * jnp.asarray(cotangents[k], v.dtype)) for k, v in named_outputs(outputs)
-                    if k in cotangents)
+        value = sum(
+            jnp.sum(v * jnp.asarray(cotangents[k], v.dtype)) for k, v in named_outputs(outputs) if k in cotangents
+        )
         return value, outputs
 
     sharding = None
     if mesh is not None:
         params, rest, (float_inputs, other_inputs, array_kwargs), sharding = _on_mesh(
-            mesh, params, rest, (float_inputs, other_inputs, array_kwargs))
+            mesh, params, rest, (float_inputs, other_inputs, array_kwargs)
+        )
     grad_fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 2), has_aux=True))
     (value, outputs), (param_grads, input_grads) = grad_fn(params, rest, float_inputs, other_inputs, array_kwargs)
     grads = {f"grad {input_names[i]}": np.asarray(g) for i, g in zip(float_positions, input_grads)}
@@ -404,21 +428,30 @@ def _run_flax_jvp(model, inputs, input_names, kwargs, forward, tangents, state_d
     (into a copy of the model), so they land in the flax layout; parameters without
     one get a zero tangent.
     """
-    graphdef, params, rest, float_positions, float_inputs, other_inputs, array_kwargs, static_kwargs = \
-        _flax_split(model, inputs, kwargs)
+    graphdef, params, rest, float_positions, float_inputs, other_inputs, array_kwargs, static_kwargs = _flax_split(
+        model, inputs, kwargs
+    )
     holder = nnx.clone(model)
-    load_torch_state_dict(holder, {k: tangents[k] if k in tangents else np.zeros_like(v) if k in param_names else v
-                                   for k, v in state_dict.items()})
+    load_torch_state_dict(
+        holder,
+        {
+            k: tangents[k] if k in tangents else np.zeros_like(v) if k in param_names else v
+            for k, v in state_dict.items()
+        },
+    )
     param_tangents = nnx.split(holder, nnx.Param, ...)[1]
-    input_tangents = [jnp.asarray(tangents[f"tangent {input_names[i]}"], float_inputs[k].dtype)
-                      for k, i in enumerate(float_positions)]
+    input_tangents = [
+        jnp.asarray(tangents[f"tangent {input_names[i]}"], float_inputs[k].dtype) for k, i in enumerate(float_positions)
+    ]
 
     sharding = None
     if mesh is not None:
         params, rest, (float_inputs, other_inputs, array_kwargs), sharding = _on_mesh(
-            mesh, params, rest, (float_inputs, other_inputs, array_kwargs))
+            mesh, params, rest, (float_inputs, other_inputs, array_kwargs)
+        )
         param_tangents, input_tangents = jax.device_put(
-            (param_tangents, input_tangents), jax.tree.map(lambda x: x.sharding, (params, float_inputs)))
+            (param_tangents, input_tangents), jax.tree.map(lambda x: x.sharding, (params, float_inputs))
+        )
 
     @jax.jit
     def primal_and_tangent(params, rest, float_inputs, param_tangents, input_tangents, other_inputs, array_kwargs):
@@ -430,8 +463,9 @@ def _run_flax_jvp(model, inputs, input_names, kwargs, forward, tangents, state_d
 
         return jax.jvp(run, (params, float_inputs), (param_tangents, input_tangents))
 
-    outputs, output_tangents = primal_and_tangent(params, rest, float_inputs, param_tangents, input_tangents,
-                                                  other_inputs, array_kwargs)
+    outputs, output_tangents = primal_and_tangent(
+        params, rest, float_inputs, param_tangents, input_tangents, other_inputs, array_kwargs
+    )
     named = {k: np.asarray(v) for k, v in named_outputs(outputs)}
     named.update({f"tangent {k}": np.asarray(v) for k, v in named_outputs(output_tangents) if _is_float(named[k])})
     return named, sharding
@@ -449,8 +483,9 @@ def _resolve_dtype(torch_module, dtype: str | None) -> str:
     if found and found != [want]:
         raise ValueError(
             f"compare_modules(dtype={dtype!r}) needs torch parameters in {want}, found {found}: "
-            f"call torch_module.to(torch.{want})" + (" (half precision compares against a float32 torch reference)"
-                                                     if dtype in HALF_PRECISION else ""))
+            f"call torch_module.to(torch.{want})"
+            + (" (half precision compares against a float32 torch reference)" if dtype in HALF_PRECISION else "")
+        )
     return dtype
 
 
@@ -461,7 +496,8 @@ def _check_flax_params(model: nnx.Module, dtype: str) -> None:
             hint = " under jax.enable_x64(True)" if want == np.float64 else ""
             raise ValueError(
                 f"compare_modules(dtype={dtype!r}): flax parameter {'.'.join(map(str, path))!r} is {node.dtype}, "
-                f"expected {want}: build the flax module with param_dtype=jnp.{want}{hint}")
+                f"expected {want}: build the flax module with param_dtype=jnp.{want}{hint}"
+            )
 
 
 def _axis_order(torch_input: np.ndarray, flax_input: np.ndarray, index: int) -> tuple[int, ...]:
@@ -474,7 +510,8 @@ def _axis_order(torch_input: np.ndarray, flax_input: np.ndarray, index: int) -> 
             return perm
     raise ValueError(
         f"flax_inputs[{index}] (shape {flax_input.shape}) must hold the values of inputs[{index}] (shape "
-        f"{torch_input.shape}) in some axis order, e.g. np.moveaxis(inputs[{index}], 1, -1) for NCL -> NLC")
+        f"{torch_input.shape}) in some axis order, e.g. np.moveaxis(inputs[{index}], 1, -1) for NCL -> NLC"
+    )
 
 
 def _as_tuple(inputs) -> tuple[np.ndarray, ...]:
@@ -523,8 +560,9 @@ def _torch_results(module, inputs, input_names, kwargs, forward, loss, mode, cot
     if mode == "jvp":
         expected = _run_torch_jvp(module, inputs, input_names, kwargs, forward, tangents, double=double)
         return expected, {k: "tangent" if k.startswith("tangent ") else "output" for k in expected}, {}
-    outputs, cotangents, value, grads = _run_torch(module, inputs, input_names, kwargs, forward, loss, cotangents,
-                                                   double=double)
+    outputs, cotangents, value, grads = _run_torch(
+        module, inputs, input_names, kwargs, forward, loss, cotangents, double=double
+    )
     expected, kinds = dict(outputs), dict.fromkeys(outputs, "output")
     if loss is not None:
         expected["loss"], kinds["loss"] = value, "loss"
@@ -533,25 +571,52 @@ def _torch_results(module, inputs, input_names, kwargs, forward, loss, mode, cot
     return expected, kinds, cotangents
 
 
-def run_torch_side(torch_module, inputs, *, input_names, kwargs, forward, loss, dtype: str, mode: str = "grad",
-                   tangent_params: bool = True, attribute: bool = False, record: bool = False,
-                   name: str | None = None) -> TorchSide:
+def run_torch_side(
+    torch_module,
+    inputs,
+    *,
+    input_names,
+    kwargs,
+    forward,
+    loss,
+    dtype: str,
+    mode: str = "grad",
+    tangent_params: bool = True,
+    attribute: bool = False,
+    record: bool = False,
+    name: str | None = None,
+) -> TorchSide:
     """Run the torch side once (and, with ``attribute``, once more on a float64 copy, the same
     cotangents or tangents in float64). ``record`` captures every submodule's call too."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     state_dict = {k: v.detach().numpy().copy() for k, v in torch_module.state_dict().items()}
     param_names = [n for n, _ in torch_module.named_parameters()]
-    tangents = _tangents(inputs, input_names, {k: state_dict[k] for k in param_names}, tangent_params) \
-        if mode == "jvp" else {}
-    expected, kinds, cotangents = _torch_results(torch_module, inputs, input_names, kwargs, forward, loss, mode,
-                                                 None, tangents)
-    side = TorchSide(name or type(torch_module).__name__, dtype, mode, list(inputs), list(input_names), dict(kwargs),
-                     state_dict, param_names, expected, kinds, cotangents, tangents)
+    tangents = (
+        _tangents(inputs, input_names, {k: state_dict[k] for k in param_names}, tangent_params) if mode == "jvp" else {}
+    )
+    expected, kinds, cotangents = _torch_results(
+        torch_module, inputs, input_names, kwargs, forward, loss, mode, None, tangents
+    )
+    side = TorchSide(
+        name or type(torch_module).__name__,
+        dtype,
+        mode,
+        list(inputs),
+        list(input_names),
+        dict(kwargs),
+        state_dict,
+        param_names,
+        expected,
+        kinds,
+        cotangents,
+        tangents,
+    )
     if attribute:
         with _torch_in_float64(torch_module):
-            side.truth = _torch_results(torch_module, inputs, input_names, kwargs, forward, loss, mode, cotangents,
-                                        tangents, double=True)[0]
+            side.truth = _torch_results(
+                torch_module, inputs, input_names, kwargs, forward, loss, mode, cotangents, tangents, double=True
+            )[0]
     if record:
         record_torch_side(side, torch_module, forward)
     return side
@@ -580,8 +645,7 @@ def record_torch_side(side: TorchSide, torch_module, forward) -> None:
     tensors, t_kwargs = _torch_tensors(side.inputs, side.kwargs)
     side.calls = {}
     with _torch_eval_untouched(torch_module):
-        side.records = capture_torch(torch_module, lambda: _call(forward, torch_module, tensors, t_kwargs),
-                                     side.calls)
+        side.records = capture_torch(torch_module, lambda: _call(forward, torch_module, tensors, t_kwargs), side.calls)
 
 
 # ---------------------------------------------------------------------------------------
@@ -590,22 +654,29 @@ def record_torch_side(side: TorchSide, torch_module, forward) -> None:
 
 def _modules_by_torch_path(flax_module: nnx.Module) -> dict[str, nnx.Module]:
     torch_paths = rules.torch_module_paths(flax_module)  # flax path -> torch path
-    found = {torch_paths.get(path, path): m for path, m in ((".".join(map(str, p)), m)
-                                                            for p, m in nnx.iter_modules(flax_module))}
+    found = {
+        torch_paths.get(path, path): m
+        for path, m in ((".".join(map(str, p)), m) for p, m in nnx.iter_modules(flax_module))
+    }
     found[WHOLE_MODEL] = flax_module
     return found
 
 
-def _compare_activations(label: str, module, flax_arrays: list, torch_arrays: list,
-                         tolerance: Tolerance) -> list[TensorResult]:
+def _compare_activations(
+    label: str, module, flax_arrays: list, torch_arrays: list, tolerance: Tolerance
+) -> list[TensorResult]:
     """Flax activations (put into torch's layout) against torch's, pairwise; pairs of different shapes are skipped."""
     pairs = [(np.asarray(rules.torch_activation(module, f)), t) for f, t in zip(flax_arrays, torch_arrays)]
-    return [compare_tensors(f"{label} {i}", f"module {label}", f, t, tolerance)
-            for i, (f, t) in enumerate(pairs) if f.shape == t.shape]
+    return [
+        compare_tensors(f"{label} {i}", f"module {label}", f, t, tolerance)
+        for i, (f, t) in enumerate(pairs)
+        if f.shape == t.shape
+    ]
 
 
-def localize(torch_records: Records, flax_module: nnx.Module, flax_inputs, kwargs, forward,
-             tolerance: Tolerance) -> tuple[list[TensorResult], FirstDivergence | None]:
+def localize(
+    torch_records: Records, flax_module: nnx.Module, flax_inputs, kwargs, forward, tolerance: Tolerance
+) -> tuple[list[TensorResult], FirstDivergence | None]:
     """Every submodule's output error, in torch execution order, and the first that diverges.
 
     Submodules are paired by torch path: a flax path is mapped through the converter's
@@ -638,8 +709,7 @@ def localize(torch_records: Records, flax_module: nnx.Module, flax_inputs, kwarg
     return errors, divergence
 
 
-def isolate(torch_records: Records, torch_calls: Calls, flax_module: nnx.Module,
-            tolerance: Tolerance) -> Isolation:
+def isolate(torch_records: Records, torch_calls: Calls, flax_module: nnx.Module, tolerance: Tolerance) -> Isolation:
     """Each flax submodule run on its torch twin's recorded inputs, alone: which module's own computation differs.
 
     For every recorded torch call, the flax module at the same path is called eagerly
@@ -721,6 +791,7 @@ def lm_metrics(flax_logits, torch_logits, output: str, top_k: int = 5) -> dict[s
     whose sets of ``k`` most likely tokens agree. The worst position is the one with the
     largest KL, as an index into the leading axes.
     """
+
     def log_softmax(x):
         x = np.asarray(x, np.float64)
         shifted = x - x.max(-1, keepdims=True)
@@ -750,8 +821,9 @@ def lm_metrics(flax_logits, torch_logits, output: str, top_k: int = 5) -> dict[s
 # the comparison
 
 
-def _flax_results(side: TorchSide, flax_eval: nnx.Module, flax_inputs, orders, forward, loss,
-                  mesh=None) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
+def _flax_results(
+    side: TorchSide, flax_eval: nnx.Module, flax_inputs, orders, forward, loss, mesh=None
+) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
     """The flax side's values under the keys of ``side.expected`` (input gradients back in torch's axis order),
     and the sharding record when it ran on ``mesh``."""
     names, kwargs = side.input_names, side.kwargs
@@ -761,10 +833,12 @@ def _flax_results(side: TorchSide, flax_eval: nnx.Module, flax_inputs, orders, f
             key = f"tangent {names[i]}"
             if key in tangents:
                 tangents[key] = np.transpose(tangents[key], order)
-        return _run_flax_jvp(flax_eval, flax_inputs, names, kwargs, forward, tangents, side.state_dict,
-                             set(side.param_names), mesh)
-    outputs, value, grads, sharding = _run_flax(flax_eval, flax_inputs, names, kwargs, forward, loss,
-                                                side.cotangents, set(side.param_names), mesh)
+        return _run_flax_jvp(
+            flax_eval, flax_inputs, names, kwargs, forward, tangents, side.state_dict, set(side.param_names), mesh
+        )
+    outputs, value, grads, sharding = _run_flax(
+        flax_eval, flax_inputs, names, kwargs, forward, loss, side.cotangents, set(side.param_names), mesh
+    )
     for i, order in enumerate(orders):
         key = f"grad {names[i]}"
         if key in grads:
@@ -772,10 +846,20 @@ def _flax_results(side: TorchSide, flax_eval: nnx.Module, flax_inputs, orders, f
     return {**outputs, **({"loss": value} if loss is not None else {}), **grads}, sharding
 
 
-def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, forward: Callable | None = None,
-                 loss=None, tolerances: Mapping[str, Tolerance] | None = None, localize_failures: bool = True,
-                 capture_modules: bool = False, lm_logits: str | None = None,
-                 record: Callable[[], None] | None = None, mesh=None) -> ParityReport:
+def compare_side(
+    side: TorchSide,
+    flax_module: nnx.Module,
+    *,
+    flax_inputs=None,
+    forward: Callable | None = None,
+    loss=None,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    localize_failures: bool = True,
+    capture_modules: bool = False,
+    lm_logits: str | None = None,
+    record: Callable[[], None] | None = None,
+    mesh=None,
+) -> ParityReport:
     """The flax side against a :class:`TorchSide`: the heart of :func:`compare_modules`, also used on reference files.
 
     ``record()`` fills ``side.records``/``side.calls`` when localisation needs them and
@@ -800,8 +884,13 @@ def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, 
         actual, sharding = _flax_results(side, flax_eval, flax_inputs, orders, forward, loss, mesh)
 
         exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
-        tolerance_of = {"output": "output", "loss": "output", "input grad": "grad", "param grad": "grad",
-                        "tangent": "grad"}  # a tangent is a derivative: the gradients' rounding budget
+        tolerance_of = {
+            "output": "output",
+            "loss": "output",
+            "input grad": "grad",
+            "param grad": "grad",
+            "tangent": "grad",
+        }  # a tangent is a derivative: the gradients' rounding budget
         norm = _global_norm(side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad")
         results = []
         for k, v in side.expected.items():
@@ -809,10 +898,20 @@ def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, 
             # gradients come back in the parameter dtype; outputs and tangents in the compute dtype, which is
             # torch's except in half precision; a loss is a scalar of either
             values_in_compute_dtype = kind in ("output", "tangent")
-            check_dtype = str(v.dtype) if _is_float(v) and kind != "loss" and (exact or not values_in_compute_dtype) \
-                else None
-            results.append(compare_tensors(k, kind, actual.get(k), v, tolerances[tolerance_of[kind]],
-                                           dtype=check_dtype, gradient_norm=norm if kind == "param grad" else 0.0))
+            check_dtype = (
+                str(v.dtype) if _is_float(v) and kind != "loss" and (exact or not values_in_compute_dtype) else None
+            )
+            results.append(
+                compare_tensors(
+                    k,
+                    kind,
+                    actual.get(k),
+                    v,
+                    tolerances[tolerance_of[kind]],
+                    dtype=check_dtype,
+                    gradient_norm=norm if kind == "param grad" else 0.0,
+                )
+            )
         param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]
         if "grads" in tolerances and param_grads and all(k in actual for k in param_grads):
             whole = [np.concatenate([np.ravel(g[k]) for k in param_grads]) for g in (actual, side.expected)]
@@ -820,8 +919,10 @@ def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, 
         report = ParityReport(side.name, dtype, results, mode=side.mode, sharding=sharding)
         if lm_logits is not None:
             if lm_logits not in side.expected or actual.get(lm_logits) is None:
-                raise ValueError(f"lm_logits={lm_logits!r} names no output; outputs: "
-                                 f"{[k for k, kind in side.kinds.items() if kind == 'output']}")
+                raise ValueError(
+                    f"lm_logits={lm_logits!r} names no output; outputs: "
+                    f"{[k for k, kind in side.kinds.items() if kind == 'output']}"
+                )
             report.lm_metrics = lm_metrics(actual[lm_logits], side.expected[lm_logits], lm_logits)
 
         if side.truth is not None:
@@ -832,41 +933,76 @@ def compare_side(side: TorchSide, flax_module: nnx.Module, *, flax_inputs=None, 
                 record()
             if side.records is not None:
                 report.module_errors, report.first_divergence = localize(
-                    side.records, flax_eval, flax_inputs, side.kwargs, forward, tolerances["output"])
+                    side.records, flax_eval, flax_inputs, side.kwargs, forward, tolerances["output"]
+                )
             if side.calls is not None:
                 report.isolation = isolate(side.records, side.calls, flax_eval, tolerances["output"])
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], flax_eval: nnx.Module,
-               flax_inputs, orders, forward, loss) -> None:
+def _attribute(
+    report: ParityReport,
+    side: TorchSide,
+    actual: Mapping[str, np.ndarray],
+    flax_eval: nnx.Module,
+    flax_inputs,
+    orders,
+    forward,
+    loss,
+) -> None:
     """Each tensor's error against float64 truth (torch's float64 run), on both sides; and how far the
     flax float64 twin is from that truth (float64 rounding if the two compute the same math)."""
     with jax.enable_x64(True):
         twin = _float64_twin(flax_eval)
-        twin_side = dataclasses.replace(side, cotangents=_float64(side.cotangents), tangents=_float64(side.tangents),
-                                        state_dict=_float64(side.state_dict))
-        twin_values, _ = _flax_results(twin_side, twin, [x.astype(np.float64) if _is_float(x) else x
-                                                         for x in flax_inputs], orders, forward, loss)
+        twin_side = dataclasses.replace(
+            side,
+            cotangents=_float64(side.cotangents),
+            tangents=_float64(side.tangents),
+            state_dict=_float64(side.state_dict),
+        )
+        twin_values, _ = _flax_results(
+            twin_side, twin, [x.astype(np.float64) if _is_float(x) else x for x in flax_inputs], orders, forward, loss
+        )
     twin_errors = {k: relative_error(twin_values[k], t) for k, t in side.truth.items() if k in twin_values}
     worst = max(twin_errors, key=twin_errors.get, default=None)
-    report.attribution = {"truth": "torch float64", "flax_float64_worst": worst,
-                          "flax_float64_rel": twin_errors.get(worst, 0.0)}
+    report.attribution = {
+        "truth": "torch float64",
+        "flax_float64_worst": worst,
+        "flax_float64_rel": twin_errors.get(worst, 0.0),
+    }
     for i, r in enumerate(report.results):
         truth = side.truth.get(r.name)
         if truth is None or r.problem:
             continue
-        report.results[i] = dataclasses.replace(r, torch_vs_float64=relative_error(side.expected[r.name], truth),
-                                                flax_vs_float64=relative_error(actual[r.name], truth))
+        report.results[i] = dataclasses.replace(
+            r,
+            torch_vs_float64=relative_error(side.expected[r.name], truth),
+            flax_vs_float64=relative_error(actual[r.name], truth),
+        )
 
 
-def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None, kwargs=None, loss=None,
-             tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None,
-             forward: Callable | None = None, input_names: Sequence[str] | None = None, name: str | None = None,
-             localize_failures: bool = True, capture_modules: bool = False, mode: str = "grad",
-             tangent_params: bool = True, attribute: bool = False, lm_logits: str | None = None,
-             mesh=None) -> ParityReport:
+def _compare(
+    torch_module,
+    flax_module: nnx.Module,
+    inputs,
+    *,
+    flax_inputs=None,
+    kwargs=None,
+    loss=None,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    dtype: str | None = None,
+    forward: Callable | None = None,
+    input_names: Sequence[str] | None = None,
+    name: str | None = None,
+    localize_failures: bool = True,
+    capture_modules: bool = False,
+    mode: str = "grad",
+    tangent_params: bool = True,
+    attribute: bool = False,
+    lm_logits: str | None = None,
+    mesh=None,
+) -> ParityReport:
     """:func:`compare_modules`, plus what the book's cases need: one ``forward(module, *inputs, **kwargs)``
     used on both sides (default: calling the module), names for the inputs and the report."""
     start = time.perf_counter()
@@ -878,20 +1014,52 @@ def _compare(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None,
     if loss is not None and mode == "jvp":
         raise ValueError("loss is for mode='grad'; mode='jvp' compares every output and its tangent")
     with numerics(dtype):
-        side = run_torch_side(torch_module, inputs, input_names=input_names, kwargs=dict(kwargs or {}),
-                              forward=forward, loss=loss, dtype=dtype, mode=mode, tangent_params=tangent_params,
-                              attribute=attribute, name=name)
-    report = compare_side(side, flax_module, flax_inputs=flax_inputs, forward=forward, loss=loss,
-                          tolerances=tolerances, localize_failures=localize_failures, capture_modules=capture_modules,
-                          lm_logits=lm_logits, record=lambda: record_torch_side(side, torch_module, forward), mesh=mesh)
+        side = run_torch_side(
+            torch_module,
+            inputs,
+            input_names=input_names,
+            kwargs=dict(kwargs or {}),
+            forward=forward,
+            loss=loss,
+            dtype=dtype,
+            mode=mode,
+            tangent_params=tangent_params,
+            attribute=attribute,
+            name=name,
+        )
+    report = compare_side(
+        side,
+        flax_module,
+        flax_inputs=flax_inputs,
+        forward=forward,
+        loss=loss,
+        tolerances=tolerances,
+        localize_failures=localize_failures,
+        capture_modules=capture_modules,
+        lm_logits=lm_logits,
+        record=lambda: record_torch_side(side, torch_module, forward),
+        mesh=mesh,
+    )
     report.seconds = time.perf_counter() - start
     return report
 
 
-def compare_modules(torch_module, flax_module: nnx.Module, inputs, *, flax_inputs=None, kwargs=None, loss=None,
-                    tolerances: Mapping[str, Tolerance] | None = None, dtype: str | None = None,
-                    mode: str = "grad", tangent_params: bool = True, attribute: bool = False,
-                    lm_logits: str | None = None, mesh=None) -> ParityReport:
+def compare_modules(
+    torch_module,
+    flax_module: nnx.Module,
+    inputs,
+    *,
+    flax_inputs=None,
+    kwargs=None,
+    loss=None,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    dtype: str | None = None,
+    mode: str = "grad",
+    tangent_params: bool = True,
+    attribute: bool = False,
+    lm_logits: str | None = None,
+    mesh=None,
+) -> ParityReport:
     """Compare a torch module with its NNX twin: every output, and the gradient of every floating input and parameter.
 
     The torch module's ``state_dict()`` is copied into ``flax_module`` through the strict
@@ -944,9 +1112,21 @@ def compare_modules(torch_module, flax_module: nnx.Module, inputs, *, flax_input
     Returns:
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
     """
-    return _compare(torch_module, flax_module, inputs, flax_inputs=flax_inputs, kwargs=kwargs, loss=loss,
-                    tolerances=tolerances, dtype=dtype, mode=mode, tangent_params=tangent_params,
-                    attribute=attribute, lm_logits=lm_logits, mesh=mesh)
+    return _compare(
+        torch_module,
+        flax_module,
+        inputs,
+        flax_inputs=flax_inputs,
+        kwargs=kwargs,
+        loss=loss,
+        tolerances=tolerances,
+        dtype=dtype,
+        mode=mode,
+        tangent_params=tangent_params,
+        attribute=attribute,
+        lm_logits=lm_logits,
+        mesh=mesh,
+    )
 
 
 def assert_parity(torch_module, flax_module: nnx.Module, inputs, **options) -> ParityReport:
@@ -1002,16 +1182,36 @@ class Case:
     stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, named in the report
 
 
-def check_case(case: Case, tolerances: Mapping[str, Tolerance] | None = None, *, localize_failures: bool = True,
-               capture_modules: bool = False, mode: str = "grad", attribute: bool = False,
-               mesh=None) -> ParityReport:
+def check_case(
+    case: Case,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    *,
+    localize_failures: bool = True,
+    capture_modules: bool = False,
+    mode: str = "grad",
+    attribute: bool = False,
+    mesh=None,
+) -> ParityReport:
     """:func:`compare_modules` on a case (its LM metrics on ``case.lm_logits``). ``capture_modules`` records
     every submodule's error even when all pass; ``mode``, ``attribute`` and ``mesh`` as in
     :func:`compare_modules`."""
-    report = _compare(case.torch_model, case.flax_model, case.inputs, kwargs=case.kwargs, tolerances=tolerances,
-                      dtype=case.dtype, forward=case.forward, input_names=case.input_names, name=case.name,
-                      localize_failures=localize_failures, capture_modules=capture_modules, mode=mode,
-                      attribute=attribute, lm_logits=case.lm_logits, mesh=mesh)
+    report = _compare(
+        case.torch_model,
+        case.flax_model,
+        case.inputs,
+        kwargs=case.kwargs,
+        tolerances=tolerances,
+        dtype=case.dtype,
+        forward=case.forward,
+        input_names=case.input_names,
+        name=case.name,
+        localize_failures=localize_failures,
+        capture_modules=capture_modules,
+        mode=mode,
+        attribute=attribute,
+        lm_logits=case.lm_logits,
+        mesh=mesh,
+    )
     report.stored_dtype = case.stored_dtype
     return report
 
@@ -1020,9 +1220,19 @@ def torch_side_of_case(case: Case, *, mode: str = "grad", attribute: bool = Fals
     """The torch side of a case (for a reference file: ``record=True``), compared later by :func:`compare_side`."""
     dtype = _resolve_dtype(case.torch_model, case.dtype)
     with numerics(dtype):
-        return run_torch_side(case.torch_model, _as_tuple(case.inputs), input_names=case.input_names,
-                              kwargs=dict(case.kwargs), forward=case.forward, loss=None, dtype=dtype, mode=mode,
-                              attribute=attribute, record=record, name=case.name)
+        return run_torch_side(
+            case.torch_model,
+            _as_tuple(case.inputs),
+            input_names=case.input_names,
+            kwargs=dict(case.kwargs),
+            forward=case.forward,
+            loss=None,
+            dtype=dtype,
+            mode=mode,
+            attribute=attribute,
+            record=record,
+            name=case.name,
+        )
 
 
 def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) -> list[dict[str, Any]]:
@@ -1050,7 +1260,9 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
         torch_model = case.torch_model.train(False)
         optimizer, scheduler = spec.torch_optimizer(torch_model)
         t_inputs = [torch.from_numpy(np.array(x)) for x in case.inputs]
-        t_kwargs = {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()}
+        t_kwargs = {
+            k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()
+        }
 
         flax_model = case.flax_model
         flax_model.eval()
@@ -1084,19 +1296,25 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
             params, opt_state, f_loss = flax_step(params, opt_state, f_inputs)
 
             flax_params = to_torch_state_dict(nnx.merge(graphdef, params, rest))
-            param_results = [compare_tensors(name, "param", flax_params[name], p.detach().numpy(), tolerances["grad"])
-                             for name, p in torch_model.named_parameters() if name not in noise_only]
+            param_results = [
+                compare_tensors(name, "param", flax_params[name], p.detach().numpy(), tolerances["grad"])
+                for name, p in torch_model.named_parameters()
+                if name not in noise_only
+            ]
             worst = max(param_results, key=lambda r: r.excess)
-            loss_result = compare_tensors("loss", "loss", np.asarray(f_loss), t_loss.detach().numpy(),
-                                          tolerances["output"])
-            records.append({
-                "step": step,
-                "loss_flax": float(f_loss),
-                "loss_torch": float(t_loss.detach()),
-                "noise_only": sorted(noise_only),
-                "loss_rel_error": loss_result.relative_error,
-                "param_rel_error": worst.relative_error,
-                "worst_param": worst.name,
-                "passed": loss_result.passed and all(r.passed for r in param_results),
-            })
+            loss_result = compare_tensors(
+                "loss", "loss", np.asarray(f_loss), t_loss.detach().numpy(), tolerances["output"]
+            )
+            records.append(
+                {
+                    "step": step,
+                    "loss_flax": float(f_loss),
+                    "loss_torch": float(t_loss.detach()),
+                    "noise_only": sorted(noise_only),
+                    "loss_rel_error": loss_result.relative_error,
+                    "param_rel_error": worst.relative_error,
+                    "worst_param": worst.name,
+                    "passed": loss_result.passed and all(r.passed for r in param_results),
+                }
+            )
     return records

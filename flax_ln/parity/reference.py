@@ -86,10 +86,13 @@ def build_flax_model(spec: Mapping[str, Any], dtype: str) -> nnx.Module:
         config = flax_ln.GPTConfig(**spec["config"])
         return (flax_ln.GPT if builder == "GPT" else Block)(config, param_dtype=param_dtype, rngs=rngs)
     if builder == "make_model":
-        return flax_ln.make_model(**spec["sizes"], dropout=0.1, ffn_activation=spec["ffn_activation"],
-                                  param_dtype=param_dtype, rngs=rngs)
-    raise ReferenceError(f"unknown model builder {builder!r} in the reference; expected LayerNorm, TorchLayerNorm, "
-                         "GPT, Block or make_model")
+        return flax_ln.make_model(
+            **spec["sizes"], dropout=0.1, ffn_activation=spec["ffn_activation"], param_dtype=param_dtype, rngs=rngs
+        )
+    raise ReferenceError(
+        f"unknown model builder {builder!r} in the reference; expected LayerNorm, TorchLayerNorm, "
+        "GPT, Block or make_model"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -113,7 +116,7 @@ def _pack(value: Any, key: str, tensors: dict[str, np.ndarray]) -> Any:
 
 
 def _unpack(packed: Any, tensors: Mapping[str, np.ndarray]) -> Any:
-    (kind, body), = packed.items()
+    ((kind, body),) = packed.items()
     if kind == "tensor":
         return tensors[body]
     if kind == "dict":
@@ -152,10 +155,19 @@ def save_reference(path: str, models: Sequence[ReferenceModel], settings: Mappin
     for index, model in enumerate(models):
         if model.side.records is None:
             raise ValueError(f"model {model.side.name!r}: record the torch side (record=True) before saving it")
-        fields = {f.name: _pack(getattr(model.side, f.name), f"{index}/{f.name}", tensors)
-                  for f in dataclasses.fields(model.side)}
-        entries.append({"spec": model.spec, "forward": model.forward, "lm_logits": model.lm_logits,
-                        "stored_dtype": model.stored_dtype, "side": fields})
+        fields = {
+            f.name: _pack(getattr(model.side, f.name), f"{index}/{f.name}", tensors)
+            for f in dataclasses.fields(model.side)
+        }
+        entries.append(
+            {
+                "spec": model.spec,
+                "forward": model.forward,
+                "lm_logits": model.lm_logits,
+                "stored_dtype": model.stored_dtype,
+                "side": fields,
+            }
+        )
     metadata = {"format": FORMAT, "version": VERSION, "settings": dict(settings), "models": entries}
     save_file(tensors, path, metadata={METADATA_KEY: json.dumps(metadata)})
 
@@ -183,13 +195,17 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
     except (SafetensorError, OSError, ValueError) as err:
         raise ReferenceError(f"--reference {path!r} is not a safetensors file ({err}); {hint}") from err
     if metadata is None:
-        raise ReferenceError(f"--reference {path!r} is a safetensors file without {METADATA_KEY!r} metadata, "
-                             f"so not a flax-ln parity reference; {hint}")
+        raise ReferenceError(
+            f"--reference {path!r} is a safetensors file without {METADATA_KEY!r} metadata, "
+            f"so not a flax-ln parity reference; {hint}"
+        )
     try:
         data = json.loads(metadata)
         if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ReferenceError(f"--reference {path!r}: format {data.get('format')!r} version "
-                                 f"{data.get('version')!r}, expected {FORMAT!r} version {VERSION}; {hint}")
+            raise ReferenceError(
+                f"--reference {path!r}: format {data.get('format')!r} version "
+                f"{data.get('version')!r}, expected {FORMAT!r} version {VERSION}; {hint}"
+            )
         if data["settings"]["dtype"] not in ("float32", "float64", "bfloat16", "float16"):
             raise ReferenceError(f"--reference {path!r}: unknown dtype {data['settings']['dtype']!r}")
         models = []
@@ -197,13 +213,17 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
             fields = {name: _unpack(packed, tensors) for name, packed in entry["side"].items()}
             if entry["forward"] not in FORWARDS:
                 raise ReferenceError(f"--reference {path!r}: unknown forward {entry['forward']!r}")
-            models.append(ReferenceModel(TorchSide(**fields), entry["spec"], entry["forward"], entry["lm_logits"],
-                                         entry.get("stored_dtype")))
+            models.append(
+                ReferenceModel(
+                    TorchSide(**fields), entry["spec"], entry["forward"], entry["lm_logits"], entry.get("stored_dtype")
+                )
+            )
     except ReferenceError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ReferenceError(f"--reference {path!r}: malformed reference metadata ({type(err).__name__}: {err}); "
-                             f"{hint}") from err
+        raise ReferenceError(
+            f"--reference {path!r}: malformed reference metadata ({type(err).__name__}: {err}); {hint}"
+        ) from err
     return data["settings"], models
 
 
@@ -218,7 +238,14 @@ def check_reference(model: ReferenceModel, tolerances=None, *, capture_modules: 
 
     with numerics(model.side.dtype):
         flax_model = build_flax_model(model.spec, model.side.dtype)
-    report = compare_side(model.side, flax_model, forward=FORWARDS[model.forward], tolerances=tolerances,
-                          capture_modules=capture_modules, lm_logits=model.lm_logits, mesh=mesh)
+    report = compare_side(
+        model.side,
+        flax_model,
+        forward=FORWARDS[model.forward],
+        tolerances=tolerances,
+        capture_modules=capture_modules,
+        lm_logits=model.lm_logits,
+        mesh=mesh,
+    )
     report.stored_dtype = model.stored_dtype
     return report

@@ -95,8 +95,10 @@ class Isolation:
     def describe(self) -> str:
         by_name = {r.name: r for r in self.results}
         if not self.culprits:
-            return (f"isolated: every module agrees on torch's inputs ({len(self.results)} run alone, "
-                    f"{len(self.skipped)} skipped)")
+            return (
+                f"isolated: every module agrees on torch's inputs ({len(self.results)} run alone, "
+                f"{len(self.skipped)} skipped)"
+            )
         named = ", ".join(f"{m} (own output rel {_fmt(by_name[m].relative_error)})" for m in self.culprits)
         return f"isolated: {named}"
 
@@ -166,8 +168,9 @@ class ParityReport:
             "module_errors": [r.to_json() for r in self.module_errors],
             "isolated": None if self.isolation is None else self.isolation.to_json(),
             "lm_metrics": self.lm_metrics,
-            "attribution": None if self.attribution is None else {k: _json_number(v)
-                                                                   for k, v in self.attribution.items()},
+            "attribution": None
+            if self.attribution is None
+            else {k: _json_number(v) for k, v in self.attribution.items()},
             "mode": self.mode,
             "train_steps": [{k: _json_number(v) for k, v in s.items()} for s in self.train_steps],
             "stored_dtype": self.stored_dtype,
@@ -236,8 +239,11 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
     header = f"{'tensor':<44} {'kind':<11} {'shape':<16} {'max |d|':>9} {'at':<14} {'rel err':>9} {'rtol':>8}  status"
     lines = [f"== {report.title} " + "=" * max(0, 80 - len(report.title)), header]
     for r in shown:
-        status = {None: "ok", "rtol": "ok", "atol": "ok (abs)", "gtol": "ok (zero grad)"}[r.passed_by] if r.passed \
+        status = (
+            {None: "ok", "rtol": "ok", "atol": "ok (abs)", "gtol": "ok (zero grad)"}[r.passed_by]
+            if r.passed
             else ("MISMATCH" if r.problem else "NONFINITE" if r.nonfinite else "FAIL")
+        )
         at = "" if r.max_error_index is None else str(r.max_error_index).replace(" ", "")
         lines.append(
             f"{r.name[:44]:<44} {r.kind:<11} {str(r.shape).replace(' ', '')[:16]:<16} {_fmt(r.max_abs_error):>9} "
@@ -247,8 +253,10 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
     if len(shown) < len(results):
         lines.append(f"... {len(results) - len(shown)} more tensors, all shown with --json")
     if any(r.passed_by == "gtol" for r in shown):
-        lines.append("(zero grad): exact gradient is 0, only rounding noise differs; its error is within "
-                     "gtol of the whole gradient's norm")
+        lines.append(
+            "(zero grad): exact gradient is 0, only rounding noise differs; its error is within "
+            "gtol of the whole gradient's norm"
+        )
     by_kind: dict[str, list[TensorResult]] = {}
     for r in results:
         by_kind.setdefault(r.kind, []).append(r)
@@ -259,8 +267,10 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
         return f"{kind}: {len(rs)} tensors, worst rel {_fmt(max(rels))}" + (f" ({zero} zero-gradient)" if zero else "")
 
     summary = "; ".join(kind_summary(kind, rs) for kind, rs in by_kind.items())
-    lines.append(f"summary: {len(results) - len(failed)}/{len(results)} within tolerance ({summary}) "
-                 f"in {report.seconds:.1f}s -> {'PASS' if report.passed else 'FAIL'}")
+    lines.append(
+        f"summary: {len(results) - len(failed)}/{len(results)} within tolerance ({summary}) "
+        f"in {report.seconds:.1f}s -> {'PASS' if report.passed else 'FAIL'}"
+    )
     for step in report.train_steps:
         lines.append(
             f"train step {step['step']}: loss flax {step['loss_flax']:.8g} torch {step['loss_torch']:.8g} "
@@ -271,19 +281,25 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
     if report.lm_metrics is not None:
         lines.append(format_lm_metrics(report.lm_metrics))
     if report.attribution is not None:
-        lines.append(f"attribution: float64 truth = {report.attribution['truth']}; flax's float64 twin is "
-                     f"{_fmt(report.attribution['flax_float64_rel'])} from it "
-                     f"(worst: {report.attribution['flax_float64_worst']})")
+        lines.append(
+            f"attribution: float64 truth = {report.attribution['truth']}; flax's float64 twin is "
+            f"{_fmt(report.attribution['flax_float64_rel'])} from it "
+            f"(worst: {report.attribution['flax_float64_worst']})"
+        )
         attributed = [r for r in failed if r.torch_vs_float64 is not None and r.flax_vs_float64 is not None]
         shown_ids = {id(r) for r in shown}
         for r in (r for r in attributed if id(r) in shown_ids):
-            lines.append(f"attribution: {r.name}: flax {_fmt(r.flax_vs_float64)}, torch "
-                         f"{_fmt(r.torch_vs_float64)} from float64 -> {_side_further_off(r)}")
+            lines.append(
+                f"attribution: {r.name}: flax {_fmt(r.flax_vs_float64)}, torch "
+                f"{_fmt(r.torch_vs_float64)} from float64 -> {_side_further_off(r)}"
+            )
         rest = [r for r in attributed if id(r) not in shown_ids]
         if rest:
             flax_worse = sum(r.flax_vs_float64 > r.torch_vs_float64 for r in rest)
-            lines.append(f"attribution: {len(rest)} more failing tensors (all in --json): flax further off on "
-                         f"{flax_worse}, torch on {len(rest) - flax_worse}")
+            lines.append(
+                f"attribution: {len(rest)} more failing tensors (all in --json): flax further off on "
+                f"{flax_worse}, torch on {len(rest) - flax_worse}"
+            )
     if report.first_divergence is not None:
         lines.append(report.first_divergence.describe())
     elif not report.passed and report.module_errors:
@@ -300,9 +316,11 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
 def format_lm_metrics(m: Mapping[str, Any]) -> str:
     """One line: per-position KL (mean, max, where), top-1 and top-k agreement."""
     top_k = next(k for k in m if k.startswith("top") and k != "top1_agreement")
-    return (f"LM metrics ({m['output']}, {m['positions']} positions): KL mean {_fmt(m['kl_mean'])}, max "
-            f"{_fmt(m['kl_max'])} at position {tuple(m['worst_position'])}; top-1 agreement {m['top1_agreement']:.3f}, "
-            f"{top_k.split('_')[0]} agreement {m[top_k]:.3f}")
+    return (
+        f"LM metrics ({m['output']}, {m['positions']} positions): KL mean {_fmt(m['kl_mean'])}, max "
+        f"{_fmt(m['kl_max'])} at position {tuple(m['worst_position'])}; top-1 agreement {m['top1_agreement']:.3f}, "
+        f"{top_k.split('_')[0]} agreement {m[top_k]:.3f}"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -326,8 +344,13 @@ def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from err
 
     lm = any(r.lm_metrics is not None for r in reports)
-    fig, axes = plt.subplots(len(reports), 2 if lm else 1, figsize=(19 if lm else 14, 3.6 * len(reports)),
-                             squeeze=False, gridspec_kw={"width_ratios": [3, 1]} if lm else None)
+    fig, axes = plt.subplots(
+        len(reports),
+        2 if lm else 1,
+        figsize=(19 if lm else 14, 3.6 * len(reports)),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [3, 1]} if lm else None,
+    )
     tiny = 1e-18  # exact zeros are drawn at the bottom of the log scale
     for row, report in enumerate(reports):
         if lm:
@@ -348,8 +371,14 @@ def plot_errors(reports: Sequence[ParityReport], path: str) -> None:
         ax.plot(x, [max(grads.get(m, np.nan), tiny) for m in modules], "s--", label="param grad rel. error (worst)")
         if report.isolation is not None:  # each module run alone on torch's inputs: its own error
             own = {r.name: r.relative_error for r in report.isolation.results}
-            ax.plot(x, [max(own.get(m, np.nan), tiny) for m in modules], "^", color="C3", ms=4,
-                    label="isolated: module's own output rel. error")
+            ax.plot(
+                x,
+                [max(own.get(m, np.nan), tiny) for m in modules],
+                "^",
+                color="C3",
+                ms=4,
+                label="isolated: module's own output rel. error",
+            )
         for color, kind, label in (("C0", "output", "output tolerance"), ("C1", "param grad", "gradient tolerance")):
             tol = next((r.tolerance.rtol for r in report.results if r.kind == kind), None)
             if tol is not None:
@@ -374,8 +403,10 @@ def _plot_lm_metrics(ax, metrics: Mapping[str, Any] | None, tiny: float) -> None
     ax.plot(np.arange(kl.size), kl, ".-", color="C2")
     ax.set_yscale("log")
     top_k = next(k for k in metrics if k.startswith("top") and k != "top1_agreement")
-    ax.set_title(f"KL(torch || flax) per position ({metrics['output']}): mean {_fmt(metrics['kl_mean'])}\n"
-                 f"top-1 {metrics['top1_agreement']:.3f}, {top_k.split('_')[0]} {metrics[top_k]:.3f}, worst "
-                 f"{tuple(metrics['worst_position'])}", fontsize=8)
+    ax.set_title(
+        f"KL(torch || flax) per position ({metrics['output']}): mean {_fmt(metrics['kl_mean'])}\n"
+        f"top-1 {metrics['top1_agreement']:.3f}, {top_k.split('_')[0]} {metrics[top_k]:.3f}, worst "
+        f"{tuple(metrics['worst_position'])}",
+        fontsize=8,
+    )
     ax.set_xlabel("position (batch-major)", fontsize=7)
-
