@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from flax_ln._deprecated import module_getattr
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
 from flax_ln.models.checks import check_token_ids
 from flax_ln.models.dense import linear_dot_general
@@ -432,7 +433,7 @@ def _dropout_active(module: nnx.Module) -> bool:
     return any(isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0 for _, m in nnx.iter_modules(module))
 
 
-def checkpoint(fun, policy):
+def remat_in_backward(fun, policy):
     """``jax.checkpoint(fun, policy=policy)`` whose recomputation stays in the backward pass on every backend.
 
     The backward pass keeps only the values ``policy`` saves (just the inputs with
@@ -479,9 +480,9 @@ def checkpoint(fun, policy):
     return wrapped
 
 
-def _pure_block(graphdef, pos, policy, remat=checkpoint):
+def _pure_block(graphdef, pos, policy, remat=remat_in_backward):
     """``(block_state, x, cache, layer) -> (x, cache, rng_state)``: one block on the functional split, rematerialised
-    with ``remat(fun, policy)`` (:func:`checkpoint` by default) unless ``policy`` is ``None``.
+    with ``remat(fun, policy)`` (:func:`remat_in_backward` by default) unless ``policy`` is ``None``.
 
     Dropout masks are recomputed from the same keys, so the gradients are unchanged.
     """
@@ -559,7 +560,7 @@ class GPT(nnx.Module):
     Every JAX transformation works through the model (``jit``, ``vmap``, ``grad``,
     ``jvp``, ``jacfwd``, ``hessian``, ``linearize``, ``scan``, ``checkpoint``), with one
     exception: ``scan_layers=False`` with ``remat`` enabled is reverse mode only
-    (see :func:`checkpoint`); use ``scan_layers=True`` for forward mode with remat.
+    (see :func:`remat_in_backward`); use ``scan_layers=True`` for forward mode with remat.
 
     Call ``model.eval()`` to switch dropout off (``model.train()`` to switch it back).
 
@@ -850,3 +851,8 @@ def generate(
         top_k=top_k,
         vocab_limit=vocab_limit,
     )
+
+
+__getattr__ = module_getattr(
+    __name__, {"checkpoint": "remat_in_backward"}, globals()
+)  # deprecated alias, see CHANGELOG.md

@@ -21,6 +21,7 @@ from flax import nnx
 import flax_ln
 import flax_ln.train
 import torch_ref
+from flax_ln._deprecated import module_getattr
 from flax_ln.convert import load_torch_state_dict
 from flax_ln.parity.engine import Case, TrainSpec
 from flax_ln.parity.reference import decoder_output_and_log_probs, logits_and_loss
@@ -286,7 +287,7 @@ BUILDERS: dict[str, Callable[[str, int, int | None, int], Case]] = {
 # user checkpoints
 
 
-class CheckpointError(ValueError):
+class TorchCheckpointError(ValueError):
     """A checkpoint that cannot be read safely or does not describe a model flax-ln knows."""
 
 
@@ -299,7 +300,7 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     import pickle
 
     if not os.path.isfile(path):
-        raise CheckpointError(f"--checkpoint {path!r}: no such file")
+        raise TorchCheckpointError(f"--checkpoint {path!r}: no such file")
     if path.endswith(".safetensors"):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -307,9 +308,9 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         try:
             return dict(load_file(path))
         except (SafetensorError, OSError, ValueError) as err:
-            raise CheckpointError(f"--checkpoint {path!r} is not a readable safetensors file: {err}") from err
+            raise TorchCheckpointError(f"--checkpoint {path!r} is not a readable safetensors file: {err}") from err
     if not path.endswith((".pt", ".pth", ".bin")):
-        raise CheckpointError(
+        raise TorchCheckpointError(
             f"--checkpoint {path!r}: expected a .safetensors file, a .pt/.pth/.bin state dict or a "
             "Hugging Face model folder"
         )
@@ -317,18 +318,18 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).split("\n")[0].split(".")[0]  # drop torch's ANSI styling
-        raise CheckpointError(
+        raise TorchCheckpointError(
             f"--checkpoint {path!r} holds objects other than tensors, which flax-ln refuses to unpickle "
             f"(torch.load with weights_only=True: {reason}). Save the model's state_dict() instead, "
             "or convert it to safetensors."
         ) from err
     except (RuntimeError, EOFError, OSError) as err:
-        raise CheckpointError(f"--checkpoint {path!r} is not a readable torch file: {err}") from err
+        raise TorchCheckpointError(f"--checkpoint {path!r} is not a readable torch file: {err}") from err
     if isinstance(loaded, dict) and not any(isinstance(v, torch.Tensor) for v in loaded.values()):
         nested = [v for k, v in loaded.items() if k in ("state_dict", "model") and isinstance(v, dict)]
         loaded = nested[0] if nested else loaded
     if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-        raise CheckpointError(
+        raise TorchCheckpointError(
             f"--checkpoint {path!r}: expected a dict of tensors (a state_dict), got {type(loaded).__name__}"
             + (" with non-tensor values" if isinstance(loaded, dict) else "")
         )
@@ -378,7 +379,7 @@ def check_dtypes(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch
             wrong.setdefault(f"{_dtype_name(value.dtype)} (the model's: {_dtype_name(want.dtype)})", []).append(key)
     if wrong:
         listed = "\n  ".join(f"{what}: {_shown(keys)}" for what, keys in wrong.items())
-        raise CheckpointError(
+        raise TorchCheckpointError(
             f"--checkpoint {path!r} stores weights of the wrong kind:\n  {listed}\nParameters must be floating "
             "point (float16, bfloat16, float32 or float64) and integer buffers integers: casting integer or bool "
             "values into the model would silently give wrong weights. Use the original floating-point checkpoint."
@@ -427,7 +428,7 @@ def _check_structure(
             problems.append(f"missing: layers {_shown([f'{prefix}{i}.*' for i in gaps])}")
         counts[prefix] = max(indices, default=-1) + 1
     if problems:
-        raise CheckpointError(
+        raise TorchCheckpointError(
             f"--checkpoint {path!r} looks like {architecture} but is incomplete or malformed:\n  "
             + "\n  ".join(problems)
         )
@@ -467,22 +468,22 @@ def _gpt_config_from_shapes(
     if n_head is not None:
         base["n_head"] = n_head
     if "n_head" not in base:
-        raise CheckpointError(
+        raise TorchCheckpointError(
             f"--checkpoint {path!r}: a GPT of width {n_embd} with {sizes['n_layer']} layers, but the head count "
             f"cannot be read from tensor shapes; pass --n-head N or --preset {{{','.join(GPT_PRESETS)}}}"
         )
     try:
         return flax_ln.GPTConfig(**{**base, **sizes})
     except ValueError as err:
-        raise CheckpointError(f"--checkpoint {path!r}: {err}") from err
+        raise TorchCheckpointError(f"--checkpoint {path!r}: {err}") from err
 
 
 def _build(make: Callable[[], torch.nn.Module], path: str) -> torch.nn.Module:
-    """The torch model of a checkpoint; sizes it cannot allocate are a :class:`CheckpointError`."""
+    """The torch model of a checkpoint; sizes it cannot allocate are a :class:`TorchCheckpointError`."""
     try:
         return make()
     except MemoryError as err:  # torch_ref refuses a config larger than the machine's memory
-        raise CheckpointError(
+        raise TorchCheckpointError(
             f"--checkpoint {path!r}: the model its tensor shapes describe is too large: {err}"
         ) from err
 
@@ -493,7 +494,7 @@ def _load_checked(torch_model: torch.nn.Module, state: Mapping[str, torch.Tensor
     try:
         torch_model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(f"--checkpoint {path!r} does not fit the inferred model:\n{err}") from err
+        raise TorchCheckpointError(f"--checkpoint {path!r} does not fit the inferred model:\n{err}") from err
     return torch_model
 
 
@@ -503,7 +504,7 @@ def _flax_accepts(case: Case, state: Mapping[str, torch.Tensor], path: str) -> C
     try:
         load_torch_state_dict(case.flax_model, state)
     except ValueError as err:  # ConversionError
-        raise CheckpointError(f"--checkpoint {path!r}: the flax side refuses it: {err}") from err
+        raise TorchCheckpointError(f"--checkpoint {path!r}: the flax side refuses it: {err}") from err
     return case
 
 
@@ -546,7 +547,7 @@ def checkpoint_case(
         try:
             torch_config, _, state = torch_ref.read_hf_gpt2(path)
         except (ValueError, OSError) as err:
-            raise CheckpointError(f"{unusable}: {err}") from err
+            raise TorchCheckpointError(f"{unusable}: {err}") from err
         config = flax_ln.GPTConfig.from_any(torch_config)
         stored = stored_dtypes(state)
         del state
@@ -554,7 +555,7 @@ def checkpoint_case(
         try:
             torch_model = torch_ref.load_hf_gpt2(path)
         except (ValueError, OSError, RuntimeError, MemoryError) as err:
-            raise CheckpointError(f"{unusable}: {err}") from err
+            raise TorchCheckpointError(f"{unusable}: {err}") from err
         case = _gpt_case(name, config, dtype, batch, seq_len, seed, pad_targets=False, torch_model=torch_model)
         return dataclasses.replace(case, stored_dtype=stored)
     state = read_state_dict(path)
@@ -572,7 +573,7 @@ def checkpoint_case(
             state, path, "a torch_ref encoder-decoder", ENCODER_DECODER_REQUIRED, ("encoder.layers.", "decoder.layers.")
         )
         if n_head is None:
-            raise CheckpointError(
+            raise TorchCheckpointError(
                 f"--checkpoint {path!r}: an encoder-decoder; its head count cannot be read from "
                 "tensor shapes, pass --n-head N"
             )
@@ -586,7 +587,9 @@ def checkpoint_case(
             h=n_head,
         )
         if d_model % n_head:
-            raise CheckpointError(f"--checkpoint {path!r}: d_model {d_model} is not divisible by --n-head {n_head}")
+            raise TorchCheckpointError(
+                f"--checkpoint {path!r}: d_model {d_model} is not divisible by --n-head {n_head}"
+            )
         check_seq_len(name, seq_len or 10, *SEQ_LEN_LIMITS["encoder-decoder"])
         torch_model = _load_checked(
             _build(lambda: torch_ref.make_model(**sizes, ffn_activation=ffn_activation), path), state, path
@@ -607,9 +610,14 @@ def checkpoint_case(
                 )
                 break
         else:
-            raise CheckpointError(
+            raise TorchCheckpointError(
                 f"--checkpoint {path!r}: not a model flax-ln knows (keys: {_shown(sorted(keys))}). Expected a "
                 "torch_ref GPT ('transformer.wte.weight', ...), an encoder-decoder ('src_embed.0.lut.weight', ...), "
                 "a LayerNorm ('a_2', 'b_2' or 'weight', 'bias') or a Hugging Face GPT-2 folder."
             )
     return dataclasses.replace(_flax_accepts(case, state, path), stored_dtype=stored_dtypes(state))
+
+
+__getattr__ = module_getattr(
+    __name__, {"CheckpointError": "TorchCheckpointError"}, globals()
+)  # deprecated alias, see CHANGELOG.md

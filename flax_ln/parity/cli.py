@@ -276,7 +276,7 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
 
     try:
         settings, models = reference.load_reference(args.reference)
-    except reference.ReferenceError as err:
+    except reference.ReferenceFileError as err:
         print(f"flax-ln parity: error: {err}", file=sys.stderr)
         return 2
     if mesh is not None:
@@ -341,7 +341,7 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
                     )
                 else:
                     case = parity_cases.BUILDERS[name](args.dtype, args.batch, args.seq_len, args.seed)
-            except ValueError as err:  # CheckpointError, or sizes the model cannot take
+            except ValueError as err:  # TorchCheckpointError, or sizes the model cannot take
                 print(f"flax-ln parity: error: {err}", file=sys.stderr)
                 return 2
             tolerances = _tolerances(args, args.dtype)

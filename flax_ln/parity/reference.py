@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 import flax_ln
+from flax_ln._deprecated import module_getattr
 from flax_ln.parity.capture import Unsupported
 
 METADATA_KEY = "flax_ln_reference"
@@ -33,7 +34,7 @@ FORMAT = "flax-ln parity reference"
 VERSION = 1
 
 
-class ReferenceError(ValueError):
+class ReferenceFileError(ValueError):
     """A file that is not a readable flax-ln parity reference (a usage error, exit code 2)."""
 
 
@@ -89,7 +90,7 @@ def build_flax_model(spec: Mapping[str, Any], dtype: str) -> nnx.Module:
         return flax_ln.make_model(
             **spec["sizes"], dropout=0.1, ffn_activation=spec["ffn_activation"], param_dtype=param_dtype, rngs=rngs
         )
-    raise ReferenceError(
+    raise ReferenceFileError(
         f"unknown model builder {builder!r} in the reference; expected LayerNorm, TorchLayerNorm, "
         "GPT, Block or make_model"
     )
@@ -128,7 +129,7 @@ def _unpack(packed: Any, tensors: Mapping[str, np.ndarray]) -> Any:
         return Unsupported(body)
     if kind == "value":
         return body
-    raise ReferenceError(f"unknown entry kind {kind!r}")
+    raise ReferenceFileError(f"unknown entry kind {kind!r}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
     """The settings and models of a reference file written by :func:`save_reference`.
 
     Raises:
-      ReferenceError: the file is missing, not safetensors, or a safetensors file without
+      ReferenceFileError: the file is missing, not safetensors, or a safetensors file without
         flax-ln's reference metadata.
     """
     import os
@@ -186,42 +187,42 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
     from flax_ln.parity.engine import TorchSide
 
     if not os.path.isfile(path):
-        raise ReferenceError(f"--reference {path!r}: no such file")
+        raise ReferenceFileError(f"--reference {path!r}: no such file")
     hint = "write one with `flax-ln parity --save-reference FILE` on a machine with torch"
     try:
         with safe_open(path, framework="numpy") as f:
             metadata = (f.metadata() or {}).get(METADATA_KEY)
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as err:
-        raise ReferenceError(f"--reference {path!r} is not a safetensors file ({err}); {hint}") from err
+        raise ReferenceFileError(f"--reference {path!r} is not a safetensors file ({err}); {hint}") from err
     if metadata is None:
-        raise ReferenceError(
+        raise ReferenceFileError(
             f"--reference {path!r} is a safetensors file without {METADATA_KEY!r} metadata, "
             f"so not a flax-ln parity reference; {hint}"
         )
     try:
         data = json.loads(metadata)
         if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ReferenceError(
+            raise ReferenceFileError(
                 f"--reference {path!r}: format {data.get('format')!r} version "
                 f"{data.get('version')!r}, expected {FORMAT!r} version {VERSION}; {hint}"
             )
         if data["settings"]["dtype"] not in ("float32", "float64", "bfloat16", "float16"):
-            raise ReferenceError(f"--reference {path!r}: unknown dtype {data['settings']['dtype']!r}")
+            raise ReferenceFileError(f"--reference {path!r}: unknown dtype {data['settings']['dtype']!r}")
         models = []
         for entry in data["models"]:
             fields = {name: _unpack(packed, tensors) for name, packed in entry["side"].items()}
             if entry["forward"] not in FORWARDS:
-                raise ReferenceError(f"--reference {path!r}: unknown forward {entry['forward']!r}")
+                raise ReferenceFileError(f"--reference {path!r}: unknown forward {entry['forward']!r}")
             models.append(
                 ReferenceModel(
                     TorchSide(**fields), entry["spec"], entry["forward"], entry["lm_logits"], entry.get("stored_dtype")
                 )
             )
-    except ReferenceError:
+    except ReferenceFileError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ReferenceError(
+        raise ReferenceFileError(
             f"--reference {path!r}: malformed reference metadata ({type(err).__name__}: {err}); {hint}"
         ) from err
     return data["settings"], models
@@ -249,3 +250,8 @@ def check_reference(model: ReferenceModel, tolerances=None, *, capture_modules: 
     )
     report.stored_dtype = model.stored_dtype
     return report
+
+
+__getattr__ = module_getattr(
+    __name__, {"ReferenceError": "ReferenceFileError"}, globals()
+)  # deprecated alias, see CHANGELOG.md
