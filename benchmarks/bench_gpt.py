@@ -325,7 +325,14 @@ def gpt2_step_alone(candidate: str, batch: int, seq_len: int, repeats: int, tiny
     else:
         reference.to(torch_device())
         eager = torch_step(reference, idx, targets)
-        run = eager if candidate == "torch_ref eager" else lambda forward=torch.compile(reference): eager(forward)
+        if candidate == "torch_ref eager":
+            run = eager
+        else:
+            compiled = torch.compile(reference)
+
+            def run():
+                return eager(compiled)
+
     t0 = time.perf_counter()
     run()
     first = time.perf_counter() - t0

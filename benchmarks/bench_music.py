@@ -125,7 +125,8 @@ def music_throughput(cfg: Config) -> list[Table]:
         0,
         (
             f"GPTConfig.music{'' if not cfg.quick else ' (toy under --quick)'}: {config.n_layer} layers, "
-            f"{config.n_head} heads, n_embd {config.n_embd}, vocab {config.vocab_size}, block_size {config.block_size}; "
+            f"{config.n_head} heads, n_embd {config.n_embd}, vocab {config.vocab_size}, "
+            f"block_size {config.block_size}; "
             f"B={batch}, T={seq_len} ({tokens} tokens per step), float32, dropout {config.attn_pdrop} on in both "
             f"frameworks; median of {repeats} interleaved steps after {warmup} warm-up; "
             f"torch on {device} ({torch.get_num_threads()} CPU threads); JAX on {jax.default_backend()}"

@@ -55,7 +55,8 @@ def environment() -> str:
     load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
     return (
         f"date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
-        f"{cpu}, {os.cpu_count()} logical CPUs, load average {load[0]:.2f} at start; python {platform.python_version()}, "
+        f"{cpu}, {os.cpu_count()} logical CPUs, load average {load[0]:.2f} at start; "
+        f"python {platform.python_version()}, "
         f"jax {jax.__version__} ({jax.default_backend()}), flax {flax.__version__}, torch {torch.__version__}, "
         f"numpy {numpy.__version__}; flax_ln from {pathlib.Path(flax_ln.__file__).parent}"
     )

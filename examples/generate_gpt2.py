@@ -84,7 +84,7 @@ def load_tokenizer(folder: Path) -> tuple[HFTokenizer | None, str]:
         if bpe.token_to_id(ENDOFTEXT) is not None:
             bpe.add_special_tokens([ENDOFTEXT])
         return HFTokenizer(bpe), f"{vocab} + {merges.name} (tokenizers, byte-level BPE)"
-    except Exception as e:  # tokenizers raises plain Exception on malformed files
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception on malformed files
         raise SystemExit(f"{folder}: tokenizers cannot read its tokenizer files: {e}") from None
 
 

@@ -1,3 +1,5 @@
+"""``python -m flax_ln``: the same as the ``flax-ln`` command."""
+
 import sys
 
 from flax_ln.parity.cli import main

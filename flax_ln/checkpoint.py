@@ -294,7 +294,7 @@ class Checkpointer:
             with _quiet_if_it_fails():
                 meta = self._manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore()))
             meta = meta["meta"]
-        except Exception as e:  # orbax raises several types for missing or corrupt items
+        except Exception as e:  # noqa: BLE001 - orbax raises several types for missing or corrupt items
             raise UnreadableCheckpointError(
                 self.directory / str(step), step, f"cannot read the checkpoint metadata ({_one_line(e)})"
             ) from None
@@ -367,7 +367,7 @@ class Checkpointer:
                 flat = self._manager.restore(
                     meta["step"], args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
                 )
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - orbax raises several types for unreadable arrays
             raise UnreadableCheckpointError(where, meta["step"], f"cannot read the arrays ({_one_line(e)})") from None
         values = []
         for name in names:

@@ -223,7 +223,7 @@ def encode_midi(path: str | os.PathLike) -> np.ndarray:
         midi = pretty_midi.PrettyMIDI(str(path))
     except FileNotFoundError:
         raise
-    except Exception as e:  # pretty_midi/mido raise OSError, EOFError, KeyError, ValueError... on bad files
+    except Exception as e:  # noqa: BLE001 - pretty_midi/mido raise OSError, EOFError, KeyError, ValueError... on bad files
         raise ValueError(f"{path}: pretty_midi cannot read it as a MIDI file ({type(e).__name__}: {e})") from None
     return encode_pretty_midi(midi)
 
@@ -351,7 +351,7 @@ def render_bach_chorales(cache_dir: str | os.PathLike, limit: int | None = None)
             try:
                 corpus.parse(name).write("midi", fp=str(tmp))
                 os.replace(tmp, path)
-            except Exception as e:  # e.g. music21's ExpanderException on malformed repeats
+            except Exception as e:  # noqa: BLE001 - a chorale music21 cannot render is skipped; e.g. music21's ExpanderException on malformed repeats
                 tmp.unlink(missing_ok=True)
                 skip.write_text(f"{type(e).__name__}: {e}\n")
         if path.exists():

@@ -1,4 +1,7 @@
-"""flax_ln.models.dropout: the fused-mask Dropout draws exactly nnx.Dropout's masks (same keys, same bits, same state)."""
+"""flax_ln.models.dropout: the fused-mask Dropout draws exactly nnx.Dropout's masks.
+
+Same keys, same bits, same state.
+"""
 
 import jax
 import jax.numpy as jnp

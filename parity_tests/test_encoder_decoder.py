@@ -1,4 +1,6 @@
-"""Parity of flax_ln.models.encoder_decoder and flax_ln.train with the book's torch reference (torch_ref.encoder_decoder).
+"""Parity of flax_ln.models.encoder_decoder and flax_ln.train with the book's torch reference.
+
+The reference is torch_ref.encoder_decoder.
 
 Each component is tested before the whole model. A torch module gets random weights,
 its flax twin receives them through the converter, both run in eval mode, and we

@@ -11,12 +11,14 @@ from jaxtyping import Array, Bool, Float
 
 
 def split_heads(x: Float[Array, "B T C"], num_heads: int) -> Float[Array, "B nh T hs"]:
+    """Split the last axis into ``num_heads`` heads: (B, T, C) -> (B, nh, T, C // nh)."""
     batch, length, width = x.shape
     x = x.reshape(batch, length, num_heads, width // num_heads)  # (B, T, nh, hs)
     return x.transpose(0, 2, 1, 3)  # (B, nh, T, hs)
 
 
 def merge_heads(x: Float[Array, "B nh T hs"]) -> Float[Array, "B T C"]:
+    """Inverse of :func:`split_heads`: (B, nh, T, hs) -> (B, T, nh * hs)."""
     batch, num_heads, length, head_size = x.shape
     x = x.transpose(0, 2, 1, 3)  # (B, T, nh, hs)
     return x.reshape(batch, length, num_heads * head_size)  # (B, T, C)

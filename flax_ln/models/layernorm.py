@@ -189,7 +189,7 @@ _ACCURACY_NOTE = """
 """
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(nnx.Module):  # noqa: D101 - the docstring is assembled below (__doc__)
     __doc__ = (
         """The book's chapter-9 LayerNorm: ``a_2 * (x - mean) / sqrt(std**2 + eps) + b_2``.
 
@@ -237,7 +237,7 @@ class LayerNorm(nnx.Module):
         return normalize(x, self.a_2[...], self.b_2[...], eps=self.eps, ddof=1, dtype=self.dtype)
 
 
-class TorchLayerNorm(nnx.Module):
+class TorchLayerNorm(nnx.Module):  # noqa: D101 - the docstring is assembled below (__doc__)
     __doc__ = (
         """A twin of ``torch.nn.LayerNorm(features)``: ``scale * (x - mean) / sqrt(var + eps) + bias``.
 

@@ -6,7 +6,8 @@ torch name) under the one tolerance policy :data:`TOLERANCES`, and name the firs
 submodule that diverges, and the module whose own computation differs (isolated mode).
 Options: forward mode (``mode="jvp"``), float64 attribution (``attribute=True``) and
 language-model metrics (``lm_logits=``); :mod:`~flax_ln.parity.reference` stores the torch
-side in a file and checks the flax side against it without torch. :mod:`~flax_ln.parity.cases` builds the book's models on it;
+side in a file and checks the flax side against it without torch. :mod:`~flax_ln.parity.cases` builds the
+book's models on it;
 :mod:`~flax_ln.parity.cli` is the ``flax-ln`` command. torch is imported lazily, only
 when a comparison runs.
 """

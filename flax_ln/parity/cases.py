@@ -604,7 +604,7 @@ def checkpoint_case(
         ):
             if keys == set(leaves) and state[leaves[0]].ndim == 1:
                 features = state[leaves[0]].shape[0]
-                torch_norm = _load_checked(_build(lambda: torch_cls(features), path), state, path)
+                torch_norm = _load_checked(_build(lambda cls=torch_cls, n=features: cls(n), path), state, path)
                 case = _norm_case(
                     name, torch_norm, flax_cls, dtype, batch, seq_len or 16, seed, features, randomize=False
                 )

@@ -15,6 +15,7 @@ MODEL_CHOICES = ["layernorm", "torch-layernorm", "encoder-decoder", "gpt", "gpt2
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``flax-ln`` argument parser, with its subcommands."""
     parser = argparse.ArgumentParser(
         prog="flax-ln",
         description="flax-ln: the book's LayerNorm and Transformer blocks in Flax NNX, "
@@ -310,6 +311,7 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
 
 
 def run_parity(args: argparse.Namespace, mesh=None) -> int:
+    """Run ``flax-ln parity`` on parsed arguments; returns the exit code (0 pass, 1 FAIL, 2 usage error)."""
     if args.reference:
         return run_reference(args, mesh)
 
@@ -385,6 +387,7 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``flax-ln`` command: parse ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

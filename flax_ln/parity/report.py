@@ -214,6 +214,7 @@ def environment() -> dict[str, Any]:
 
 
 def format_environment(env: Mapping[str, Any]) -> str:
+    """The header line of a run: backend, devices, versions, matmul precision, dtype and x64."""
     devices = ", ".join(env["devices"])
     return (
         f"flax-ln parity | backend {env['backend']} ({devices}) | jax {env['jax']}, flax {env['flax']}, "
