@@ -383,7 +383,7 @@ class Checkpointer:
         ``skipped``: the :class:`UnreadableCheckpointError` of each newer step. Any other
         :class:`CheckpointError` (e.g. an incompatible checkpoint) is raised at once.
         """
-        skipped = []
+        skipped: list[UnreadableCheckpointError] = []
         for step in self.steps():
             try:
                 return read(step), skipped

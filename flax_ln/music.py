@@ -55,7 +55,7 @@ import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -147,7 +147,7 @@ def apply_sustain(notes: list, intervals: Sequence[Sequence[float]]) -> list:
     else:
         stream, held_by_interval = [], []
         for start, end in intervals:
-            held = []
+            held: list[Any] = []
             for i, note in enumerate(notes):
                 if note.start < start:
                     stream.append(note)

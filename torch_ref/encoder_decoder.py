@@ -175,6 +175,8 @@ def sinusoid_table(d_model: int, max_len: int = 5000) -> torch.Tensor:
 class PositionalEncoding(nn.Module):
     """``dropout(x + pe[:, :T])`` with the persistent buffer ``pe`` of shape (1, max_len, d_model)."""
 
+    pe: torch.Tensor  # the sinusoid table buffer
+
     def __init__(self, d_model: int, dropout: float, max_len: int = 5000):
         super().__init__()
         self.dropout = nn.Dropout(p=dropout)
@@ -270,7 +272,7 @@ class LabelSmoothing(nn.Module):
         self.padding_idx = padding_idx
         self.smoothing = smoothing
         self.confidence = 1.0 - smoothing
-        self.true_dist = None
+        self.true_dist: torch.Tensor | None = None
 
     def forward(self, x, target):
         assert x.size(1) == self.size, f"expected {self.size} classes, got {x.size(1)}"

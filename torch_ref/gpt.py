@@ -147,6 +147,8 @@ class GELU(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention; masked scores are ``-inf``; buffer ``bias`` holds the mask."""
 
+    bias: torch.Tensor  # the causal mask buffer
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
@@ -256,10 +258,11 @@ class GPT(nn.Module):
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device).unsqueeze(0)  # (1, t)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+        # nn.Module.__getattr__ is typed Tensor | Module, so mypy cannot see the ModuleDict's members
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # type: ignore[operator]
+        for block in self.transformer.h:  # type: ignore[union-attr]
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        logits = self.lm_head(self.transformer.ln_f(x))  # type: ignore[operator]
         loss = None
         if targets is not None:
             loss = F.cross_entropy(

@@ -302,7 +302,7 @@ def _plan(entries: dict[str, tuple[Path, tuple, str]], config: GPTConfig, tie: b
         mismatched += [(_LM_HEAD, (V, C), entries[_LM_HEAD][1])] if entries[_LM_HEAD][1] != (V, C) else []
     elif not tie:
         missing.append(_LM_HEAD)
-    bad_dtype = {}  # file -> ["key (dtype)"]
+    bad_dtype: dict[str, list[str]] = {}  # file -> ["key (dtype)"]
     for key, _, _ in plan:
         file, _, dtype = entries[key]
         if dtype not in _FLOAT_DTYPES:
@@ -344,6 +344,7 @@ def read_hf_gpt2(path: str | os.PathLike, *, config: Any = None) -> tuple[GPTCon
         config, tie, source = GPTConfig.from_any(config), True, "the given config"
     else:
         source = str(path / "config.json")
+        assert hf_config is not None  # _checkpoint_files reads config.json whenever no config is given
         config, tie = gpt_config_from_hf(hf_config, source)
     entries = _read_headers(files, index)
     plan = _plan(entries, config, tie, source)

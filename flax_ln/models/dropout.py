@@ -57,7 +57,7 @@ def _fusable(key: jax.Array, p, size: int) -> bool:
     """Whether :func:`bernoulli` reproduces ``jax.random.bernoulli`` for this key, probability and size."""
     if not (isinstance(p, (float, int)) and jax.dtypes.canonicalize_dtype(float) == jnp.float32):
         return False  # float64 probabilities (jax_enable_x64) draw 64-bit uniforms: left to JAX
-    if size > 2**32 - 32 or not jax.config.jax_threefry_partitionable:
+    if size > 2**32 - 32 or not jax.config.jax_threefry_partitionable:  # type: ignore[attr-defined]  # flags are set as attributes at run time
         return False  # JAX then counts with two words (or the packed words would), or hashes blocks of the flat array
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key.shape == () and str(jax.random.key_impl(key)) == "threefry2x32"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -233,8 +234,9 @@ class PositionwiseFeedForward(nnx.Module):
 
     def __call__(self, x: Float[Array, "*B d_model"]) -> Float[Array, "*B d_model"]:
         h = self.w_1(x)
-        if ACTIVATIONS[self.activation] is not None:
-            h = ACTIVATIONS[self.activation](h)
+        activation = ACTIVATIONS[self.activation]
+        if activation is not None:
+            h = activation(h)
         return self.w_2(self.dropout(h))
 
 
@@ -369,7 +371,8 @@ class _Stack(nnx.Module):
         precision=None,
         rngs: nnx.Rngs,
     ):
-        self.layers = nnx.List(
+        # Any: each subclass calls its own layer type's signature
+        self.layers: nnx.List[Any] = nnx.List(
             [
                 self.layer_cls(
                     size,
@@ -593,7 +596,7 @@ class Transformer(nnx.Module):
         _check_mask("src_mask", src_mask, batch, src_len, src_len)
         return src
 
-    def _check_decode(self, memory_shape: tuple[int, int, int], src_mask, tgt, tgt_mask, owner: str) -> jax.Array:
+    def _check_decode(self, memory_shape: tuple[int, ...], src_mask, tgt, tgt_mask, owner: str) -> jax.Array:
         """``tgt`` as a JAX array, after checking it against the memory's shape, and both masks."""
         batch, src_len, _ = memory_shape
         tgt = check_token_ids(

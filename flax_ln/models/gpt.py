@@ -504,7 +504,7 @@ def _remat_block(block: Block, x, pos, policy):
     return x
 
 
-def _scan_blocks(h: Block, x, cache, pos, policy=None):
+def _scan_blocks(h: nnx.Module, x, cache, pos, policy=None):
     """Run stacked blocks (leading layer axis) with ``jax.lax.scan``; returns ``(x, cache)``.
 
     The KV cache (all layers) rides in the carry and each step writes its own layer in
@@ -606,6 +606,7 @@ class GPT(nnx.Module):
         init, _ = _init_fns(config)
         opts = dict(dtype=dtype, param_dtype=param_dtype, precision=precision)
         make_block = functools.partial(Block, config, **opts)
+        h: nnx.Module  # the blocks: stacked (scan_layers) or a list
         if scan_layers:
             h = nnx.vmap(lambda r: make_block(rngs=r))(rngs.split(config.n_layer))
         else:
@@ -708,7 +709,7 @@ class GPT(nnx.Module):
         if self.scan_layers:
             x, cache = _scan_blocks(t.h, x, cache, pos, policy)
         else:
-            for i, block in enumerate(t.h):
+            for i, block in enumerate(t.h):  # type: ignore[arg-type]  # nnx.Dict members are typed Module
                 if cache is None and policy is not None:
                     x = _remat_block(block, x, pos, policy)
                     continue
