@@ -6,6 +6,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def current_umask() -> int:
@@ -22,7 +23,7 @@ def current_umask() -> int:
     return mask
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+def write_atomically(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
     """Write ``path`` all or nothing: ``write(tmp)`` fills a temporary file beside it, which then replaces it.
 
     On any error the temporary file is removed and ``path`` is as it was. The new file's

@@ -10,6 +10,7 @@ written; nothing is a PASS that compared nothing.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -327,3 +328,15 @@ def test_reference_with_dtype_is_a_usage_error(references, capsys):
     for dtype in ("float32", "float64"):
         code, out, err = run(capsys, "--reference", references["layernorm"], "--dtype", dtype)
         assert code == 2 and "--dtype" in err and "file" in err and "building" not in err, err
+
+
+def test_a_saved_reference_follows_the_umask(tmp_path, capsys):
+    ref = tmp_path / "ref.safetensors"
+    old = os.umask(0o027)
+    try:
+        code, out, err = run(capsys, "--model", "layernorm", "--seq-len", "4", "--batch", "1", "--save-reference", ref)
+    finally:
+        os.umask(old)
+    assert code == 0, out + err
+    assert ref.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["ref.safetensors"]  # no temporary file left

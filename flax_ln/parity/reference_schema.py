@@ -188,7 +188,7 @@ def _check_side(side: dict, field: str, dtype: str, batch: int) -> dict[str, Any
 
     input_names = _string_list(side["input_names"], f"{field}.input_names")
     inputs = side["inputs"]
-    _require(isinstance(inputs, list) and inputs, f"{field}.inputs", "expected a non-empty list of tensors")
+    _require(isinstance(inputs, list) and bool(inputs), f"{field}.inputs", "expected a non-empty list of tensors")
     _require(
         len(inputs) == len(input_names),
         f"{field}.input_names",
@@ -210,7 +210,7 @@ def _check_side(side: dict, field: str, dtype: str, batch: int) -> dict[str, Any
     param_names = _string_list(side["param_names"], f"{field}.param_names")
     for k in param_names:
         _require(k in state_dict, f"{field}.param_names", f"names {k!r}, which is not in the state dict")
-    _require(param_names, f"{field}.param_names", "is empty: a model without parameters cannot be checked")
+    _require(bool(param_names), f"{field}.param_names", "is empty: a model without parameters cannot be checked")
 
     expected = _tensor_dict(side["expected"], f"{field}.expected")
     kinds = side["kinds"]
@@ -413,11 +413,11 @@ def validate(data: Any, tensors: Mapping[str, np.ndarray], *, forwards, build, f
     depth = nesting_depth(data)
     _require(depth <= MAX_DEPTH, "(top level)", f"nests {depth} levels deep, at most {MAX_DEPTH} allowed")
     settings = _mapping(data.get("settings"), "settings")
-    dtype = settings.get("dtype")
+    dtype = str(settings.get("dtype"))
     _require(
-        dtype in FILE_DTYPES,
+        settings.get("dtype") in FILE_DTYPES,
         "settings.dtype",
-        f"expected one of {list(FILE_DTYPES)} (all --save-reference writes), got {dtype!r}",
+        f"expected one of {list(FILE_DTYPES)} (all --save-reference writes), got {settings.get('dtype')!r}",
     )
     batch = _positive_int(settings.get("batch"), "settings.batch", MAX_BATCH)
     models = data.get("models")
