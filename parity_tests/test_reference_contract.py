@@ -249,6 +249,8 @@ CASES = [
         _spec(ffn_activation="gelu"),
         ["ffn_activation"],
     ),
+    ("GPT n_head not dividing n_embd", "gpt", _config(n_head=3), ["spec", "does not describe a model", "n_head"]),
+    ("an unexpected keyword", "layernorm", _side(kwargs={"dict": [["evil", {"value": 1}]]}), ["could not be checked"]),
     ("unknown forward", "layernorm", lambda m, t: m["models"][0].update(forward="evil"), ["forward", "evil"]),
     ("a tensor name the file lacks", "layernorm", _side(inputs={"list": [{"tensor": "nope"}]}), ["nope"]),
     # what was a RecursionError

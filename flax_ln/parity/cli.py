@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="load the same weights into torch_ref and flax_ln and compare outputs and gradients",
         description="Load the same weights into the PyTorch reference and the Flax port, then compare "
         "every output and the gradient of every input and parameter. Exit code 0 if all are within "
-        "tolerance, 1 if any is not (the first submodule whose output diverges is named), 2 for a usage "
-        "error or a refused checkpoint; every argument is checked before anything runs.",
+        "tolerance, 1 if any is not (the first submodule whose output diverges is named) or if a --reference "
+        "file was altered since it was written, 2 for a usage error, a refused checkpoint or a reference file "
+        "that breaks its schema; every argument is checked before anything runs.",
     )
     parity.add_argument(
         "--model",

@@ -374,8 +374,8 @@ def _check_shapes(spec: dict, field: str, side: dict, build) -> None:
 
     try:
         model = nnx.eval_shape(lambda: build(spec, side["dtype"]))
-    except (ValueError, TypeError) as err:
-        raise SchemaError(field, f"does not describe a model ({err})") from err
+    except Exception as err:  # noqa: BLE001 - whatever a builder raises on arguments it refuses is a schema error
+        raise SchemaError(field, f"does not describe a model ({type(err).__name__}: {err})") from err
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     state = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model)))
     stored = sum(side["state_dict"][k].size for k in side["param_names"])
