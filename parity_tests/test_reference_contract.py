@@ -209,6 +209,7 @@ CASES = [
     ("features 1e10", "layernorm", _spec(features=1e10), ["spec.features", "10000000000.0"]),
     ("features 10**10", "layernorm", _spec(features=10**10), ["spec.features"]),
     ("GPT block_size 1e6", "gpt", _config(block_size=10**6), ["config.block_size"]),
+    ("GPT block_size swapped with vocab_size", "gpt", _config(block_size=50, vocab_size=32), ["config.block_size"]),
     ("GPT n_layer 100", "gpt", _config(n_layer=100), ["spec", "parameter elements"]),
     # the reference module's own errors
     ("unknown builder", "layernorm", _spec(builder="Evil"), ["spec.builder", "Evil"]),

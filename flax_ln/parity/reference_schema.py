@@ -342,11 +342,12 @@ def _check_spec(spec: Any, field: str, state_dict: Mapping[str, np.ndarray]) -> 
             )
         block_size = config["block_size"]
         for k, v in state_dict.items():  # the causal-mask buffer, derived from block_size when converting
-            if (k == "attn.bias" or k.endswith(".attn.bias")) and v.ndim == 4:
+            if k == "attn.bias" or k.endswith(".attn.bias"):
                 _require(
                     v.shape == (1, 1, block_size, block_size),
                     f"{field}.config.block_size",
-                    f"is {block_size}, but the file's {k} is the mask of block size {v.shape[-1]}",
+                    f"is {block_size}, but the file's {k} has shape {v.shape}, not the causal mask "
+                    f"(1, 1, {block_size}, {block_size}) of that block size",
                 )
     elif builder == "make_model":
         keys(spec, field, {"builder", "sizes", "ffn_activation"}, {"builder", "sizes", "ffn_activation"})
