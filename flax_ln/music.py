@@ -67,6 +67,8 @@ STEPS_PER_SECOND = 100  # one time-shift step is 10 ms
 SEQ_LEN = 2048  # the book's sequence length
 SUSTAIN_PEDAL = 64  # MIDI control number; values >= 64 press it
 PROMPT_LEN = 250  # the book's prompt: the first 250 ids of a test piece
+MAX_PIECE_SECONDS = 24 * 3600  # the encoder refuses a piece whose last event is later (a day: no real piece is)
+MAX_GAP_SECONDS = 6 * 3600  # ... or with a silence longer than this between two events
 
 
 class Note(NamedTuple):
@@ -163,7 +165,35 @@ def apply_sustain(notes: list, intervals: Sequence[Sequence[float]]) -> list:
     return sorted(stream, key=lambda n: n.start)
 
 
-def encode_notes(notes: Iterable) -> np.ndarray:
+def _check_duration(events: Sequence[tuple], origin: str) -> None:
+    """Refuse a piece longer than :data:`MAX_PIECE_SECONDS` or with a gap longer than :data:`MAX_GAP_SECONDS`.
+
+    Checked before any id is made: a 1 s shift per second of silence would otherwise fill
+    memory (a 44-byte file can hold a gap of years). Never truncated: the stream stays the book's.
+    """
+    hint = (
+        "far beyond real music (hours, not minutes), so most likely a corrupt tempo or tick value; "
+        "it is refused, never truncated, because the book's token stream must stay exact"
+    )
+    if not events:
+        return
+    end = max(e[0] for e in events)
+    if not end <= MAX_PIECE_SECONDS:  # also refuses NaN
+        raise ValueError(
+            f"{origin}: the piece runs to {end:.6g} s, longer than the encoder's limit of "
+            f"{MAX_PIECE_SECONDS} s ({MAX_PIECE_SECONDS // 3600} h); {hint}"
+        )
+    prev = 0.0
+    for time, *_ in events:
+        if time - prev > MAX_GAP_SECONDS:
+            raise ValueError(
+                f"{origin}: a gap of {time - prev:.6g} s before the event at {time:.6g} s is longer than the "
+                f"encoder's limit of {MAX_GAP_SECONDS} s ({MAX_GAP_SECONDS // 3600} h); {hint}"
+            )
+        prev = time
+
+
+def encode_notes(notes: Iterable, *, origin: str = "encode_notes") -> np.ndarray:
     """Token ids (int32, no EOS) of notes, by the book's event rules (quirks 4-6 of the module docstring).
 
     The notes are sorted by start (stable); each gives a note-on at its start and a
@@ -174,11 +204,17 @@ def encode_notes(notes: Iterable) -> np.ndarray:
 
     Args:
       notes: objects with ``pitch``, ``velocity``, ``start``, ``end`` (seconds).
+      origin: what the notes came from (a file name), named in errors.
+
+    Raises:
+      ValueError: the piece runs longer than :data:`MAX_PIECE_SECONDS` or has a gap longer
+        than :data:`MAX_GAP_SECONDS` (refused before any id is made, never truncated).
     """
     events = []  # (time, pitch, velocity or None for a note-off)
     for n in sorted(notes, key=lambda n: n.start):
         events += [(n.start, n.pitch, n.velocity), (n.end, n.pitch, None)]
     events.sort(key=lambda e: e[0])
+    _check_duration(events, origin)
     ids, prev_time, prev_velocity = [], 0, 0
     for time, pitch, velocity in events:
         steps = round((time - prev_time) * STEPS_PER_SECOND)
@@ -197,26 +233,28 @@ def encode_notes(notes: Iterable) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
-def encode_pretty_midi(midi) -> np.ndarray:
+def encode_pretty_midi(midi, *, origin: str = "encode_pretty_midi") -> np.ndarray:
     """Token ids (int32, no EOS) of a ``pretty_midi.PrettyMIDI``, exactly as the book's encoder.
 
     Every instrument (in pretty_midi's order, drums included) goes through
     :func:`apply_sustain` with its own pedal; the streams are concatenated and encoded by
     :func:`encode_notes`. ``midi`` is not modified (its notes are copied first).
+    ``origin`` (a file name) is named in errors.
     """
     pretty_midi = _pretty_midi()
     notes = []
     for instrument in midi.instruments:
         copies = [pretty_midi.Note(n.velocity, n.pitch, n.start, n.end) for n in instrument.notes]
         notes += apply_sustain(copies, sustain_intervals(instrument.control_changes))
-    return encode_notes(notes)
+    return encode_notes(notes, origin=origin)
 
 
 def encode_midi(path: str | os.PathLike) -> np.ndarray:
     """Token ids (int32, no EOS) of the MIDI file at ``path``, read with pretty_midi, as the book's encoder.
 
     Raises:
-      ValueError: naming ``path`` when pretty_midi cannot read it.
+      ValueError: naming ``path`` when pretty_midi cannot read it, or when the piece is longer
+        than :data:`MAX_PIECE_SECONDS` or holds a gap longer than :data:`MAX_GAP_SECONDS`.
     """
     pretty_midi = _pretty_midi()
     try:
@@ -225,11 +263,35 @@ def encode_midi(path: str | os.PathLike) -> np.ndarray:
         raise
     except Exception as e:  # noqa: BLE001 - pretty_midi/mido raise OSError, EOFError, KeyError, ValueError... on bad files
         raise ValueError(f"{path}: pretty_midi cannot read it as a MIDI file ({type(e).__name__}: {e})") from None
-    return encode_pretty_midi(midi)
+    return encode_pretty_midi(midi, origin=str(path))
 
 
 # ---------------------------------------------------------------------------------------
 # decoding
+
+
+def _integer_ids(ids, caller: str) -> np.ndarray:
+    """``ids`` as a one-dimensional int64 array, or a ValueError saying what was expected."""
+    if isinstance(ids, (list, tuple)):
+        for i, value in enumerate(ids):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(
+                    f"{caller}: ids must be integer token ids; item {i} is {value!r} ({type(value).__name__}): "
+                    "pass ints (e.g. the model's sampled ids), one piece at a time"
+                )
+        return np.asarray(ids, np.int64).reshape(-1)
+    array = np.asarray(ids)
+    if array.dtype.kind not in "iu":
+        raise ValueError(
+            f"{caller}: ids must be an integer array, got dtype {array.dtype}; convert with .astype(int) only if "
+            "every value is a token id (floats are refused, even integral ones)"
+        )
+    if array.ndim != 1:
+        raise ValueError(
+            f"{caller}: ids must be one-dimensional (one piece), got shape {array.shape}; decode each row of a "
+            "batch separately"
+        )
+    return array.astype(np.int64)
 
 
 def decode_notes(ids: Sequence[int] | np.ndarray) -> list[Note]:
@@ -242,12 +304,13 @@ def decode_notes(ids: Sequence[int] | np.ndarray) -> list[Note]:
     (EOS) and 389 (PAD) are skipped (see the module docstring).
 
     Args:
-      ids: token ids in [0, 390).
+      ids: token ids in [0, 390): a sequence of ints, or a one-dimensional integer array.
 
     Raises:
-      ValueError: an id outside [0, 390).
+      ValueError: an id outside [0, 390), a float or bool id (even an integral float), or
+        an array that is not one-dimensional (decode one piece at a time).
     """
-    ids = np.asarray(ids).reshape(-1)
+    ids = _integer_ids(ids, "decode_notes")
     if ids.size and (ids.min() < 0 or ids.max() >= VOCAB_SIZE):
         raise ValueError(
             f"decode_notes: ids must be in [0, {VOCAB_SIZE}), got min {ids.min()} max {ids.max()}; "
@@ -276,6 +339,9 @@ def decode_midi(ids: Sequence[int] | np.ndarray, path: str | os.PathLike) -> lis
 
     As the book: pretty_midi's defaults (120 bpm, 220 ticks per beat), one instrument,
     program 1, not a drum. Notes of velocity 0 are written as they are (quirk 7).
+
+    Raises:
+      ValueError: ``ids`` that :func:`decode_notes` refuses (nothing is written then).
     """
     pretty_midi = _pretty_midi()
     notes = decode_notes(ids)

@@ -310,3 +310,46 @@ def test_reference_refuses_what_the_file_decides(tmp_path, capsys, args, says):
 
 def test_missing_reference_is_refused_before_the_run(tmp_path, capsys):
     assert_usage_error(capsys, "--reference", tmp_path / "missing.safetensors", says="no such file")
+
+
+# ---- outputs never overwrite inputs or each other ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--reference", "REF", "--json", "REF"], "--json"),
+        (["--reference", "REF", "--plot", "REF.png"], None),  # different files: allowed (checked below)
+        (["--model", "layernorm", "--save-reference", "X.png", "--plot", "X.png"], "--plot"),
+        (["--model", "layernorm", "--save-reference", "X", "--json", "X"], "--json"),
+        (["--model", "layernorm", "--json", "X.png", "--plot", "X.png"], "--plot"),
+        (["--model", "layernorm", "--json", "sub/../X", "--save-reference", "X"], "--save-reference"),
+        (["--reference", "LINK", "--json", "REF"], "--json"),  # a symlink to the reference: the same file
+        (["--checkpoint", "CKPT/model.safetensors", "--json", "CKPT/model.safetensors"], "--json"),
+        (["--checkpoint", "CKPT", "--json", "CKPT/config.json"], "--json"),
+        (["--checkpoint", "CKPT", "--save-reference", "CKPT/model.safetensors"], "--save-reference"),
+    ],
+)
+def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, capsys, options, says):
+    ref = tmp_path / "REF"
+    ref.write_bytes(b"precious")
+    (tmp_path / "LINK").symlink_to(ref)
+    (tmp_path / "sub").mkdir()
+    ckpt = tmp_path / "CKPT"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    (ckpt / "config.json").write_text("{}")
+    args = [str(tmp_path / o) if o.isupper() or "/" in o or o.startswith("X") else o for o in options]
+    if says is None:
+        code, out, err = run(capsys, *args)
+        assert "same file" not in err
+        return
+    assert_usage_error(capsys, *args, says=[says, "same file"])
+    assert ref.read_bytes() == b"precious" and (ckpt / "model.safetensors").read_bytes() == b"weights"
+    assert not (tmp_path / "X").exists() and not (tmp_path / "X.png").exists()
+
+
+def test_reference_with_dtype_is_refused_before_reading(tmp_path, capsys):
+    ref = tmp_path / "ref.safetensors"
+    ref.write_bytes(b"")
+    assert_usage_error(capsys, "--reference", ref, "--dtype", "float64", says=["--dtype", "from the file"])

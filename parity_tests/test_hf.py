@@ -418,3 +418,60 @@ def test_a_sharded_model_converts_and_saves(mesh_report):
     assert mesh_report["to_torch_equal"]  # to_torch_state_dict gathers every shard
     assert mesh_report["saved_equal"]  # save_hf_gpt2 of the sharded model, read back unsharded
     assert mesh_report["torch_loaded"] == {"placement": True, "equal": True}  # load_torch_state_dict on a mesh
+
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    try:
+        yield 0o640
+    finally:
+        os.umask(old)
+
+
+def test_save_hf_gpt2_files_follow_the_umask(tmp_path, umask_027):
+    folder = flax_ln.save_hf_gpt2(noisy_flax_gpt(), tmp_path / "out")
+    for name in ("model.safetensors", "config.json"):
+        assert (folder / name).stat().st_mode & 0o777 == umask_027, name
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]  # no temporary left
+
+
+def test_save_hf_gpt2_over_a_sharded_save_removes_its_index_and_exactly_its_shards(tmp_path):
+    folder = tmp_path / "out"
+    old = noisy_flax_gpt(seed=1)
+    flax_ln.save_hf_gpt2(old, folder)
+    state = load_file(str(folder / "model.safetensors"))
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, names in shards.items():
+        save_file({k: state[k] for k in names}, str(folder / name), metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {k: name for name, names in shards.items() for k in names}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "model-00003-of-00003.safetensors").write_bytes(b"not named by the index")
+    (folder / "README.md").write_text("kept\n")
+    assert (
+        relative_error(flax_logits(flax_ln.load_hf_gpt2(folder)), flax_logits(old)) <= RTOL_F32
+    )  # the old sharded save
+
+    new = noisy_flax_gpt(seed=2)
+    flax_ln.save_hf_gpt2(new, folder)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors",
+    ]
+    assert (folder / "README.md").read_text() == "kept\n"
+    assert (
+        relative_error(flax_logits(flax_ln.load_hf_gpt2(folder)), flax_logits(new)) <= RTOL_F32
+    )  # the new weights, not the old shards
+
+
+def test_save_hf_gpt2_refuses_a_stale_index_it_cannot_read_before_writing(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../elsewhere.safetensors"}}))
+    with pytest.raises(ValueError, match=r"stale model.safetensors.index.json .* nothing was written"):
+        flax_ln.save_hf_gpt2(noisy_flax_gpt(), folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors.index.json"]

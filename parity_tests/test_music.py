@@ -11,6 +11,8 @@ Id reminders: note-on = pitch, note-off = 128 + pitch, shift of k steps = 255 + 
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -367,3 +369,87 @@ def test_maestro_split_reads_the_csv(tmp_path):
     (tmp_path / "2004/d.midi").unlink()
     with pytest.raises(FileNotFoundError, match="lists 1 MIDI files that are not there"):
         music.maestro_split(tmp_path)
+
+
+# ---- limits and argument checks (refused with a clear error, never truncated) ---------------
+
+
+def _vlq(value):
+    out = [value & 0x7F]
+    value >>= 7
+    while value:
+        out.append(0x80 | (value & 0x7F))
+        value >>= 7
+    return bytes(reversed(out))
+
+
+def hostile_midi(path, delta=9_999_999):
+    """44 bytes: tempo 0xFFFFFF, 1 tick per beat, one note whose note-off comes ``delta`` ticks later."""
+    track = (
+        b"\x00\xff\x51\x03\xff\xff\xff"  # tempo: 16.78 s per beat
+        + b"\x00\x90\x3c\x40"  # note-on 60
+        + _vlq(delta)
+        + b"\x80\x3c\x40"  # note-off 60, 9,999,999 ticks (1.7e8 s) later
+        + b"\x00\xff\x2f\x00"
+    )
+    data = b"MThd" + (6).to_bytes(4, "big") + b"\x00\x00\x00\x01\x00\x01" + b"MTrk" + len(track).to_bytes(4, "big")
+    path.write_bytes(data + track)
+    return path
+
+
+MEMORY_CHECK = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from flax_ln import music
+try:
+    music.encode_midi(sys.argv[1])
+except ValueError as err:
+    print("REFUSED", err)
+"""
+
+
+def test_a_gap_of_years_is_refused_within_2_gib(tmp_path):
+    path = hostile_midi(tmp_path / "bomb.mid")
+    assert path.stat().st_size == 44
+    proc = subprocess.run([sys.executable, "-c", MEMORY_CHECK, str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("REFUSED"), proc.stdout + proc.stderr[-2000:]
+    assert str(path) in proc.stdout and "limit" in proc.stdout and "never truncated" in proc.stdout
+
+
+def test_a_piece_or_gap_beyond_the_limits_is_refused_naming_the_time():
+    day, gap = music.MAX_PIECE_SECONDS, music.MAX_GAP_SECONDS
+    assert day >= 3600 and gap >= 3600  # hours, not minutes
+    with pytest.raises(ValueError, match=r"piece.mid: the piece runs to 86410 s"):
+        music.encode_notes([Note(60, 80, day, day + 10.0)], origin="piece.mid")
+    with pytest.raises(ValueError, match=r"a gap of 21601 s before the event at 21611 s"):
+        music.encode_notes([Note(60, 80, 0.0, 10.0), Note(61, 80, gap + 11.0, gap + 12.0)], origin="piece.mid")
+    # just inside both limits: encoded in full (a 1 s shift per second of the gap, nothing cut)
+    ids = music.encode_notes([Note(60, 80, 0.0, 1.0), Note(61, 80, gap + 1.0, gap + 2.0)])
+    assert (ids == 355).sum() == gap + 2 and ids.tolist()[-1] == 128 + 61
+
+
+@pytest.mark.parametrize(
+    ("ids", "says"),
+    [
+        ([376.0, 60.5, 300.7, 188.0], "item 0 is 376.0"),
+        (np.array([376.0, 60.0, 300.0, 188.0]), "dtype float64"),
+        ([376, 60, True, 188], "item 2 is True"),
+        (np.array([[376, 60, 300, 188], [376, 61, 300, 189]]), r"shape \(2, 4\)"),
+        ([[376, 60, 300, 188]], r"item 0 is \[376"),
+        (np.array([True, False]), "dtype bool"),
+    ],
+)
+def test_decoder_takes_integer_ids_only(tmp_path, ids, says):
+    with pytest.raises(ValueError, match=says):
+        music.decode_notes(ids)
+    with pytest.raises(ValueError, match=says):
+        music.decode_midi(ids, tmp_path / "out.mid")
+    assert not (tmp_path / "out.mid").exists()
+
+
+def test_decoder_takes_ints_lists_and_integer_arrays():
+    want = [(60, 80, 0.0, 0.45)]
+    for ids in ([376, 60, 300, 188], np.array([376, 60, 300, 188], np.int32), [np.int64(376), 60, 300, 188]):
+        assert_notes(notes(ids), want)
+        assert all(type(n.pitch) is int and type(n.velocity) is int for n in music.decode_notes(ids))

@@ -569,7 +569,7 @@ def run_without_torch(*args):
 def test_reference_file_checks_flax_without_torch(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from flax_ln.parity.reference import METADATA_KEY
+    from flax_ln.parity.reference import DIGEST_KEY, METADATA_KEY, digest
 
     ref = tmp_path / "ref.safetensors"
     assert (
@@ -594,6 +594,12 @@ def test_reference_file_checks_flax_without_torch(tmp_path):
     tensors[key] = tensors[key].copy()
     tensors[key][0, 0, 0] += 1.0
     altered = tmp_path / "altered.safetensors"
+    save_file(tensors, str(altered), metadata=metadata)  # the digest written with the file no longer matches
+    proc = run_without_torch("--reference", str(altered))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ALTERED" in proc.stdout and "building" not in proc.stderr  # no comparison: the file was altered
+    # the same values with a matching digest (a torch side that differs): a comparison that fails
+    metadata = {**metadata, DIGEST_KEY: digest(json.loads(metadata[METADATA_KEY]), tensors)}
     save_file(tensors, str(altered), metadata=metadata)
     proc = run_without_torch("--reference", str(altered))
     assert proc.returncode == 1, proc.stdout + proc.stderr

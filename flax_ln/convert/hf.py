@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_ln._atomic import write_atomically
 from flax_ln.convert.rules import ConversionError, Permute, torch_leaves
 from flax_ln.models.gpt import GPT, GPTConfig, causal_mask_buffer
 from flax_ln.sharding import abstract_model
@@ -550,6 +551,12 @@ def save_hf_gpt2(model: GPT, path) -> Path:
     safetensors copies it once more while serialising). ``transformers`` opens the folder
     with ``GPT2LMHeadModel.from_pretrained(path)``.
 
+    Both files are written atomically (a temporary file, then renamed) with the permissions
+    a plain ``open`` would give (``0o666`` less the umask). A folder that holds an earlier
+    sharded save (``model.safetensors.index.json``) has that index and exactly the shard
+    files it names removed, after the new files are in place; other files are kept. An
+    index that cannot be read refuses the save, before anything is written.
+
     Args:
       model: a :class:`flax_ln.GPT`, unsharded or sharded on one host's devices.
       path: the folder; created if missing, its ``config.json`` and ``model.safetensors`` replaced.
@@ -578,8 +585,34 @@ def save_hf_gpt2(model: GPT, path) -> Path:
     if tied:
         del tensors["lm_head.weight"]
     dtype = str(tensors["transformer.wte.weight"].dtype)
+    stale = _stale_shards(path)  # checked before anything is written: a malformed index refuses the save
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_config_from_gpt(model.config, tied=tied, dtype=dtype)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    write_atomically(path / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    config = json.dumps(hf_config_from_gpt(model.config, tied=tied, dtype=dtype), indent=2) + "\n"
+    write_atomically(path / "config.json", lambda tmp: Path(tmp).write_text(config, encoding="utf-8"))
+    if stale is not None:  # only now, with the new weights in place: the index first, so no loader follows it
+        (path / INDEX_FILE).unlink()
+        for shard in stale:
+            shard.unlink(missing_ok=True)
     return path
+
+
+def _stale_shards(folder: Path) -> list[Path] | None:
+    """The shard files an earlier sharded save's index in ``folder`` names (``None``: no index there).
+
+    Only the files the index names, inside the folder, and never the ``model.safetensors``
+    or ``config.json`` about to be written. An index that cannot be read refuses the save,
+    naming it, so that nothing is guessed.
+    """
+    index_file = folder / INDEX_FILE
+    if not index_file.is_file():
+        return None
+    try:
+        _shard_files(folder, index_file)  # the names lie inside the folder and the index is well-formed
+    except ValueError as err:
+        raise ValueError(
+            f"save_hf_gpt2: {folder} holds a stale {INDEX_FILE} from a sharded save that cannot be read ({err}); "
+            "nothing was written. Remove the index and its shard files yourself, or save to another folder"
+        ) from err
+    names = set(json.loads(index_file.read_text(encoding="utf-8"))["weight_map"].values())
+    return [folder / name for name in sorted(names - {"model.safetensors", "config.json"})]

@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="load the same weights into torch_ref and flax_ln and compare outputs and gradients",
         description="Load the same weights into the PyTorch reference and the Flax port, then compare "
         "every output and the gradient of every input and parameter. Exit code 0 if all are within "
-        "tolerance, 1 if any is not (the first submodule whose output diverges is named), 2 for a usage "
-        "error or a refused checkpoint; every argument is checked before anything runs.",
+        "tolerance, 1 if any is not (the first submodule whose output diverges is named) or if a --reference "
+        "file was altered since it was written, 2 for a usage error, a refused checkpoint or a reference file "
+        "that breaks its schema; every argument is checked before anything runs.",
     )
     parity.add_argument(
         "--model",
@@ -37,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="all",
         help="which model to check (default: all, on small configs; gpt2-xl-block is full width)",
     )
-    parity.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parity.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default=None,
+        help="compute dtype of both sides (default float32; with --reference the file decides)",
+    )
     parity.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     parity.add_argument("--seq-len", type=int, default=None, help="sequence length (default: per model)")
     parity.add_argument("--seed", type=int, default=0)
@@ -129,6 +135,37 @@ def _check_output_file(parser: argparse.ArgumentParser, option: str, path: str) 
         parser.error(f"{option} {path!r} cannot be written: {err.strerror or err}")
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: ``os.path.samefile`` where both exist, resolved paths otherwise."""
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    """The files a ``--checkpoint`` path reads: the file itself, or every file directly inside the folder."""
+    if os.path.isdir(path):
+        return [entry.path for entry in os.scandir(path) if entry.is_file()]
+    return [path]
+
+
+def _check_distinct_files(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Outputs never overwrite inputs or each other: refuse (exit 2) before anything runs."""
+    outputs = [(f"--{name.replace('_', '-')}", getattr(args, name)) for name in ("json", "plot", "save_reference")]
+    outputs = [(option, path) for option, path in outputs if path]
+    inputs = [("--reference", args.reference)] if args.reference else []
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        inputs += [("--checkpoint", path) for path in _checkpoint_files(args.checkpoint)]
+    for i, (option, path) in enumerate(outputs):
+        for other, other_path in outputs[:i] + inputs:
+            if _same_file(path, other_path):
+                what = "an input" if (other, other_path) in inputs else "another output"
+                parser.error(
+                    f"{option} {path!r} is the same file as {other} {other_path!r} ({what}): writing it would "
+                    f"overwrite that; give {option} a different file"
+                )
+
+
 def _plot_formats() -> dict[str, str]:
     """File extensions matplotlib can save to (extension -> description)."""
     from matplotlib.backend_bases import FigureCanvasBase
@@ -150,6 +187,13 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             parser.error(f"--{name} must be a finite number >= 0, got {value}")
     if args.checkpoint and args.model != "all":
         parser.error("--checkpoint replaces --model; give one of them")
+    if args.reference and args.dtype is not None:
+        parser.error(
+            f"--reference takes its dtype from the file; drop --dtype {args.dtype} (write the file with "
+            "--save-reference --dtype to check another dtype)"
+        )
+    if args.dtype is None:
+        args.dtype = "float32"
     if args.reference:
         if args.checkpoint or args.model != "all" or args.save_reference or args.train_steps or args.seq_len:
             parser.error(
@@ -163,6 +207,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             )
         if not os.path.isfile(args.reference):
             parser.error(f"--reference {args.reference!r}: no such file")
+    _check_distinct_files(parser, args)
     if args.save_reference:
         _check_output_file(parser, "--save-reference", args.save_reference)
     if args.json:
@@ -268,30 +313,60 @@ def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> i
     return 0 if passed else 1
 
 
+def _reference_error(args: argparse.Namespace, message: str) -> int:
+    """One line on stderr for an error on the reference path; exit code 2 (no comparison was made)."""
+    print(f"flax-ln parity: error: {message}", file=sys.stderr)
+    return 2
+
+
 def run_reference(args: argparse.Namespace, mesh=None) -> int:
     """``--reference FILE``: the flax side of every model in the file against its stored torch side; no torch.
-    On ``mesh`` (``--devices``/``--fsdp``), the flax side runs sharded as in a live run."""
+
+    On ``mesh`` (``--devices``/``--fsdp``), the flax side runs sharded as in a live run.
+    Exit code 1 only for a comparison that failed or a file altered since it was written
+    (its digest); every other error, from reading the file to the verdict, is a one-line
+    error and exit code 2.
+    """
     from flax_ln.parity import engine as parity
     from flax_ln.parity import reference
     from flax_ln.parity import report as parity_report
 
+    notes: list[str] = []
     try:
-        settings, models = reference.load_reference(args.reference)
+        settings, models = reference.load_reference(args.reference, notes)
     except reference.ReferenceFileError as err:
-        print(f"flax-ln parity: error: {err}", file=sys.stderr)
-        return 2
+        return _reference_error(args, str(err))
+    except reference.ReferenceAlteredError as err:
+        print(f"flax-ln parity: {err}", file=sys.stderr)
+        print(f"overall: --reference {args.reference} ALTERED (its digest does not match) -> FAIL")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {
+                        "reference": args.reference,
+                        "passed": False,
+                        "verdict": "altered",
+                        "digest": {"expected": err.expected, "actual": err.actual},
+                    },
+                    f,
+                    indent=1,
+                )
+        return 1
+    except Exception as err:  # noqa: BLE001 - any other failure to read the file is a usage error, never a FAIL
+        return _reference_error(args, f"--reference {args.reference!r} cannot be read ({type(err).__name__}: {err})")
+    for note in notes:
+        print(f"flax-ln parity: {note}", file=sys.stderr)
     if mesh is not None:
         from flax_ln.sharding import DATA
 
         if settings["batch"] % mesh.shape[DATA]:
-            print(
-                f"flax-ln parity: error: --reference {args.reference!r} holds batch {settings['batch']}, not a "
-                f"multiple of the mesh's data axis ({mesh.shape[DATA]}): the batch is split over it; choose "
-                "--devices/--fsdp to fit, or write the reference with a --batch that divides",
-                file=sys.stderr,
+            return _reference_error(
+                args,
+                f"--reference {args.reference!r} holds batch {settings['batch']}, not a multiple of the mesh's "
+                f"data axis ({mesh.shape[DATA]}): the batch is split over it; choose --devices/--fsdp to fit, or "
+                "write the reference with a --batch that divides",
             )
-            return 2
-    dtype = settings["dtype"]
+    dtype = settings["dtype"]  # float32 or float64: the schema allows nothing else
     reports = []
     with parity.numerics(dtype):
         env = parity_report.environment()
@@ -302,9 +377,21 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            report = reference.check_reference(
-                model, _tolerances(args, dtype), capture_modules=bool(args.plot), mesh=mesh
-            )
+            try:
+                report = reference.check_reference(
+                    model, _tolerances(args, dtype), capture_modules=bool(args.plot), mesh=mesh
+                )
+            except Exception as err:  # noqa: BLE001 - a model the file describes but flax cannot run is exit 2, not a FAIL
+                return _reference_error(
+                    args,
+                    f"--reference {args.reference!r}: model {index} ({model.side.name!r}) could not be checked "
+                    f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); the file does not "
+                    "describe a model flax-ln can run: write it again with --save-reference",
+                )
+            if not report.results:
+                return _reference_error(
+                    args, f"--reference {args.reference!r}: model {index} ({model.side.name!r}) compared nothing"
+                )
             reports.append(report)
             print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
     return _finish(args, env, dtype, reports)

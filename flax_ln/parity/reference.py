@@ -17,6 +17,7 @@ import nothing from torch, so it runs where torch is not installed (a TPU VM).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,16 +27,44 @@ import numpy as np
 from flax import nnx
 
 import flax_ln
+from flax_ln._atomic import write_atomically
 from flax_ln._deprecated import module_getattr
+from flax_ln.parity import reference_schema
 from flax_ln.parity.capture import Unsupported
 
 METADATA_KEY = "flax_ln_reference"
+DIGEST_KEY = "flax_ln_reference_sha256"
 FORMAT = "flax-ln parity reference"
 VERSION = 1
 
 
 class ReferenceFileError(ValueError):
     """A file that is not a readable flax-ln parity reference (a usage error, exit code 2)."""
+
+
+class ReferenceAlteredError(Exception):
+    """A reference file whose tensors or metadata no longer match the digest written with it (exit code 1)."""
+
+    def __init__(self, path: str, expected: str, actual: str):
+        super().__init__(
+            f"--reference {path!r} was altered after it was written: the SHA-256 digest of its tensors and "
+            f"metadata is {actual}, the file's digest says {expected}; write it again with --save-reference"
+        )
+        self.path, self.expected, self.actual = path, expected, actual
+
+
+def digest(metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> str:
+    """The SHA-256 (hex) of a reference's metadata (canonical JSON) and tensors (name, dtype, shape, bytes).
+
+    :func:`save_reference` stores it under :data:`DIGEST_KEY`; :func:`load_reference` checks it.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        h.update(json.dumps([name, str(array.dtype), list(array.shape), array.nbytes]).encode() + b"\n")
+        h.update(array.tobytes())
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,15 +199,23 @@ def save_reference(path: str, models: Sequence[ReferenceModel], settings: Mappin
             }
         )
     metadata = {"format": FORMAT, "version": VERSION, "settings": dict(settings), "models": entries}
-    save_file(tensors, path, metadata={METADATA_KEY: json.dumps(metadata)})
+    text = json.dumps(metadata)
+    stored = {METADATA_KEY: text, DIGEST_KEY: digest(json.loads(text), tensors)}
+    write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=stored))
 
 
-def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
+def load_reference(path: str, notes: list[str] | None = None) -> tuple[dict[str, Any], list[ReferenceModel]]:
     """The settings and models of a reference file written by :func:`save_reference`.
 
+    The metadata is checked against the schema (:func:`flax_ln.parity.reference_schema.validate`)
+    before anything is unpacked or built, then the digest written with the file. A file
+    without a digest (written by flax-ln before digests) is read, and a line saying so is
+    appended to ``notes``.
+
     Raises:
-      ReferenceFileError: the file is missing, not safetensors, or a safetensors file without
-        flax-ln's reference metadata.
+      ReferenceFileError: the file is missing, not safetensors, a safetensors file without
+        flax-ln's reference metadata, or metadata that breaks the schema (naming the field).
+      ReferenceAlteredError: the tensors or metadata do not match the file's digest.
     """
     import os
 
@@ -191,10 +228,11 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
     hint = "write one with `flax-ln parity --save-reference FILE` on a machine with torch"
     try:
         with safe_open(path, framework="numpy") as f:
-            metadata = (f.metadata() or {}).get(METADATA_KEY)
+            stored = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as err:
+    except (SafetensorError, OSError, ValueError, TypeError) as err:
         raise ReferenceFileError(f"--reference {path!r} is not a safetensors file ({err}); {hint}") from err
+    metadata = stored.get(METADATA_KEY)
     if metadata is None:
         raise ReferenceFileError(
             f"--reference {path!r} is a safetensors file without {METADATA_KEY!r} metadata, "
@@ -202,29 +240,38 @@ def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
         )
     try:
         data = json.loads(metadata)
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ReferenceFileError(
-                f"--reference {path!r}: format {data.get('format')!r} version "
-                f"{data.get('version')!r}, expected {FORMAT!r} version {VERSION}; {hint}"
-            )
-        if data["settings"]["dtype"] not in ("float32", "float64", "bfloat16", "float16"):
-            raise ReferenceFileError(f"--reference {path!r}: unknown dtype {data['settings']['dtype']!r}")
-        models = []
-        for entry in data["models"]:
-            fields = {name: _unpack(packed, tensors) for name, packed in entry["side"].items()}
-            if entry["forward"] not in FORWARDS:
-                raise ReferenceFileError(f"--reference {path!r}: unknown forward {entry['forward']!r}")
-            models.append(
-                ReferenceModel(
-                    TorchSide(**fields), entry["spec"], entry["forward"], entry["lm_logits"], entry.get("stored_dtype")
-                )
-            )
-    except ReferenceFileError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except RecursionError:
         raise ReferenceFileError(
-            f"--reference {path!r}: malformed reference metadata ({type(err).__name__}: {err}); {hint}"
-        ) from err
+            f"--reference {path!r}: its metadata nests deeper than {reference_schema.MAX_DEPTH} levels "
+            f"(the schema's limit); {hint}"
+        ) from None
+    except ValueError as err:
+        raise ReferenceFileError(f"--reference {path!r}: its metadata is not JSON ({err}); {hint}") from err
+    try:
+        reference_schema.validate(
+            data, tensors, forwards=FORWARDS, build=build_flax_model, file_format=FORMAT, version=VERSION
+        )
+    except reference_schema.SchemaError as err:
+        raise ReferenceFileError(f"--reference {path!r}: field {err}; {hint}") from err
+    expected = stored.get(DIGEST_KEY)
+    if expected is None:
+        if notes is not None:
+            notes.append(
+                f"note: --reference {path!r} has no digest (written by an older flax-ln), so an alteration "
+                "cannot be detected; write it again with --save-reference to add one"
+            )
+    else:
+        actual = digest(data, tensors)
+        if actual != expected:
+            raise ReferenceAlteredError(path, expected, actual)
+    models = []
+    for entry in data["models"]:
+        fields = {name: _unpack(packed, tensors) for name, packed in entry["side"].items()}
+        models.append(
+            ReferenceModel(
+                TorchSide(**fields), entry["spec"], entry["forward"], entry["lm_logits"], entry.get("stored_dtype")
+            )
+        )
     return data["settings"], models
 
 
