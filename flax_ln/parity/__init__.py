@@ -11,6 +11,7 @@ side in a file and checks the flax side against it without torch. :mod:`~flax_ln
 when a comparison runs.
 """
 
+from flax_ln.convert import KeyMap
 from flax_ln.parity.engine import (
     HALF_PRECISION,
     TOLERANCES,
@@ -33,6 +34,7 @@ __all__ = [
     "FirstDivergence",
     "HALF_PRECISION",
     "Isolation",
+    "KeyMap",
     "ParityReport",
     "TOLERANCES",
     "TensorResult",
