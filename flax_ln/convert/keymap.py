@@ -790,10 +790,9 @@ def load_with_key_map(model: nnx.Module, state_dict: Mapping[str, Any], key_map:
             converted[(t.key, t.path, t.index)] = np.asarray(t.to_flax(arrays[t.key]))
         return converted[(t.key, t.path, t.index)]
 
-    if not problems:  # values are compared only once the structure is sound
-        doubles = _double_fills(plan, ties, value)
-        if doubles:
-            problems["unfilled"] = doubles
+    doubles = _double_fills(plan, ties, value)
+    if doubles:
+        problems["unfilled"] = problems.get("unfilled", []) + doubles
     if problems:
         raise _error(problems)
     variables = tree.variables()
@@ -979,17 +978,16 @@ def _invert(key_map: KeyMap, tree: VariableTree) -> tuple[dict[str, tuple[Shape,
                     try:
                         torch_shape = layout.torch_shape(flax_shape)
                     except NeedsTorchShape:
-                        need_like.append((rule.label, f"layout {layout} needs torch's shapes to invert; pass like="))
+                        need_like.append(
+                            (name, f"{rule.label}: layout {layout} needs torch's shapes to invert; pass like=")
+                        )
                         continue
                     specs.setdefault(key, (torch_shape, dtype))
     for name, labels in unwritable.items():
         if name not in produced:
             for label in labels:
                 need_like.append(
-                    (
-                        label,
-                        f"cannot write the torch key of {name!r}: the regex is not a literal with groups; pass like=",
-                    )
+                    (name, f"{label} cannot write its torch key: the regex is not a literal with groups; pass like=")
                 )
     need_like = list(dict.fromkeys(need_like))
-    return specs, ({"mismatched": need_like} if need_like else {})
+    return specs, ({"unfilled": need_like} if need_like else {})
