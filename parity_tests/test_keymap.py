@@ -164,6 +164,8 @@ def test_a_key_no_rule_matches_and_a_path_the_model_lacks():
     assert "'norm.bias': rule 4 r'norm\\.bias' -> 'ln.bais'" in text and "did you mean 'ln.bias'" in text
     assert "(regex, None, None) to ignore it" in text
     assert_unchanged(before, port)
+    with pytest.raises(ConversionError, match="unexpected key 'extra.weight'"):  # the engine's plan is as strict
+        KeyMap(rules).resolve(port, sd)
 
 
 def test_two_keys_into_one_variable_must_be_aliases_or_equal():

@@ -65,7 +65,7 @@ import numpy as np
 from einops.parsing import ParsedExpression
 from flax import nnx
 
-from flax_ln.convert.rules import _SAVED_KINDS, ConversionError, _as_numpy, _assign, _dtype_problem
+from flax_ln.convert.rules import _M, _SAVED_KINDS, ConversionError, _as_numpy, _assign, _dtype_problem
 
 Shape = tuple[int, ...]
 
@@ -602,7 +602,8 @@ class KeyPlan:
         One entry per torch tensor, under its canonical name (``named_parameters()``'s):
         the sum, over every distinct flax variable (or slice) that any of its aliases
         fills, of that variable's gradient mapped back through its inverse layout. A
-        variable that two aliases share counts once. Ignored keys are left out.
+        variable that two aliases share counts once. Ignored keys, and keys whose
+        variables have no entry in ``flax_grads`` (running statistics), are left out.
         """
         out: dict[str, Any] = {}
         seen: dict[str, set[tuple[str, int | None]]] = {}
@@ -610,7 +611,7 @@ class KeyPlan:
             name = self.canonical(key)
             for t in targets:
                 done = seen.setdefault(name, set())
-                if (t.path, t.index) in done:
+                if t.path not in flax_grads or (t.path, t.index) in done:
                     continue
                 done.add((t.path, t.index))
                 g = t.to_torch(t.take(flax_grads[t.path]))
@@ -775,7 +776,7 @@ def _double_fills(plan: KeyPlan, ties: Mapping[str, Sequence[str]], value: Calla
     return problems
 
 
-def load_with_key_map(model: nnx.Module, state_dict: Mapping[str, Any], key_map: KeyMap, *, strict: bool = True):
+def load_with_key_map(model: _M, state_dict: Mapping[str, Any], key_map: KeyMap, *, strict: bool = True) -> _M:
     """:func:`~flax_ln.convert.rules.load_torch_state_dict` with ``weights=key_map``: check all, then write."""
     if not isinstance(key_map, KeyMap):
         raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm
 if TYPE_CHECKING:
     from flax_ln.convert.keymap import KeyMap
 
+_M = TypeVar("_M", bound=nnx.Module)
 _SPATIAL = "..."
 
 
@@ -533,8 +534,8 @@ def _dtype_problem(got: np.dtype, want: np.dtype) -> str | None:
 
 
 def load_torch_state_dict(
-    model: nnx.Module, state_dict: Mapping[str, Any], *, strict: bool = True, weights: KeyMap | None = None
-) -> nnx.Module:
+    model: _M, state_dict: Mapping[str, Any], *, strict: bool = True, weights: KeyMap | None = None
+) -> _M:
     """Load a torch-style state dict into ``model`` in place and return it.
 
     Values may be ``torch.Tensor`` or NumPy arrays; each is cast to the dtype of the
