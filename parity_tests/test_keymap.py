@@ -269,6 +269,7 @@ def test_ties_are_found_on_the_torch_side():
         "flax_paths": ["emb.embedding", "out.kernel"],
     }
     assert plan.canonical("head.weight") == "embed.weight" and plan.ignored == ("freq",)
+    assert plan.flax_names(["norm.weight", "norm.bias", "freq"]) == {"ln.scale", "ln.bias"}  # for module pairing
 
 
 def test_tied_gradients_are_summed_through_inverse_layouts():
@@ -328,6 +329,16 @@ def test_export_of_a_tie_whose_copies_differ_raises_naming_it():
     port.out.kernel[...] = port.out.kernel[...] * 2
     with pytest.raises(ConversionError, match=r"'embed.weight': torch ties 'embed.weight', 'head.weight'"):
         to_torch_state_dict(port, weights=KeyMap(RULES), like=t.state_dict())
+
+
+def test_collection_style_tables_anchored_regexes_and_list_triples_export_without_like():
+    rules = [(f"^{r}$", t, [(1, 0), None, 0] if lay == "v d -> d v" else lay) for r, t, lay in RULES]  # a list triple
+    t = TorchToy(tied=True)
+    port, _ = loaded(rules, t)
+    with pytest.warns(UserWarning, match="left out: rule 5"):
+        back = to_torch_state_dict(port, weights=KeyMap(rules))
+    assert set(back) == set(t.state_dict()) - {"freq"}
+    np.testing.assert_array_equal(back["head.weight"], t.embed.weight.detach().numpy())
 
 
 def test_a_regex_that_is_not_a_literal_needs_like():

@@ -221,7 +221,7 @@ def _parse_layout(layout: Any) -> ArrayLayout:
         if lhs.identifiers != rhs.identifiers:
             raise ValueError(f"layout {layout!r} must name the same axes on both sides")
         return ArrayLayout(pattern=layout.strip())
-    if isinstance(layout, tuple) and len(layout) == 3:
+    if isinstance(layout, (tuple, list)) and len(layout) == 3:
         permutation, reshape, reshape_first = layout
         if permutation is not None:
             permutation = tuple(int(p) for p in permutation)
@@ -229,9 +229,9 @@ def _parse_layout(layout: Any) -> ArrayLayout:
                 raise ValueError(f"permutation {permutation} in layout {layout!r} is not a permutation of 0..n-1")
         if reshape is not None:
             reshape = tuple(int(s) for s in reshape)
-        if not isinstance(reshape_first, bool):
+        if reshape_first not in (True, False):  # bool, 0/1 or numpy's bool
             raise ValueError(f"reshape_first in layout {layout!r} must be a bool, got {reshape_first!r}")
-        return ArrayLayout(permutation=permutation, reshape=reshape, reshape_first=reshape_first)
+        return ArrayLayout(permutation=permutation, reshape=reshape, reshape_first=bool(reshape_first))
     raise ValueError(
         f"layout {layout!r} is not a layout: expected None, an einops pattern such as '(n h) d -> d n h', "
         "a (permutation, reshape, reshape_first) triple, or an Enum member whose value is one"
@@ -587,6 +587,14 @@ class KeyPlan:
                 return name
         return key
 
+    def flax_names(self, keys: Iterable[str]) -> frozenset[str]:
+        """The flax variables (``Target.name``: ``path`` or ``path[i]``) that torch ``keys`` fill.
+
+        For pairing modules: a torch module pairs with a flax module when the names its
+        parameters' keys fill are exactly the flax module's variables.
+        """
+        return frozenset(t.name for k in keys for t in self.targets.get(k, ()))
+
     def to_flax(self, key: str, array) -> tuple:
         """``array`` (torch ``key``'s tensor) in each of its targets' flax layouts."""
         return tuple(t.to_flax(array) for t in self.targets[key])
@@ -902,9 +910,13 @@ def _template_regex(template: str) -> re.Pattern:
 def _literal_key(pattern: str, values: Mapping[str, str]) -> str | None:
     """The one key ``pattern`` matches when each capturing group takes ``values[number or name]``; else None.
 
-    Outside groups the regex must be literal (escaped punctuation allowed); a group whose
-    value is not given must itself be literal.
+    Outside groups the regex must be literal (escaped punctuation allowed, ``^`` and ``$``
+    anchors dropped); a group whose value is not given must itself be literal.
     """
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1]
     out, i, number = [], 0, 0
     while i < len(pattern):
         c = pattern[i]
