@@ -6,6 +6,7 @@ inputs and the parity harness need it.
 
 from flax_ln.convert import (
     ConversionError,
+    KeyMap,
     load_hf_gpt2,
     load_torch_state_dict,
     save_hf_gpt2,
@@ -48,6 +49,7 @@ __all__ = [
     "gpt_loss",
     "GPTConfig",
     "init_train_state",
+    "KeyMap",
     "KVCache",
     "label_smoothing_loss",
     "LayerNorm",

@@ -3,7 +3,8 @@
 :mod:`flax_ln.convert.rules` holds the one rule table (standard ``torch.nn`` layers
 and the book's modules), its extension points and the strict loader;
 :mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 checkpoints through it (onto a mesh if
-given) and writes them back.
+given) and writes them back; :mod:`flax_ln.convert.keymap` holds :class:`KeyMap`, a port's
+own table from torch keys to its variables, for ports that do not mirror torch's modules.
 """
 
 from flax_ln.convert.hf import (
@@ -14,6 +15,7 @@ from flax_ln.convert.hf import (
     read_hf_gpt2,
     save_hf_gpt2,
 )
+from flax_ln.convert.keymap import KeyMap, KeyPlan, Target, Tie, find_ties
 from flax_ln.convert.rules import (
     RULES,
     ConversionError,
@@ -35,11 +37,16 @@ __all__ = [
     "ConversionError",
     "DerivedBuffer",
     "HF_GPT2_KEYS",
+    "KeyMap",
+    "KeyPlan",
     "Leaf",
     "MissingRuleError",
     "ModuleRule",
     "Permute",
     "RULES",
+    "Target",
+    "Tie",
+    "find_ties",
     "gpt_config_from_hf",
     "hf_config_from_gpt",
     "load_hf_gpt2",

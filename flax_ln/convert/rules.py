@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,10 @@ from flax_ln.models.encoder_decoder import PositionalEncoding
 from flax_ln.models.gpt import GPT, CausalSelfAttention, causal_mask_buffer
 from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm
 
+if TYPE_CHECKING:
+    from flax_ln.convert.keymap import KeyMap
+
+_M = TypeVar("_M", bound=nnx.Module)
 _SPATIAL = "..."
 
 
@@ -315,17 +319,44 @@ def _activation_layout(module: nnx.Module) -> Permute | None:
 
 
 class ConversionError(ValueError):
-    """A state dict does not fit the model. Lists every offending key; the model is unchanged."""
+    """A state dict does not fit the model. Lists every offending key; the model is unchanged.
 
-    def __init__(self, missing=(), unexpected=(), mismatched=()):
+    Args:
+      missing: torch keys the model needs that the state dict lacks.
+      unexpected: torch keys the model has no place for.
+      mismatched: ``(torch key, why)`` pairs: a wrong shape or dtype, a layout that does not fit, ...
+      unfilled: ``(flax variable path, why)`` pairs, from a :class:`~flax_ln.convert.keymap.KeyMap`:
+        a variable no rule fills, or one filled twice with different values.
+      hint: how to fix it, printed after the list.
+      header: what failed, in place of "state dict does not fit the model".
+    """
+
+    def __init__(
+        self,
+        missing=(),
+        unexpected=(),
+        mismatched=(),
+        *,
+        unfilled=(),
+        hint: str | None = None,
+        header: str | None = None,
+    ):
         self.missing = sorted(missing)
         self.unexpected = sorted(unexpected)
         self.mismatched = sorted(mismatched)
+        self.unfilled = sorted(unfilled)
         lines = [f"missing key {k!r}" for k in self.missing]
         lines += [f"unexpected key {k!r}" for k in self.unexpected]
         lines += [f"{k!r}: {why}" for k, why in self.mismatched]
+        lines += [f"flax variable {p!r}: {why}" for p, why in self.unfilled]
         super().__init__(
-            f"state dict does not fit the model ({len(lines)} problem(s)); nothing was loaded:\n  " + "\n  ".join(lines)
+            (
+                f"{header} ({len(lines)} problem(s)):\n  "
+                if header
+                else f"state dict does not fit the model ({len(lines)} problem(s)); nothing was loaded:\n  "
+            )
+            + "\n  ".join(lines)
+            + (f"\n{hint}" if hint else "")
         )
 
 
@@ -502,7 +533,9 @@ def _dtype_problem(got: np.dtype, want: np.dtype) -> str | None:
     return None
 
 
-def load_torch_state_dict(model: nnx.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> nnx.Module:
+def load_torch_state_dict(
+    model: _M, state_dict: Mapping[str, Any], *, strict: bool = True, weights: KeyMap | None = None
+) -> _M:
     """Load a torch-style state dict into ``model`` in place and return it.
 
     Values may be ``torch.Tensor`` or NumPy arrays; each is cast to the dtype of the
@@ -517,11 +550,22 @@ def load_torch_state_dict(model: nnx.Module, state_dict: Mapping[str, Any], *, s
     ``flax_ln.sharding.abstract_model(make, mesh)`` gives a model to load onto a mesh
     with training's FSDP shardings, never initialised.
 
+    With ``weights=`` a :class:`~flax_ln.convert.keymap.KeyMap` (the port's own table)
+    places the keys instead of the rule table, as strictly: every key matches one rule,
+    every ``nnx.Param`` and ``nnx.BatchStat`` is filled once, all problems in one error,
+    nothing loaded on error. ``strict=False`` then allows keys no rule matches and
+    variables no key fills.
+
     Args:
       model: the NNX model; its variables fix the expected shapes and dtypes.
       state_dict: torch key -> tensor or array, in torch layout.
       strict: require exactly the model's keys.
+      weights: the port's key map; ``None``: the rule table.
     """
+    if weights is not None:
+        from flax_ln.convert.keymap import load_with_key_map
+
+        return load_with_key_map(model, state_dict, weights, strict=strict)
     entries = _entries(model)
     expected = {e.key for e in entries}
     missing = expected - state_dict.keys() if strict else set()
@@ -561,15 +605,20 @@ def load_torch_state_dict(model: nnx.Module, state_dict: Mapping[str, Any], *, s
             new = np.array(var[...])
             for i, arr in layers.items():
                 new[i] = arr
-        old = var.get_value()  # also a ShapeDtypeStruct, for a model made by nnx.eval_shape
-        # An owned copy: torch's state_dict() shares memory with its parameters, and JAX
-        # on the CPU may alias a NumPy buffer, so a later in-place torch update (an
-        # optimizer step) would otherwise change the flax model behind its back.
-        # Placed with the variable's sharding: kept by a sharded model, named by an abstract
-        # one from flax_ln.sharding.abstract_model(make, mesh); None is the default device.
-        value = jax.device_put(np.array(new, dtype=old.dtype, copy=True), getattr(old, "sharding", None))
-        var.set_value(value)
+        _assign(var, new)
     return model
+
+
+def _assign(var: nnx.Variable, new: np.ndarray) -> None:
+    """Set ``var`` to an owned copy of ``new`` in its own dtype, placed with its sharding."""
+    old = var.get_value()  # also a ShapeDtypeStruct, for a model made by nnx.eval_shape
+    # An owned copy: torch's state_dict() shares memory with its parameters, and JAX
+    # on the CPU may alias a NumPy buffer, so a later in-place torch update (an
+    # optimizer step) would otherwise change the flax model behind its back.
+    # Placed with the variable's sharding: kept by a sharded model, named by an abstract
+    # one from flax_ln.sharding.abstract_model(make, mesh); None is the default device.
+    value = jax.device_put(np.array(new, dtype=old.dtype, copy=True), getattr(old, "sharding", None))
+    var.set_value(value)
 
 
 def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None, Permute | None]]:
@@ -586,12 +635,33 @@ def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None,
     }
 
 
-def to_torch_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+def to_torch_state_dict(
+    model: nnx.Module, *, weights: KeyMap | None = None, like: Mapping[str, Any] | None = None
+) -> dict[str, np.ndarray]:
     """The model's weights as a dict of NumPy arrays with torch names and layouts.
 
     Includes the persistent buffers torch saves (running statistics, ``num_batches_tracked``,
     derived masks), so the result loads with ``strict=True`` into the torch twin (wrap
     values with ``torch.from_numpy``). Stacked layers come out as per-layer keys.
+
+    With ``weights=`` a :class:`~flax_ln.convert.keymap.KeyMap` names the keys, each layout
+    inverted. ``like=`` (the torch model's ``state_dict()``) fixes the key set, order and
+    dtypes, gives the keys the map ignores, and the torch shapes that a layout with a
+    reshape needs to invert. Without it, keys are written from each rule's regex (a
+    literal with groups), ignored keys are left out with a warning, and a rule that needs
+    torch's shapes is an error naming it. A tie (torch keys sharing one tensor) whose
+    port copies differ raises :class:`ConversionError` naming it.
+
+    Args:
+      model: the NNX model.
+      weights: the port's key map; ``None``: the rule table.
+      like: a torch state dict to match; only with ``weights=``.
     """
+    if weights is not None:
+        from flax_ln.convert.keymap import export_with_key_map
+
+        return export_with_key_map(model, weights, like)
+    if like is not None:
+        raise TypeError("to_torch_state_dict: like= goes with weights=KeyMap(...); the rule table fixes the keys")
     host_values: dict[int, np.ndarray] = {}
     return {entry.key: _torch_layout(entry, host_values) for entry in _entries(model)}

@@ -12,6 +12,7 @@ book's models on it;
 when a comparison runs.
 """
 
+from flax_ln.convert import KeyMap
 from flax_ln.parity.engine import (
     HALF_PRECISION,
     TOLERANCES,
@@ -34,6 +35,7 @@ __all__ = [
     "FirstDivergence",
     "HALF_PRECISION",
     "Isolation",
+    "KeyMap",
     "ParityReport",
     "TOLERANCES",
     "TensorResult",
