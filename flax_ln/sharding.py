@@ -24,7 +24,7 @@ With ``fsdp=1`` this is plain data parallelism; with ``data=1`` plain FSDP. Typi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -33,6 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA, FSDP = "data", "fsdp"
+ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 
 
 def initialize_distributed(**kwargs) -> None:
@@ -77,7 +78,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, size)), abstract_state)
 
 
-def abstract_model(make: Callable[[], nnx.Module], mesh: Mesh | None = None) -> nnx.Module:
+def abstract_model(make: Callable[[], ModuleT], mesh: Mesh | None = None) -> ModuleT:
     """``make()`` with abstract parameters, to be filled by a loader; nothing is randomly initialised.
 
     Every ``nnx.Param`` holds a ``jax.ShapeDtypeStruct`` (from ``nnx.eval_shape``) that
@@ -93,9 +94,12 @@ def abstract_model(make: Callable[[], nnx.Module], mesh: Mesh | None = None) -> 
       make: builds the module, e.g. ``lambda: GPT(config, rngs=nnx.Rngs(0))``.
       mesh: a ``(data, fsdp)`` mesh from :func:`make_mesh`, or ``None``.
     """
-    graphdef, params, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)  # type: ignore[misc]  # split's result is typed as a variadic tuple
     rest_shardings = None if mesh is None else state_shardings(rest, mesh)
-    rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], out_shardings=rest_shardings)()
+    rest = jax.jit(
+        lambda: nnx.split(make(), nnx.Param, ...)[2],  # type: ignore[misc]  # as above
+        out_shardings=rest_shardings,
+    )()
     if mesh is not None:
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, state_shardings(params, mesh)

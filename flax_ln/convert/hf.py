@@ -260,8 +260,8 @@ def _scan_headers(files: list[Path]) -> tuple[dict[str, _Tensor], _Tensor | None
     for file in files:
         try:
             with safe_open(str(file), framework="numpy") as f:
-                header = [(name, f.get_slice(name)) for name in f.keys()]
-                header = [(name, tuple(s.get_shape()), s.get_dtype()) for name, s in header]
+                slices = [(name, f.get_slice(name)) for name in f.keys()]
+                header = [(name, tuple(s.get_shape()), s.get_dtype()) for name, s in slices]
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{file}: not a readable safetensors file: {err}") from err
         for hf_key, shape, code in header:

@@ -118,13 +118,14 @@ class DerivedBuffer:
     """
 
     torch: str
-    make: Callable[[nnx.Module], np.ndarray]
+    make: Callable[[Any], np.ndarray]  # Any: the module type the rule is registered for
     exact: bool = True
 
 
 LeafRule = Leaf | DerivedBuffer
-ActivationLayout = Permute | Callable[[nnx.Module], Permute | None] | None
-StackedLayers = Callable[[nnx.Module], Mapping[str, int]] | None
+# Any: each rule's function takes the module type it is registered for (a Callable is contravariant in it)
+ActivationLayout = Permute | Callable[[Any], Permute | None] | None
+StackedLayers = Callable[[Any], Mapping[str, int]] | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,9 +8,11 @@ torch is imported here; importing :mod:`flax_ln` does not import this module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,7 +108,7 @@ def encoder_decoder(
     pad, d_model = 0, sizes["d_model"]
     src_vocab, vocab = sizes["src_vocab"], sizes["tgt_vocab"]
     seq_len = seq_len or 10
-    check_seq_len(name, seq_len, *SEQ_LEN_LIMITS["encoder-decoder"])
+    check_seq_len(name, seq_len, *ENCODER_DECODER_LIMIT)
     if torch_model is None:
         torch.manual_seed(seed)
         torch_model = torch_ref.make_model(**sizes, dropout=0.1, ffn_activation=ffn_activation)
@@ -228,7 +230,7 @@ def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Cas
     seq_len = seq_len or 32
     check_seq_len("gpt2-xl-block", seq_len)
     torch.manual_seed(seed)
-    torch_block = TorchBlock(config)
+    torch_block = TorchBlock(torch_ref.gpt.GPTConfig.from_any(config))
     _perturb(torch_block, seed, scale=0.02)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, seq_len, config.n_embd)).astype(dtype)
@@ -244,11 +246,13 @@ def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Cas
     )
 
 
+TorchModuleT = TypeVar("TorchModuleT", bound=torch.nn.Module)
+ENCODER_DECODER_LIMIT = (ENCODER_DECODER_POSITIONS, "positions in the positional-encoding table")
 # The longest sequence each book case takes (None: any), and what sets the limit.
 SEQ_LEN_LIMITS: dict[str, tuple[int, str] | None] = {
     "layernorm": None,
     "torch-layernorm": None,
-    "encoder-decoder": (ENCODER_DECODER_POSITIONS, "positions in the positional-encoding table"),
+    "encoder-decoder": ENCODER_DECODER_LIMIT,
     "gpt": (GPT_CONFIG.block_size, "positions (its block_size)"),
     "gpt2-xl-block": (flax_ln.GPTConfig.gpt2_xl().block_size, "positions (GPT-2XL's block_size, its causal mask)"),
     "music": (MUSIC_CONFIG.block_size, "positions (its block_size)"),
@@ -478,7 +482,7 @@ def _gpt_config_from_shapes(
         raise TorchCheckpointError(f"--checkpoint {path!r}: {err}") from err
 
 
-def _build(make: Callable[[], torch.nn.Module], path: str) -> torch.nn.Module:
+def _build(make: Callable[[], TorchModuleT], path: str) -> TorchModuleT:
     """The torch model of a checkpoint; sizes it cannot allocate are a :class:`TorchCheckpointError`."""
     try:
         return make()
@@ -488,7 +492,7 @@ def _build(make: Callable[[], torch.nn.Module], path: str) -> torch.nn.Module:
         ) from err
 
 
-def _load_checked(torch_model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str) -> torch.nn.Module:
+def _load_checked(torch_model: TorchModuleT, state: Mapping[str, torch.Tensor], path: str) -> TorchModuleT:
     """``load_state_dict(strict=True)`` after :func:`check_dtypes`; floating values are cast to the model's dtype."""
     check_dtypes(state, torch_model.state_dict(), path)
     try:
@@ -590,12 +594,19 @@ def checkpoint_case(
             raise TorchCheckpointError(
                 f"--checkpoint {path!r}: d_model {d_model} is not divisible by --n-head {n_head}"
             )
-        check_seq_len(name, seq_len or 10, *SEQ_LEN_LIMITS["encoder-decoder"])
-        torch_model = _load_checked(
+        check_seq_len(name, seq_len or 10, *ENCODER_DECODER_LIMIT)
+        torch_transformer = _load_checked(
             _build(lambda: torch_ref.make_model(**sizes, ffn_activation=ffn_activation), path), state, path
         )
         case = encoder_decoder(
-            dtype, batch, seq_len, seed, sizes=sizes, torch_model=torch_model, ffn_activation=ffn_activation, name=name
+            dtype,
+            batch,
+            seq_len,
+            seed,
+            sizes=sizes,
+            torch_model=torch_transformer,
+            ffn_activation=ffn_activation,
+            name=name,
         )
     else:
         for leaves, flax_cls, torch_cls in (
@@ -604,7 +615,7 @@ def checkpoint_case(
         ):
             if keys == set(leaves) and state[leaves[0]].ndim == 1:
                 features = state[leaves[0]].shape[0]
-                torch_norm = _load_checked(_build(lambda cls=torch_cls, n=features: cls(n), path), state, path)
+                torch_norm = _load_checked(_build(functools.partial(torch_cls, features), path), state, path)
                 case = _norm_case(
                     name, torch_norm, flax_cls, dtype, batch, seq_len or 16, seed, features, randomize=False
                 )

@@ -435,6 +435,8 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
                 return 2
             tolerances = _tolerances(args, args.dtype)
             if args.save_reference:
+                if case.spec is None:  # every case cases.py builds carries the spec that rebuilds its flax side
+                    raise RuntimeError(f"{case.name}: no spec to rebuild its flax side from a reference file")
                 side = parity.torch_side_of_case(case, attribute=args.attribute, record=True)
                 saved.append(
                     parity_reference.ReferenceModel(
