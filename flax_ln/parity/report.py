@@ -8,58 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-if TYPE_CHECKING:
-    from flax_ln.parity.engine import Tolerance
-
-
-@dataclasses.dataclass
-class TensorResult:
-    """The comparison of one tensor: flax (actual) against torch (expected)."""
-
-    name: str
-    kind: str  # "output", "input grad", "param grad", "loss", "param", "module output", ...
-    shape: tuple[int, ...]
-    max_abs_error: float
-    max_error_index: tuple[int, ...] | None
-    relative_error: float
-    tolerance: Tolerance
-    nonfinite: str | None  # e.g. "NaN in flax: 3, in torch: 0"
-    passed: bool
-    passed_by: str | None = None  # which criterion held: "rtol", "atol" or "gtol"
-    problem: str | None = None  # why the values could not be compared: shape, dtype, missing
-    torch_vs_float64: float | None = None  # with attribution: torch's relative error against float64 truth
-    flax_vs_float64: float | None = None  # with attribution: flax's relative error against float64 truth
-
-    @property
-    def excess(self) -> float:
-        """How far past its tolerance the tensor is (> 1 fails), for ranking."""
-        if self.problem or self.nonfinite or not math.isfinite(self.relative_error):
-            return math.inf
-        if self.passed_by == "gtol":
-            return 0.0  # a zero gradient's rounding noise: within tolerance by the gtol criterion
-
-        def ratio(error: float, tol: float) -> float:
-            return error / tol if tol > 0 else (math.inf if error > 0 else 0.0)
-
-        return min(ratio(self.relative_error, self.tolerance.rtol), ratio(self.max_abs_error, self.tolerance.atol))
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["tolerance"] = dataclasses.asdict(self.tolerance)
-        d["shape"] = list(self.shape)
-        d["max_error_index"] = None if self.max_error_index is None else list(self.max_error_index)
-        return {k: _json_number(v) for k, v in d.items()}
-
-
-def _json_number(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/Inf; "inf"/"nan" stay explicit
-    return v
+from flax_ln.parity.policy import TensorResult, _json_number
 
 
 @dataclasses.dataclass
