@@ -13,11 +13,12 @@ import numpy as np
 from flax import nnx
 
 from flax_ln.convert import load_torch_state_dict, to_torch_state_dict
-from flax_ln.parity.call import _as_tuple, _call
-from flax_ln.parity.compare import _compare
+from flax_ln.parity.call import Call, forward_pair
+from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.compare import compare_modules
 from flax_ln.parity.policy import Tolerance, compare_tensors, numerics, zero_gradient_names
 from flax_ln.parity.report import ParityReport
-from flax_ln.parity.torch_side import TorchSide, _resolve_dtype, _torch, run_torch_side
+from flax_ln.parity.torch_side import TorchSide, _resolve_dtype, _torch, run_torch_side, torch_tensors
 
 
 @dataclasses.dataclass
@@ -41,8 +42,9 @@ class TrainSpec:
 class Case:
     """A torch module, its flax twin and the inputs to run them on, for :func:`check_case`.
 
-    ``forward(module, *inputs, **kwargs)`` runs either module (default: calling it);
-    the module trees mirror each other, so one function serves both frameworks.
+    ``forward`` is as in :func:`compare_modules`: ``forward(module, *inputs, **kwargs)`` runs
+    either module (default: calling it; the module trees mirror each other, so one function
+    serves both frameworks), or a pair ``(torch_fn, flax_fn)``.
     """
 
     name: str
@@ -51,7 +53,7 @@ class Case:
     inputs: Sequence[np.ndarray]
     input_names: Sequence[str]
     dtype: str = "float32"
-    forward: Callable | None = None
+    forward: Any = None  # one callable for both sides, or (torch_fn, flax_fn)
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     train: TrainSpec | None = None
     lm_logits: str | None = None  # the output holding next-token logits, for the LM metrics
@@ -69,10 +71,10 @@ def check_case(
     attribute: bool = False,
     mesh=None,
 ) -> ParityReport:
-    """:func:`compare_modules` on a case (its LM metrics on ``case.lm_logits``). ``capture_modules`` records
-    every submodule's error even when all pass; ``mode``, ``attribute`` and ``mesh`` as in
+    """:func:`compare_modules` on a case (its ``forward``, LM metrics on ``case.lm_logits``). ``capture_modules``
+    records every submodule's error even when all pass; ``mode``, ``attribute`` and ``mesh`` as in
     :func:`compare_modules`."""
-    report = _compare(
+    return compare_modules(
         case.torch_model,
         case.flax_model,
         case.inputs,
@@ -88,27 +90,17 @@ def check_case(
         attribute=attribute,
         lm_logits=case.lm_logits,
         mesh=mesh,
+        stored_dtype=case.stored_dtype,
     )
-    report.stored_dtype = case.stored_dtype
-    return report
 
 
 def torch_side_of_case(case: Case, *, mode: str = "grad", attribute: bool = False, record: bool = False) -> TorchSide:
     """The torch side of a case (for a reference file: ``record=True``), compared later by :func:`compare_side`."""
     dtype = _resolve_dtype(case.torch_model, case.dtype)
+    call = Call.make(case.inputs, input_names=case.input_names, kwargs=case.kwargs, forward=case.forward, mode=mode)
     with numerics(dtype):
         return run_torch_side(
-            case.torch_model,
-            _as_tuple(case.inputs),
-            input_names=case.input_names,
-            kwargs=dict(case.kwargs),
-            forward=case.forward,
-            loss=None,
-            dtype=dtype,
-            mode=mode,
-            attribute=attribute,
-            record=record,
-            name=case.name,
+            case.torch_model, call, dtype=dtype, mode=mode, attribute=attribute, record=record, name=case.name
         )
 
 
@@ -136,10 +128,8 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
         load_torch_state_dict(case.flax_model, case.torch_model.state_dict())
         torch_model = case.torch_model.train(False)
         optimizer, scheduler = spec.torch_optimizer(torch_model)
-        t_inputs = [torch.from_numpy(np.array(x)) for x in case.inputs]
-        t_kwargs = {
-            k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()
-        }
+        torch_forward, flax_forward = forward_pair(case.forward)
+        t_inputs, t_kwargs = torch_tensors(case.inputs, case.kwargs)
 
         flax_model = case.flax_model
         flax_model.eval()
@@ -151,7 +141,7 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
         @jax.jit
         def flax_step(params, opt_state, inputs):
             def loss_fn(p):
-                return flax_loss(_call(case.forward, nnx.merge(graphdef, p, rest), inputs, f_kwargs))
+                return flax_loss(call_forward(flax_forward, nnx.merge(graphdef, p, rest), inputs, f_kwargs))
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             updates, opt_state = spec.optax_optimizer.update(grads, opt_state, params)
@@ -161,7 +151,7 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
         noise_only: set[str] = set()
         for step in range(1, steps + 1):
             optimizer.zero_grad(set_to_none=True)
-            t_loss = torch_loss(_call(case.forward, torch_model, t_inputs, t_kwargs))
+            t_loss = torch_loss(call_forward(torch_forward, torch_model, t_inputs, t_kwargs))
             t_loss.backward()
             grads = {name: p.grad.numpy() for name, p in torch_model.named_parameters() if p.grad is not None}
             noise_only |= zero_gradient_names(grads, tolerances["grad"])

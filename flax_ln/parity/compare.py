@@ -1,19 +1,20 @@
 """The comparison: :func:`compare_modules` (the one public entry point), :func:`assert_parity`, and
-:func:`compare_side`, the flax side against a :class:`~flax_ln.parity.torch_side.TorchSide`."""
+:func:`compare_side`, the flax side against a :class:`~flax_ln.parity.torch_side.TorchSide` (torch-free: a
+reference file's torch side needs no torch)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import load_torch_state_dict
-from flax_ln.parity.call import _as_tuple, _is_float
-from flax_ln.parity.flax_side import _axis_order, _check_flax_params, _flax_results, _float64, _float64_twin
+from flax_ln.parity.call import Call, as_inputs, merge_dropped
+from flax_ln.parity.flax_side import NNXSide
 from flax_ln.parity.localize import isolate, localize
 from flax_ln.parity.policy import (
     HALF_PRECISION,
@@ -28,131 +29,77 @@ from flax_ln.parity.policy import (
 from flax_ln.parity.report import ParityReport
 from flax_ln.parity.torch_side import TorchSide, _resolve_dtype, record_torch_side, run_torch_side
 
+_TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
+    "output": "output",
+    "loss": "output",
+    "input grad": "grad",
+    "param grad": "grad",
+    "tangent": "grad",
+}
 
-def compare_side(
-    side: TorchSide,
-    flax_module: nnx.Module,
-    *,
-    flax_inputs=None,
-    forward: Callable | None = None,
-    loss=None,
-    tolerances: Mapping[str, Tolerance] | None = None,
-    localize_failures: bool = True,
-    capture_modules: bool = False,
-    lm_logits: str | None = None,
-    record: Callable[[], None] | None = None,
-    mesh=None,
-) -> ParityReport:
-    """The flax side against a :class:`TorchSide`: the heart of :func:`compare_modules`, also used on reference files.
 
-    ``record()`` fills ``side.records``/``side.calls`` when localisation needs them and
-    they are missing (a live torch module); attribution runs when ``side.truth`` is set.
-    ``mesh``: the flax side runs sharded (as in :func:`compare_modules`); localisation,
-    isolated mode and the float64 twin of attribution run unsharded, eagerly or on one device.
-    """
-    start = time.perf_counter()
+def _judge(
+    side: TorchSide, flax: NNXSide, call: Call, tolerances: Mapping[str, Tolerance], mesh
+) -> tuple[ParityReport, dict[str, np.ndarray]]:
+    """Every tensor of ``side.expected`` against the flax side's value: the report, not yet localised,
+    and the flax side's values."""
     dtype = side.dtype
-    tolerances = TOLERANCES[dtype] if tolerances is None else tolerances
-    inputs = side.inputs
-    flax_inputs = inputs if flax_inputs is None else _as_tuple(flax_inputs)
-    if len(flax_inputs) != len(inputs):
-        raise ValueError(f"flax_inputs has {len(flax_inputs)} arrays, inputs {len(inputs)}: give one per input")
-    orders = [_axis_order(t, f, i) for i, (t, f) in enumerate(zip(inputs, flax_inputs))]
-
-    with numerics(dtype):
-        _check_flax_params(flax_module, dtype)
-        load_torch_state_dict(flax_module, side.state_dict)
-        flax_eval = nnx.clone(flax_module)  # eval mode on a copy: the caller's module keeps its mode
-        flax_eval.eval()
-        actual, sharding = _flax_results(side, flax_eval, flax_inputs, orders, forward, loss, mesh)
-
-        exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
-        tolerance_of = {
-            "output": "output",
-            "loss": "output",
-            "input grad": "grad",
-            "param grad": "grad",
-            "tangent": "grad",
-        }  # a tangent is a derivative: the gradients' rounding budget
-        norm = _global_norm(side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad")
-        results = []
-        for k, v in side.expected.items():
-            kind = side.kinds[k]
-            # gradients come back in the parameter dtype; outputs and tangents in the compute dtype, which is
-            # torch's except in half precision; a loss is a scalar of either
-            values_in_compute_dtype = kind in ("output", "tangent")
-            check_dtype = (
-                str(v.dtype) if _is_float(v) and kind != "loss" and (exact or not values_in_compute_dtype) else None
+    actual, dropped, sharding = flax.values(side, call, mesh)
+    exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
+    norm = _global_norm(side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad")
+    results = []
+    for k, v in side.expected.items():
+        kind = side.kinds[k]
+        # gradients come back in the parameter dtype; outputs and tangents in the compute dtype, which is
+        # torch's except in half precision; a loss is a scalar of either
+        in_compute_dtype = kind in ("output", "tangent")
+        check_dtype = (
+            str(v.dtype)
+            if np.issubdtype(v.dtype, np.floating) and kind != "loss" and (exact or not in_compute_dtype)
+            else None
+        )
+        results.append(
+            compare_tensors(
+                k,
+                kind,
+                actual.get(k),
+                v,
+                tolerances[_TOLERANCE_OF[kind]],
+                dtype=check_dtype,
+                gradient_norm=norm if kind == "param grad" else 0.0,
             )
-            results.append(
-                compare_tensors(
-                    k,
-                    kind,
-                    actual.get(k),
-                    v,
-                    tolerances[tolerance_of[kind]],
-                    dtype=check_dtype,
-                    gradient_norm=norm if kind == "param grad" else 0.0,
-                )
-            )
-        param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]
-        if "grads" in tolerances and param_grads and all(k in actual for k in param_grads):
-            whole = [np.concatenate([np.ravel(g[k]) for k in param_grads]) for g in (actual, side.expected)]
-            results.append(compare_tensors("all parameter gradients", "grads", *whole, tolerances["grads"]))
-        report = ParityReport(side.name, dtype, results, mode=side.mode, sharding=sharding)
-        if lm_logits is not None:
-            if lm_logits not in side.expected or actual.get(lm_logits) is None:
-                raise ValueError(
-                    f"lm_logits={lm_logits!r} names no output; outputs: "
-                    f"{[k for k, kind in side.kinds.items() if kind == 'output']}"
-                )
-            report.lm_metrics = lm_metrics(actual[lm_logits], side.expected[lm_logits], lm_logits)
-
-        if side.truth is not None:
-            _attribute(report, side, actual, flax_eval, flax_inputs, orders, forward, loss)
-
-        if capture_modules or (localize_failures and not report.passed):
-            if side.records is None and record is not None:
-                record()
-            if side.records is not None:
-                report.module_errors, report.first_divergence = localize(
-                    side.records, flax_eval, flax_inputs, side.kwargs, forward, tolerances["output"]
-                )
-            if side.calls is not None:
-                report.isolation = isolate(side.records, side.calls, flax_eval, tolerances["output"])
-    report.seconds = time.perf_counter() - start
-    return report
+        )
+    param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]
+    if "grads" in tolerances and param_grads and all(k in actual for k in param_grads):
+        flat_flax, flat_torch = (np.concatenate([np.ravel(g[k]) for k in param_grads]) for g in (actual, side.expected))
+        results.append(compare_tensors("all parameter gradients", "grads", flat_flax, flat_torch, tolerances["grads"]))
+    report = ParityReport(side.name, dtype, results, mode=side.mode, sharding=sharding)
+    report.frozen = list(side.frozen)
+    report.dropped_outputs = merge_dropped(side.dropped_outputs, dropped)
+    return report, actual
 
 
-def _attribute(
-    report: ParityReport,
-    side: TorchSide,
-    actual: Mapping[str, np.ndarray],
-    flax_eval: nnx.Module,
-    flax_inputs,
-    orders,
-    forward,
-    loss,
-) -> None:
+def _lm_metrics(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], lm_logits: str) -> None:
+    if lm_logits not in side.expected or actual.get(lm_logits) is None:
+        raise ValueError(
+            f"lm_logits={lm_logits!r} names no output; outputs: "
+            f"{[k for k, kind in side.kinds.items() if kind == 'output']}"
+        )
+    report.lm_metrics = lm_metrics(actual[lm_logits], side.expected[lm_logits], lm_logits)
+
+
+def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], flax: NNXSide, call) -> None:
     """Each tensor's error against float64 truth (torch's float64 run), on both sides; and how far the
     flax float64 twin is from that truth (float64 rounding if the two compute the same math)."""
+    assert side.truth is not None
     with jax.enable_x64(True):
-        twin = _float64_twin(flax_eval)
-        twin_side = dataclasses.replace(
-            side,
-            cotangents=_float64(side.cotangents),
-            tangents=_float64(side.tangents),
-            state_dict=_float64(side.state_dict),
-        )
-        twin_values, _ = _flax_results(
-            twin_side, twin, [x.astype(np.float64) if _is_float(x) else x for x in flax_inputs], orders, forward, loss
-        )
+        twin_values = flax.float64_values(side, call)
     twin_errors = {k: relative_error(twin_values[k], t) for k, t in side.truth.items() if k in twin_values}
-    worst = max(twin_errors, key=twin_errors.get, default=None)
+    worst = max(twin_errors, key=lambda k: twin_errors[k], default=None)
     report.attribution = {
         "truth": "torch float64",
         "flax_float64_worst": worst,
-        "flax_float64_rel": twin_errors.get(worst, 0.0),
+        "flax_float64_rel": twin_errors.get(worst, 0.0) if worst is not None else 0.0,
     }
     for i, r in enumerate(report.results):
         truth = side.truth.get(r.name)
@@ -165,66 +112,65 @@ def _attribute(
         )
 
 
-def _compare(
-    torch_module,
+def _flax_half(side: TorchSide, flax_module, call: Call, flax_inputs, tolerances, lm_logits, mesh):
+    """Load and run the flax side against ``side``, compare, add LM metrics and attribution."""
+    flax = NNXSide.load(flax_module, side, None if flax_inputs is None else as_inputs(flax_inputs))
+    report, actual = _judge(side, flax, call, tolerances, mesh)
+    if lm_logits is not None:
+        _lm_metrics(report, side, actual, lm_logits)
+    if side.truth is not None:
+        _attribute(report, side, actual, flax, call)
+    return report, flax
+
+
+def _localise(report: ParityReport, side: TorchSide, flax: NNXSide, call: Call, tolerance: Tolerance) -> None:
+    """The first divergence and isolated mode, from the torch side's records (when it has them)."""
+    if side.records is not None:
+        report.module_errors, report.first_divergence = localize(
+            side.records, flax.model, flax.inputs, side.kwargs, call.forward[1], tolerance
+        )
+    if side.records is not None and side.calls is not None:
+        report.isolation = isolate(side.records, side.calls, flax.model, tolerance)
+
+
+def _stamp(report: ParityReport, started: float, stored_dtype: str | None) -> ParityReport:
+    """The one place a report is timed (from ``started``, a ``time.perf_counter()``) and stamped."""
+    report.seconds = time.perf_counter() - started
+    report.stored_dtype = stored_dtype
+    return report
+
+
+def compare_side(
+    side: TorchSide,
     flax_module: nnx.Module,
-    inputs,
     *,
     flax_inputs=None,
-    kwargs=None,
+    forward: Any = None,
     loss=None,
     tolerances: Mapping[str, Tolerance] | None = None,
-    dtype: str | None = None,
-    forward: Callable | None = None,
-    input_names: Sequence[str] | None = None,
-    name: str | None = None,
     localize_failures: bool = True,
     capture_modules: bool = False,
-    mode: str = "grad",
-    tangent_params: bool = True,
-    attribute: bool = False,
     lm_logits: str | None = None,
     mesh=None,
+    stored_dtype: str | None = None,
 ) -> ParityReport:
-    """:func:`compare_modules`, plus what the book's cases need: one ``forward(module, *inputs, **kwargs)``
-    used on both sides (default: calling the module), names for the inputs and the report."""
-    start = time.perf_counter()
-    dtype = _resolve_dtype(torch_module, dtype)
-    inputs = _as_tuple(inputs)
-    input_names = [f"input {i}" for i in range(len(inputs))] if input_names is None else list(input_names)
-    if loss is not None and (not isinstance(loss, (tuple, list)) or len(loss) != 2):
-        raise ValueError("loss must be a pair (torch_fn, flax_fn), each mapping that side's outputs to a scalar")
-    if loss is not None and mode == "jvp":
-        raise ValueError("loss is for mode='grad'; mode='jvp' compares every output and its tangent")
-    with numerics(dtype):
-        side = run_torch_side(
-            torch_module,
-            inputs,
-            input_names=input_names,
-            kwargs=dict(kwargs or {}),
-            forward=forward,
-            loss=loss,
-            dtype=dtype,
-            mode=mode,
-            tangent_params=tangent_params,
-            attribute=attribute,
-            name=name,
-        )
-    report = compare_side(
-        side,
-        flax_module,
-        flax_inputs=flax_inputs,
-        forward=forward,
-        loss=loss,
-        tolerances=tolerances,
-        localize_failures=localize_failures,
-        capture_modules=capture_modules,
-        lm_logits=lm_logits,
-        record=lambda: record_torch_side(side, torch_module, forward),
-        mesh=mesh,
-    )
-    report.seconds = time.perf_counter() - start
-    return report
+    """The flax side against a stored :class:`TorchSide` (a reference file's, or one saved from a live run).
+
+    The same comparison as :func:`compare_modules` (``forward``, ``loss``, ``flax_inputs``,
+    ``tolerances``, ``lm_logits`` and ``mesh`` as there; only the flax function of a
+    ``forward`` pair runs), with no torch: localisation uses the side's stored
+    ``records``/``calls`` when it has them; attribution runs when ``side.truth`` is set.
+    ``mesh``: localisation, isolated mode and the float64 twin of attribution run
+    unsharded. ``stored_dtype`` is named in the report.
+    """
+    started = time.perf_counter()
+    tolerances = TOLERANCES[side.dtype] if tolerances is None else tolerances
+    call = side.call(forward, loss)
+    with numerics(side.dtype):
+        report, flax = _flax_half(side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh)
+        if capture_modules or (localize_failures and not report.passed):
+            _localise(report, side, flax, call, tolerances["output"])
+    return _stamp(report, started, stored_dtype)
 
 
 def compare_modules(
@@ -234,6 +180,7 @@ def compare_modules(
     *,
     flax_inputs=None,
     kwargs=None,
+    forward: Any = None,
     loss=None,
     tolerances: Mapping[str, Tolerance] | None = None,
     dtype: str | None = None,
@@ -242,6 +189,11 @@ def compare_modules(
     attribute: bool = False,
     lm_logits: str | None = None,
     mesh=None,
+    input_names: Sequence[str] | None = None,
+    name: str | None = None,
+    localize_failures: bool = True,
+    capture_modules: bool = False,
+    stored_dtype: str | None = None,
 ) -> ParityReport:
     """Compare a torch module with its NNX twin: every output, and the gradient of every floating input and parameter.
 
@@ -268,6 +220,15 @@ def compare_modules(
         the same values in another axis order. Default: ``inputs``.
       kwargs: keyword arguments for both forwards (masks and the like); NumPy arrays are
         converted for each side; they are not differentiated.
+      forward: how each side is run and what it returns: one callable ``fn(module, *inputs,
+        **kwargs)`` for both sides, or a pair ``(torch_fn, flax_fn)`` (``None`` in it: a
+        plain call). Side-specific arguments (a port's cache, RNGs, ``deterministic=True``)
+        go into that side's function. Default: calling each module. Outputs are named
+        leaves: ``output``, ``output[i]``, dict keys, dataclass and ``ModelOutput`` fields;
+        Python numbers compare as 0-d arrays; other leaves (``None``, strings, cache
+        objects) are dropped and listed in ``report.dropped_outputs``. Both sides must give
+        the same names with the same shapes, else ``ValueError`` (before the flax side's
+        derivatives are taken).
       loss: ``(torch_fn, flax_fn)``, each mapping that side's outputs to a scalar, instead
         of the random projection. The loss value is compared too.
       tolerances: ``{"output": Tolerance, "grad": Tolerance}`` to override the policy.
@@ -292,24 +253,32 @@ def compare_modules(
         ``report.sharding`` records each parameter's ``PartitionSpec``. The torch side is
         unchanged.
 
+      input_names: the inputs' names in the report (``grad <name>``); default ``input <i>``.
+      name: the report's name (default: the torch module's class name).
+      localize_failures: on failure, localise (first divergence and isolated mode).
+      capture_modules: record every submodule's error even when everything passes.
+      stored_dtype: a checkpoint's dtype(s) on disk, named in the report.
+
+    Frozen torch parameters (``requires_grad=False``) are loaded and compared through the
+    outputs, but have no gradient: they are listed in ``report.frozen``. An input with
+    an axis of size 0 is a ``ValueError``: nothing compared is not a pass.
+
     Returns:
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
     """
-    return _compare(
-        torch_module,
-        flax_module,
-        inputs,
-        flax_inputs=flax_inputs,
-        kwargs=kwargs,
-        loss=loss,
-        tolerances=tolerances,
-        dtype=dtype,
-        mode=mode,
-        tangent_params=tangent_params,
-        attribute=attribute,
-        lm_logits=lm_logits,
-        mesh=mesh,
-    )
+    started = time.perf_counter()
+    dtype = _resolve_dtype(torch_module, dtype)
+    call = Call.make(inputs, input_names=input_names, kwargs=kwargs, forward=forward, loss=loss, mode=mode)
+    tolerances = TOLERANCES[dtype] if tolerances is None else tolerances
+    with numerics(dtype):
+        side = run_torch_side(
+            torch_module, call, dtype=dtype, mode=mode, tangent_params=tangent_params, attribute=attribute, name=name
+        )
+        report, flax = _flax_half(side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh)
+        if capture_modules or (localize_failures and not report.passed):
+            record_torch_side(side, torch_module, call.forward[0])
+            _localise(report, side, flax, call, tolerances["output"])
+    return _stamp(report, started, stored_dtype)
 
 
 def assert_parity(torch_module, flax_module: nnx.Module, inputs, **options) -> ParityReport:

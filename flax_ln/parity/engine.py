@@ -15,12 +15,23 @@ the flax side against it. Options: forward mode (``mode="jvp"``: ``torch.func.jv
 against ``jax.jvp``), attribution against float64 truth (``attribute=True``), LM
 metrics (``lm_logits``) and, on failure, isolated localisation (:func:`isolate`).
 
+The engine, by concern (this module gathers their public names):
+
+* :mod:`.policy`: the metrics and the tolerance policy (``relative_error``, ``Tolerance``,
+  ``TOLERANCES``, ``compare_tensors``, ``TensorResult``, ``numerics``, ``lm_metrics``);
+* :mod:`.call`: what both sides run (``Call``: inputs, names, kwargs, each side's forward,
+  the loss) and the outputs as named leaves, the same on both sides;
+* :mod:`.torch_side`: the torch run, into a ``TorchSide``; :mod:`.flax_side`: the flax run
+  (an NNX module, ``NNXSide``); :mod:`.localize`: the first divergence and isolated mode;
+* :mod:`.compare`: ``compare_modules``, ``assert_parity`` and ``compare_side``;
+* :mod:`.case`: the book's cases and training steps (``Case``, ``check_case``, ``check_training``).
+
 torch is imported lazily: importing this module does not import it.
 """
 
 from __future__ import annotations
 
-from flax_ln.parity.call import named_outputs
+from flax_ln.parity.call import Call, named_outputs
 from flax_ln.parity.case import Case, TrainSpec, check_case, check_training, torch_side_of_case
 from flax_ln.parity.compare import assert_parity, compare_modules, compare_side
 from flax_ln.parity.localize import isolate, localize
@@ -41,6 +52,7 @@ __all__ = [
     "HALF_PRECISION",
     "MODES",
     "TOLERANCES",
+    "Call",
     "Case",
     "TensorResult",
     "Tolerance",

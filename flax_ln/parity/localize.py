@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from flax_ln.convert import rules
-from flax_ln.parity.call import _call, _is_float
+from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.call import is_float
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records, Unsupported, capture_flax, floating_leaves
 from flax_ln.parity.policy import Tolerance, compare_tensors
 from flax_ln.parity.report import FirstDivergence, Isolation, TensorResult
 
 
-def _modules_by_torch_path(flax_module: nnx.Module) -> dict[str, nnx.Module]:
+def pair_modules(flax_module: nnx.Module) -> dict[str, nnx.Module]:
+    """Each flax submodule under the torch path of its twin (the root under :data:`WHOLE_MODEL`).
+
+    The one place where torch paths and flax paths are paired: a flax path is mapped
+    through the converter's registered renames (:func:`flax_ln.convert.rules.torch_module_paths`),
+    else kept as it is (the module trees mirror each other).
+    """
     torch_paths = rules.torch_module_paths(flax_module)  # flax path -> torch path
     found = {
         torch_paths.get(path, path): m
@@ -23,6 +31,14 @@ def _modules_by_torch_path(flax_module: nnx.Module) -> dict[str, nnx.Module]:
     }
     found[WHOLE_MODEL] = flax_module
     return found
+
+
+def _within_tolerance(r: TensorResult) -> bool:
+    """Whether a module's own error is within its tolerance, NaN or Inf at the same places on both sides
+    allowed (an input that holds NaN gives NaN on both sides: that is not the module's own error)."""
+    if r.problem is not None or not math.isfinite(r.relative_error):
+        return False
+    return r.relative_error <= r.tolerance.rtol or r.max_abs_error <= r.tolerance.atol
 
 
 def _compare_activations(
@@ -42,8 +58,7 @@ def localize(
 ) -> tuple[list[TensorResult], FirstDivergence | None]:
     """Every submodule's output error, in torch execution order, and the first that diverges.
 
-    Submodules are paired by torch path: a flax path is mapped through the converter's
-    registered renames (:func:`flax_ln.convert.torch_module_paths`). A flax activation
+    Submodules are paired by :func:`pair_modules`. A flax activation
     is put into torch's layout first (the converter's layout rule, e.g.
     channels-last Conv output to channels-first). The first divergence also reports the
     errors of that submodule's inputs, so a broken module can be told from one fed
@@ -51,10 +66,11 @@ def localize(
     """
     f_args = [jnp.asarray(x) for x in flax_inputs]
     f_kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-    records = capture_flax(flax_module, lambda: _call(forward, flax_module, f_args, f_kwargs))
-    torch_paths = rules.torch_module_paths(flax_module)
-    flax_records = {torch_paths.get(path, path): record for path, record in records.items()}
-    modules = _modules_by_torch_path(flax_module)
+    records = capture_flax(flax_module, lambda: call_forward(forward, flax_module, f_args, f_kwargs))
+    modules = pair_modules(flax_module)
+    torch_path_of = {id(m): path for path, m in modules.items()}
+    by_flax_path = {".".join(map(str, p)) or WHOLE_MODEL: m for p, m in nnx.iter_modules(flax_module)}
+    flax_records = {torch_path_of[id(by_flax_path[path])]: record for path, record in records.items()}
 
     errors, divergence = [], None
     for path, (t_ins, t_outs) in torch_records.items():
@@ -82,13 +98,14 @@ def isolate(torch_records: Records, torch_calls: Calls, flax_module: nnx.Module,
     error here cannot come from upstream, so a deep run names the module that
     differs. A call with an argument that is not data (a callable, a module), or one the
     flax module does not accept, is skipped with the reason. ``culprits`` are the
-    failing modules none of whose own submodules fails.
+    failing modules none of whose own submodules fails; a module whose own error is within
+    tolerance (NaN at the same places on both sides allowed) is never one.
     """
-    modules = _modules_by_torch_path(flax_module)
+    modules = pair_modules(flax_module)
 
     def to_flax(module, value):
         if isinstance(value, np.ndarray):
-            return jnp.asarray(rules.flax_activation(module, value) if _is_float(value) else value)
+            return jnp.asarray(rules.flax_activation(module, value) if is_float(value) else value)
         if isinstance(value, (tuple, list)):
             return type(value)(to_flax(module, v) for v in value)
         return value
@@ -113,7 +130,7 @@ def isolate(torch_records: Records, torch_calls: Calls, flax_module: nnx.Module,
                 results.append(dataclasses.replace(max(compared, key=lambda r: r.excess), name=path))
             else:
                 skipped[path] = "its outputs do not match torch's in number or shape"
-    failing = [r.name for r in results if not r.passed]
+    failing = [r.name for r in results if not _within_tolerance(r)]
 
     def inside(child: str, parent: str) -> bool:
         return parent == WHOLE_MODEL and child != WHOLE_MODEL or child.startswith(parent + ".")

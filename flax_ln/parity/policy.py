@@ -80,6 +80,13 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
 HALF_PRECISION = ("bfloat16", "float16")  # compared against a float32 torch reference
 
 
+def parameter_dtype(dtype: str) -> str:
+    """The dtype both sides' parameters must have in a comparison at ``dtype``: float32 for half precision
+    (the flax side computes in half precision with float32 parameters, against a float32 torch module),
+    else ``dtype`` itself."""
+    return "float32" if dtype in HALF_PRECISION else dtype
+
+
 @dataclasses.dataclass
 class TensorResult:
     """The comparison of one tensor: flax (actual) against torch (expected)."""
@@ -139,7 +146,7 @@ def compare_tensors(
 
     Args:
       name, kind: how the tensor is reported.
-      actual, expected: arrays of the same shape (a different shape fails).
+      actual, expected: arrays of the same shape (a different shape fails, and so does an empty one).
       tolerance: the criteria of :class:`Tolerance`.
       gradient_norm: the norm of the whole gradient this tensor belongs to, for ``tolerance.gtol``.
       dtype: the dtype ``actual`` must have, if any (a different dtype fails).
@@ -158,6 +165,8 @@ def compare_tensors(
     b = np.asarray(expected, dtype=np.float64)
     if a.shape != b.shape:
         return unusable(f"shape: flax {a.shape}, torch {b.shape}")
+    if b.size == 0:
+        return unusable(f"no elements to compare (shape {b.shape}): nothing compared is not a pass")
     counts = {label: (int(np.isnan(x).sum()), int(np.isinf(x).sum())) for label, x in (("flax", a), ("torch", b))}
     nonfinite = None
     if any(n or i for n, i in counts.values()):
