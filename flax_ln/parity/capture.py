@@ -41,7 +41,7 @@ def plain_value(value: Any) -> Any:
     if hasattr(value, "detach"):  # a torch.Tensor
         return value.detach().numpy().copy()
     if isinstance(value, (np.ndarray, jax.Array)):
-        return np.asarray(value)
+        return np.array(value)  # a copy, as for a tensor
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)):
@@ -51,17 +51,18 @@ def plain_value(value: Any) -> Any:
 
 
 def floating_leaves(tree: Any) -> list[np.ndarray]:
-    """Floating array leaves of a (possibly nested) input or output, as NumPy; tracers are skipped."""
+    """Floating array leaves of a (possibly nested) input or output, as NumPy copies taken at call time
+    (a record must not change when the model later modifies a tensor in place); tracers are skipped."""
     if isinstance(tree, (tuple, list)):
         return [leaf for item in tree for leaf in floating_leaves(item)]
     if isinstance(tree, dict):
         return [leaf for item in tree.values() for leaf in floating_leaves(item)]
     if isinstance(tree, jax.core.Tracer):
         return []  # inside a jit/scan trace: no values to record
-    if hasattr(tree, "detach"):  # a torch.Tensor
-        tree = tree.detach().numpy()
+    if hasattr(tree, "detach"):  # a torch.Tensor: copied now, so that a later in-place op cannot change the record
+        tree = tree.detach().cpu().numpy().copy()
     if isinstance(tree, (np.ndarray, jax.Array)) and np.issubdtype(tree.dtype, np.floating):
-        return [np.asarray(tree)]
+        return [np.array(tree)]  # a copy: never a view of a caller's array or of a device buffer
     return []
 
 

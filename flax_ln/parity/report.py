@@ -8,58 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-if TYPE_CHECKING:
-    from flax_ln.parity.engine import Tolerance
-
-
-@dataclasses.dataclass
-class TensorResult:
-    """The comparison of one tensor: flax (actual) against torch (expected)."""
-
-    name: str
-    kind: str  # "output", "input grad", "param grad", "loss", "param", "module output", ...
-    shape: tuple[int, ...]
-    max_abs_error: float
-    max_error_index: tuple[int, ...] | None
-    relative_error: float
-    tolerance: Tolerance
-    nonfinite: str | None  # e.g. "NaN in flax: 3, in torch: 0"
-    passed: bool
-    passed_by: str | None = None  # which criterion held: "rtol", "atol" or "gtol"
-    problem: str | None = None  # why the values could not be compared: shape, dtype, missing
-    torch_vs_float64: float | None = None  # with attribution: torch's relative error against float64 truth
-    flax_vs_float64: float | None = None  # with attribution: flax's relative error against float64 truth
-
-    @property
-    def excess(self) -> float:
-        """How far past its tolerance the tensor is (> 1 fails), for ranking."""
-        if self.problem or self.nonfinite or not math.isfinite(self.relative_error):
-            return math.inf
-        if self.passed_by == "gtol":
-            return 0.0  # a zero gradient's rounding noise: within tolerance by the gtol criterion
-
-        def ratio(error: float, tol: float) -> float:
-            return error / tol if tol > 0 else (math.inf if error > 0 else 0.0)
-
-        return min(ratio(self.relative_error, self.tolerance.rtol), ratio(self.max_abs_error, self.tolerance.atol))
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["tolerance"] = dataclasses.asdict(self.tolerance)
-        d["shape"] = list(self.shape)
-        d["max_error_index"] = None if self.max_error_index is None else list(self.max_error_index)
-        return {k: _json_number(v) for k, v in d.items()}
-
-
-def _json_number(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/Inf; "inf"/"nan" stay explicit
-    return v
+from flax_ln.parity.policy import TensorResult, _json_number
 
 
 @dataclasses.dataclass
@@ -137,10 +91,13 @@ class ParityReport:
     attribution: dict[str, Any] | None = None  # the float64 truth and how far flax's float64 twin is from it
     stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, when it was upcast to ``dtype``
     sharding: dict[str, Any] | None = None  # on a mesh: its axes and each flax parameter's PartitionSpec
+    frozen: list[str] = dataclasses.field(default_factory=list)  # torch parameters without requires_grad
+    dropped_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # output leaves not compared: types
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.results) and all(s["passed"] for s in self.train_steps)
+        """Every tensor within tolerance, and at least one compared: nothing compared is not a pass."""
+        return bool(self.results) and all(r.passed for r in self.results) and all(s["passed"] for s in self.train_steps)
 
     def __getitem__(self, name: str) -> TensorResult:
         for r in self.results:
@@ -175,6 +132,8 @@ class ParityReport:
             "train_steps": [{k: _json_number(v) for k, v in s.items()} for s in self.train_steps],
             "stored_dtype": self.stored_dtype,
             "sharding": self.sharding,
+            "frozen": self.frozen,
+            "dropped_outputs": self.dropped_outputs,
         }
 
     @property
@@ -301,14 +260,48 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
                 f"attribution: {len(rest)} more failing tensors (all in --json): flax further off on "
                 f"{flax_worse}, torch on {len(rest) - flax_worse}"
             )
+    if not results:
+        lines.append("nothing compared: no tensor in this report, which is not a pass")
+    if report.mode == "grad" and results and not any(r.kind in ("param grad", "input grad") for r in results):
+        lines.append(
+            "no gradients: no floating input"
+            + (f" and every parameter frozen ({len(report.frozen)})" if report.frozen else " and no parameter")
+            + "; the outputs are compared"
+        )
+    elif report.frozen:
+        lines.append(
+            f"frozen: {len(report.frozen)} parameters (requires_grad=False) loaded and compared through the "
+            f"outputs, not as gradients: {', '.join(report.frozen[:4])}" + (", ..." if len(report.frozen) > 4 else "")
+        )
+    if report.dropped_outputs:
+        lines.append(
+            "dropped outputs (not arrays or numbers, not compared): "
+            + ", ".join(f"{k} ({v})" for k, v in report.dropped_outputs.items())
+        )
+    failed_outputs = [r.name for r in failed if r.kind == "output"]
     if report.first_divergence is not None:
         lines.append(report.first_divergence.describe())
+    elif not report.passed and report.module_errors and failed_outputs:
+        lines.append(
+            f"no submodule output diverges, yet {', '.join(failed_outputs)} differ: the difference arises in the "
+            "forward pass, in values no submodule's floating output holds (an integer output, or the model's own "
+            "computation between submodules)"
+        )
     elif not report.passed and report.module_errors:
         lines.append("no submodule output diverges: the difference arises in the backward pass or the loss")
     if report.isolation is not None:
         lines.append(report.isolation.describe())
     if quiet:
-        kept = ("summary:", "train step", "first divergence", "no submodule", "isolated:", "LM metrics", "attribution:")
+        kept = (
+            "summary:",
+            "train step",
+            "first divergence",
+            "no submodule",
+            "isolated:",
+            "LM metrics",
+            "attribution:",
+            "nothing compared",
+        )
         lines = [line for line in lines if line.startswith(kept)]
         lines[0] = f"{report.title} {lines[0]}"
     return "\n".join(lines)

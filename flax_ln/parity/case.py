@@ -1,0 +1,187 @@
+"""The book's cases and training: :class:`Case`, :class:`TrainSpec`, :func:`check_case`, :func:`check_training`
+and :func:`torch_side_of_case`. The models themselves are built in :mod:`flax_ln.parity.cases`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flax_ln.convert import load_torch_state_dict, to_torch_state_dict
+from flax_ln.parity.call import Call, forward_pair
+from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.compare import compare_modules
+from flax_ln.parity.policy import Tolerance, compare_tensors, numerics, zero_gradient_names
+from flax_ln.parity.report import ParityReport
+from flax_ln.parity.torch_side import TorchSide, _resolve_dtype, _torch, run_torch_side, torch_tensors
+
+
+@dataclasses.dataclass
+class TrainSpec:
+    """How to train a case for ``--train-steps``: the loss on both sides and the two optimizers.
+
+    ``loss`` is ``(torch_fn, flax_fn)``, each mapping that side's forward outputs to a
+    scalar, as in :func:`compare_modules`. ``torch_optimizer(model)`` returns
+    ``(optimizer, scheduler_or_None)``; ``clip_norm`` applies
+    ``torch.nn.utils.clip_grad_norm_`` before each torch step, and the optax side must
+    contain the matching clip (:func:`flax_ln.train.clip_by_global_norm_like_torch`).
+    """
+
+    loss: tuple[Callable[[Any], Any], Callable[[Any], jax.Array]]
+    torch_optimizer: Callable[[Any], tuple[Any, Any]]
+    optax_optimizer: Any
+    clip_norm: float | None = None
+
+
+@dataclasses.dataclass
+class Case:
+    """A torch module, its flax twin and the inputs to run them on, for :func:`check_case`.
+
+    ``forward`` is as in :func:`compare_modules`: ``forward(module, *inputs, **kwargs)`` runs
+    either module (default: calling it; the module trees mirror each other, so one function
+    serves both frameworks), or a pair ``(torch_fn, flax_fn)``.
+    """
+
+    name: str
+    torch_model: Any
+    flax_model: nnx.Module
+    inputs: Sequence[np.ndarray]
+    input_names: Sequence[str]
+    dtype: str = "float32"
+    forward: Any = None  # one callable for both sides, or (torch_fn, flax_fn)
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    train: TrainSpec | None = None
+    lm_logits: str | None = None  # the output holding next-token logits, for the LM metrics
+    spec: Mapping[str, Any] | None = None  # how to rebuild the flax side without torch (flax_ln.parity.reference)
+    stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, named in the report
+
+
+def check_case(
+    case: Case,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    *,
+    localize_failures: bool = True,
+    capture_modules: bool = False,
+    mode: str = "grad",
+    attribute: bool = False,
+    mesh=None,
+) -> ParityReport:
+    """:func:`compare_modules` on a case (its ``forward``, LM metrics on ``case.lm_logits``). ``capture_modules``
+    records every submodule's error even when all pass; ``mode``, ``attribute`` and ``mesh`` as in
+    :func:`compare_modules`."""
+    return compare_modules(
+        case.torch_model,
+        case.flax_model,
+        case.inputs,
+        kwargs=case.kwargs,
+        tolerances=tolerances,
+        dtype=case.dtype,
+        forward=case.forward,
+        input_names=case.input_names,
+        name=case.name,
+        localize_failures=localize_failures,
+        capture_modules=capture_modules,
+        mode=mode,
+        attribute=attribute,
+        lm_logits=case.lm_logits,
+        mesh=mesh,
+        stored_dtype=case.stored_dtype,
+    )
+
+
+def torch_side_of_case(case: Case, *, mode: str = "grad", attribute: bool = False, record: bool = False) -> TorchSide:
+    """The torch side of a case (for a reference file: ``record=True``), compared later by :func:`compare_side`."""
+    dtype = _resolve_dtype(case.torch_model, case.dtype)
+    call = Call.make(case.inputs, input_names=case.input_names, kwargs=case.kwargs, forward=case.forward, mode=mode)
+    with numerics(dtype):
+        return run_torch_side(
+            case.torch_model, call, dtype=dtype, mode=mode, attribute=attribute, record=record, name=case.name
+        )
+
+
+def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) -> list[dict[str, Any]]:
+    """Run ``steps`` optimizer steps on both sides from the same weights, dropout off.
+
+    After every step, the loss and every parameter (torch names) are compared; each
+    record holds the step's loss on both sides, their relative error and the worst
+    parameter's relative error: the drift per step.
+
+    Parameters whose torch gradient stays within ``gtol`` of the whole gradient's norm
+    (exactly zero but for rounding) are listed as ``noise_only`` and not compared: Adam
+    divides by the gradient's magnitude, so it moves them by about the learning rate in
+    directions set by rounding noise, differently in each framework. They cannot
+    affect the loss, which is compared.
+    """
+    if case.train is None:
+        raise ValueError(f"model {case.name!r} has no training setup for --train-steps")
+    import optax
+
+    torch = _torch()
+    spec = case.train
+    torch_loss, flax_loss = spec.loss
+    with numerics(case.dtype):
+        load_torch_state_dict(case.flax_model, case.torch_model.state_dict())
+        torch_model = case.torch_model.train(False)
+        optimizer, scheduler = spec.torch_optimizer(torch_model)
+        torch_forward, flax_forward = forward_pair(case.forward)
+        t_inputs, t_kwargs = torch_tensors(case.inputs, case.kwargs)
+
+        flax_model = case.flax_model
+        flax_model.eval()
+        graphdef, params, rest = nnx.split(flax_model, nnx.Param, ...)
+        opt_state = spec.optax_optimizer.init(params)
+        f_inputs = [jnp.asarray(x) for x in case.inputs]
+        f_kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()}
+
+        @jax.jit
+        def flax_step(params, opt_state, inputs):
+            def loss_fn(p):
+                return flax_loss(call_forward(flax_forward, nnx.merge(graphdef, p, rest), inputs, f_kwargs))
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = spec.optax_optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        records = []
+        noise_only: set[str] = set()
+        for step in range(1, steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            t_loss = torch_loss(call_forward(torch_forward, torch_model, t_inputs, t_kwargs))
+            t_loss.backward()
+            grads = {name: p.grad.numpy() for name, p in torch_model.named_parameters() if p.grad is not None}
+            noise_only |= zero_gradient_names(grads, tolerances["grad"])
+            if spec.clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(torch_model.parameters(), spec.clip_norm)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            params, opt_state, f_loss = flax_step(params, opt_state, f_inputs)
+
+            flax_params = to_torch_state_dict(nnx.merge(graphdef, params, rest))
+            param_results = [
+                compare_tensors(name, "param", flax_params[name], p.detach().numpy(), tolerances["grad"])
+                for name, p in torch_model.named_parameters()
+                if name not in noise_only
+            ]
+            worst = max(param_results, key=lambda r: r.excess)
+            loss_result = compare_tensors(
+                "loss", "loss", np.asarray(f_loss), t_loss.detach().numpy(), tolerances["output"]
+            )
+            records.append(
+                {
+                    "step": step,
+                    "loss_flax": float(f_loss),
+                    "loss_torch": float(t_loss.detach()),
+                    "noise_only": sorted(noise_only),
+                    "loss_rel_error": loss_result.relative_error,
+                    "param_rel_error": worst.relative_error,
+                    "worst_param": worst.name,
+                    "passed": loss_result.passed and all(r.passed for r in param_results),
+                }
+            )
+    return records

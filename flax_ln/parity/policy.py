@@ -1,0 +1,247 @@
+"""The tolerance policy and the metrics: how a tensor of flax is judged against torch's.
+
+:func:`relative_error`, :class:`Tolerance`, the one policy :data:`TOLERANCES`,
+:func:`compare_tensors` (one :class:`TensorResult`), :func:`zero_gradient_names`, the
+:func:`numerics` settings parity runs under, and :func:`lm_metrics`. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def relative_error(actual, expected) -> float:
+    """Relative Frobenius error ``||actual - expected|| / ||expected||`` in float64.
+
+    NaN or Inf anywhere in either array gives ``inf`` unless both arrays have them at
+    the same positions with the same values (NaN matching NaN), in which case the error
+    of the finite entries is returned. ``expected == 0`` falls back to the absolute norm.
+    """
+    a = np.asarray(actual, dtype=np.float64)
+    b = np.asarray(expected, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: actual {a.shape} vs expected {b.shape}")
+    finite_a, finite_b = np.isfinite(a), np.isfinite(b)
+    if not np.array_equal(finite_a, finite_b):
+        return float("inf")
+    nonfinite = ~finite_a
+    if nonfinite.any() and not np.array_equal(a[nonfinite], b[nonfinite], equal_nan=True):
+        return float("inf")
+    diff = np.linalg.norm(a[finite_a] - b[finite_b])
+    scale = np.linalg.norm(b[finite_b])
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """When a tensor passes: any one of
+
+    * its relative Frobenius error is at most ``rtol``;
+    * its largest absolute error is at most ``atol`` (0 in the policy: off unless asked for);
+    * for gradients, its error norm is at most ``gtol`` times the norm of the whole
+      gradient (every parameter together). A parameter whose exact gradient is zero,
+      such as the encoder-decoder's key-projection bias (adding a constant to a row of
+      scores does not change its softmax), holds only rounding noise on both sides;
+      measured against the whole gradient that noise is at the dtype's rounding level.
+    """
+
+    rtol: float
+    atol: float = 0.0
+    gtol: float = 0.0
+
+
+# The one policy, for the CLI and every test: per dtype and kind, the tightest bound any
+# test or the CLI used before the tables were merged into this one.
+# float64: both frameworks evaluate the same math; only op-order rounding (~1e-16 per op,
+#   amplified by depth and two passes) remains. Measured worst: 3e-16 outputs, 4e-15 grads.
+# float32: XLA and torch reduce in different orders; ~1e-7 per op, measured worst ~2e-6.
+# gtol sits a few orders above each dtype's unit roundoff (1.1e-16, 6e-8).
+# bfloat16 (flax computes in bfloat16 with float32 parameters; torch in float32 is the
+#   reference): 8 significant bits, u = 2^-8 ~ 3.9e-3 per rounding; norm statistics,
+#   softmax and losses stay float32. GPT (test_gpt), measured: logits 6.3e-3 (1.6 u), all
+#   gradients as one vector ("grads") 8e-3, single tensors up to 1.3e-2; bounds ~3x that.
+#   gtol: the encoder-decoder's zero-gradient bound (test_mixed_precision, which keeps
+#   its own looser bound for single tensors, stated there).
+# float16: 11 significant bits; the bfloat16 bounds scaled by the ratio of unit roundoffs
+#   (1/8). GPT, measured: logits 8.1e-4, "grads" 1.1e-3, single tensors up to 1.8e-3.
+TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    "float64": {"output": Tolerance(1e-12), "grad": Tolerance(1e-10, gtol=1e-13)},
+    "float32": {"output": Tolerance(1e-5), "grad": Tolerance(1e-4, gtol=1e-5)},
+    "bfloat16": {"output": Tolerance(2e-2), "grad": Tolerance(4e-2, gtol=1e-3), "grads": Tolerance(3e-2)},
+    "float16": {"output": Tolerance(2.5e-3), "grad": Tolerance(5e-3, gtol=1.25e-4), "grads": Tolerance(3.75e-3)},
+}
+HALF_PRECISION = ("bfloat16", "float16")  # compared against a float32 torch reference
+
+
+def parameter_dtype(dtype: str) -> str:
+    """The dtype both sides' parameters must have in a comparison at ``dtype``: float32 for half precision
+    (the flax side computes in half precision with float32 parameters, against a float32 torch module),
+    else ``dtype`` itself."""
+    return "float32" if dtype in HALF_PRECISION else dtype
+
+
+@dataclasses.dataclass
+class TensorResult:
+    """The comparison of one tensor: flax (actual) against torch (expected)."""
+
+    name: str
+    kind: str  # "output", "input grad", "param grad", "loss", "param", "module output", ...
+    shape: tuple[int, ...]
+    max_abs_error: float
+    max_error_index: tuple[int, ...] | None
+    relative_error: float
+    tolerance: Tolerance
+    nonfinite: str | None  # e.g. "NaN in flax: 3, in torch: 0"
+    passed: bool
+    passed_by: str | None = None  # which criterion held: "rtol", "atol" or "gtol"
+    problem: str | None = None  # why the values could not be compared: shape, dtype, missing
+    torch_vs_float64: float | None = None  # with attribution: torch's relative error against float64 truth
+    flax_vs_float64: float | None = None  # with attribution: flax's relative error against float64 truth
+
+    @property
+    def excess(self) -> float:
+        """How far past its tolerance the tensor is (> 1 fails), for ranking."""
+        if self.problem or self.nonfinite or not math.isfinite(self.relative_error):
+            return math.inf
+        if self.passed_by == "gtol":
+            return 0.0  # a zero gradient's rounding noise: within tolerance by the gtol criterion
+
+        def ratio(error: float, tol: float) -> float:
+            return error / tol if tol > 0 else (math.inf if error > 0 else 0.0)
+
+        return min(ratio(self.relative_error, self.tolerance.rtol), ratio(self.max_abs_error, self.tolerance.atol))
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tolerance"] = dataclasses.asdict(self.tolerance)
+        d["shape"] = list(self.shape)
+        d["max_error_index"] = None if self.max_error_index is None else list(self.max_error_index)
+        return {k: _json_number(v) for k, v in d.items()}
+
+
+def _json_number(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/Inf; "inf"/"nan" stay explicit
+    return v
+
+
+def compare_tensors(
+    name: str,
+    kind: str,
+    actual,
+    expected,
+    tolerance: Tolerance,
+    *,
+    gradient_norm: float = 0.0,
+    dtype: str | None = None,
+) -> TensorResult:
+    """Compare ``actual`` (flax) with ``expected`` (torch). NaN/Inf are flagged and fail.
+
+    Args:
+      name, kind: how the tensor is reported.
+      actual, expected: arrays of the same shape (a different shape fails, and so does an empty one).
+      tolerance: the criteria of :class:`Tolerance`.
+      gradient_norm: the norm of the whole gradient this tensor belongs to, for ``tolerance.gtol``.
+      dtype: the dtype ``actual`` must have, if any (a different dtype fails).
+    """
+
+    def unusable(problem: str) -> TensorResult:
+        return TensorResult(
+            name, kind, tuple(np.shape(expected)), math.inf, None, math.inf, tolerance, None, False, problem=problem
+        )
+
+    if actual is None:
+        return unusable("missing on the flax side")
+    if dtype is not None and np.dtype(np.asarray(actual).dtype) != np.dtype(dtype):
+        return unusable(f"dtype: flax {np.asarray(actual).dtype}, expected {dtype}")
+    a = np.asarray(actual, dtype=np.float64)
+    b = np.asarray(expected, dtype=np.float64)
+    if a.shape != b.shape:
+        return unusable(f"shape: flax {a.shape}, torch {b.shape}")
+    if b.size == 0:
+        return unusable(f"no elements to compare (shape {b.shape}): nothing compared is not a pass")
+    counts = {label: (int(np.isnan(x).sum()), int(np.isinf(x).sum())) for label, x in (("flax", a), ("torch", b))}
+    nonfinite = None
+    if any(n or i for n, i in counts.values()):
+        nonfinite = ", ".join(
+            f"{what} in {label}: {c[k]}" for k, what in enumerate(("NaN", "Inf")) for label, c in counts.items()
+        )
+    finite = np.isfinite(a) & np.isfinite(b)
+    diff = np.abs(np.where(finite, a, 0.0) - np.where(finite, b, 0.0))
+    if diff.size and finite.any():
+        flat = int(np.argmax(diff))
+        index = tuple(int(i) for i in np.unravel_index(flat, diff.shape))
+        max_abs = float(diff.reshape(-1)[flat])
+    else:
+        index, max_abs = None, 0.0
+    rel = relative_error(a, b)
+    criteria = {
+        "rtol": rel <= tolerance.rtol,
+        "atol": max_abs <= tolerance.atol,
+        "gtol": float(np.linalg.norm(diff)) <= tolerance.gtol * gradient_norm,
+    }
+    passed_by = next((c for c, held in criteria.items() if held), None) if nonfinite is None else None
+    return TensorResult(
+        name, kind, tuple(b.shape), max_abs, index, rel, tolerance, nonfinite, passed_by is not None, passed_by
+    )
+
+
+def _global_norm(arrays) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in arrays)))
+
+
+def zero_gradient_names(grads: Mapping[str, Any], tolerance: Tolerance) -> set[str]:
+    """Names of the gradients that are zero up to rounding: norm at most ``tolerance.gtol``
+    times the norm of all of ``grads`` together (the rule by which such tensors pass)."""
+    norm = _global_norm(grads.values())
+    return {name for name, g in grads.items() if np.linalg.norm(np.asarray(g, np.float64)) <= tolerance.gtol * norm}
+
+
+@contextlib.contextmanager
+def numerics(dtype: str) -> Iterator[None]:
+    """The settings parity runs under, for this scope only: matmul precision ``highest``, x64 for float64."""
+    x64 = jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
+    with x64, jax.default_matmul_precision("highest"):
+        yield
+
+
+def lm_metrics(flax_logits, torch_logits, output: str, top_k: int = 5) -> dict[str, Any]:
+    """How far apart the two sides' next-token distributions are, position by position (vocabulary last).
+
+    ``p = softmax(torch)``, ``q = softmax(flax)`` in float64 (log-probabilities work as
+    logits too); per position ``KL(p || q) = sum_v p_v (log p_v - log q_v)``. Top-1
+    agreement is the fraction of positions whose argmax tokens agree, top-k the fraction
+    whose sets of ``k`` most likely tokens agree. The worst position is the one with the
+    largest KL, as an index into the leading axes.
+    """
+
+    def log_softmax(x):
+        x = np.asarray(x, np.float64)
+        shifted = x - x.max(-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+    log_p, log_q = log_softmax(torch_logits), log_softmax(flax_logits)
+    kl = np.maximum(np.sum(np.exp(log_p) * (log_p - log_q), -1), 0.0)  # (...,) one per position; >= 0 up to rounding
+    k = min(top_k, log_p.shape[-1])
+
+    def top(x):
+        return np.sort(np.argsort(-x, axis=-1, kind="stable")[..., :k], -1)
+
+    worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(kl)), kl.shape))
+    return {
+        "output": output,
+        "positions": int(kl.size),
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "worst_position": list(worst),
+        "top1_agreement": float(np.mean(log_p.argmax(-1) == log_q.argmax(-1))),
+        f"top{k}_agreement": float(np.mean(np.all(top(log_p) == top(log_q), -1))),
+        "kl_per_position": kl.reshape(-1).tolist(),
+    }

@@ -1,0 +1,337 @@
+"""The torch side of a comparison: run it (outputs, gradients or tangents, records) into a :class:`TorchSide`.
+
+torch is imported lazily, inside the functions that run it: a :class:`TorchSide` read from
+a reference file needs no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flax_ln.parity.call import Call, flatten_outputs, is_float, named_outputs, with_floats
+from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.capture import Calls, Records, capture_torch
+from flax_ln.parity.policy import HALF_PRECISION, TOLERANCES, parameter_dtype
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _cotangents(outputs: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
+    """Fixed random cotangents for the floating outputs, shared by both sides."""
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in outputs.items() if is_float(v)}
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """A torch tensor or a Python number as a NumPy array of its own (a copy: later in-place ops cannot change it)."""
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy().copy()
+    return np.array(value)
+
+
+def torch_outputs(outputs: Any) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, str]]:
+    """A torch forward's result: its compared leaves as NumPy copies and as they are (tensors), and the dropped."""
+    named, dropped = flatten_outputs(outputs)
+    return {k: to_numpy(v) for k, v in named}, dict(named), dropped
+
+
+@contextlib.contextmanager
+def _torch_eval_untouched(module) -> Iterator[None]:
+    """``module`` in eval mode with fresh gradients for this scope; its modes and ``.grad`` are restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    grads = [(p, p.grad) for p in module.parameters()]
+    module.eval()
+    module.zero_grad(set_to_none=True)
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, grad in grads:
+            p.grad = grad
+
+
+def torch_tensors(inputs: Sequence[Any], kwargs: Mapping[str, Any], *, grad: bool = False, double: bool = False):
+    """The inputs and kwargs as torch tensors (the one place they are converted); ``double`` casts floating
+    ones to float64, ``grad`` tracks the floating inputs. Keyword values that are not arrays stay as they are."""
+    torch = _torch()
+
+    def tensor(x, track):
+        x = np.array(x)
+        if double and is_float(x):
+            x = x.astype(np.float64)
+        return torch.from_numpy(x).requires_grad_(track and is_float(x))
+
+    return (
+        [tensor(x, grad) for x in inputs],
+        {k: tensor(v, False) if isinstance(v, (np.ndarray, np.generic)) else v for k, v in kwargs.items()},
+    )
+
+
+def trainable_and_frozen(module) -> tuple[list[str], list[str]]:
+    """The torch parameter names that require gradients, and those that do not (frozen)."""
+    named = list(module.named_parameters())
+    return [n for n, p in named if p.requires_grad], [n for n, p in named if not p.requires_grad]
+
+
+def _run_torch(module, call: Call, cotangents=None, *, double=False):
+    """Outputs, dropped outputs, cotangents, loss and gradients (inputs by ``grad <name>``, trainable parameters
+    by name) of the torch side.
+
+    ``cotangents`` (default: drawn by :func:`_cotangents`) weight the outputs in the
+    differentiated scalar; ``double`` runs in float64 (the module must be float64 then).
+    When that scalar depends on nothing that requires a gradient (every parameter frozen,
+    no floating input), there are no gradients.
+    """
+    torch = _torch()
+    tensors, t_kwargs = torch_tensors(call.inputs, call.kwargs, grad=True, double=double)
+    with _torch_eval_untouched(module):
+        outputs = call_forward(call.forward[0], module, tensors, t_kwargs)
+        named, raw, dropped = torch_outputs(outputs)
+        if call.loss is None:
+            if cotangents is None:
+                cotangents = _cotangents({k: v for k, v in named.items() if hasattr(raw[k], "detach")})
+            value = sum(
+                ((raw[k] * torch.from_numpy(c).to(raw[k].dtype)).sum() for k, c in cotangents.items()),
+                torch.zeros((), dtype=torch.float64 if double else torch.float32),
+            )
+        else:
+            cotangents = {}
+            value = call.loss[0](outputs)
+        grads: dict[str, np.ndarray] = {}
+        if value.requires_grad:
+            value.backward()
+            grads = {f"grad {n}": t.grad.numpy() for n, t in zip(call.input_names, tensors) if t.requires_grad}
+            for name, p in module.named_parameters():  # a parameter the forward does not use has gradient zero
+                if p.requires_grad:
+                    grads[name] = np.zeros(p.shape, p.detach().numpy().dtype) if p.grad is None else p.grad.numpy()
+    return named, dropped, cotangents, value.detach().numpy(), grads
+
+
+def _tangents(
+    inputs, input_names, params: Mapping[str, np.ndarray], with_params: bool, seed: int = 1
+) -> dict[str, np.ndarray]:
+    """Fixed random tangents shared by both sides: ``tangent <input>`` for floating inputs, and
+    every parameter by torch name when ``with_params`` (or when no input is floating)."""
+    rng = np.random.default_rng(seed)
+    tangents = {
+        f"tangent {n}": rng.standard_normal(x.shape).astype(x.dtype) for n, x in zip(input_names, inputs) if is_float(x)
+    }
+    if with_params or not tangents:
+        tangents.update({k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in params.items()})
+    return tangents
+
+
+def _run_torch_jvp(module, call: Call, tangents, *, double=False):
+    """Outputs and output tangents (``tangent <output>``) of the torch side by ``torch.func.jvp``.
+
+    The forward runs through ``torch.func.functional_call`` over the parameters named in
+    ``tangents`` (the others and the buffers stay as they are), so the parameters are
+    primal inputs of the function that is differentiated.
+    """
+    torch = _torch()
+    from torch.func import functional_call, jvp
+
+    input_names = call.input_names
+    tensors, t_kwargs = torch_tensors(call.inputs, call.kwargs, double=double)
+    float_positions = [i for i, n in enumerate(input_names) if f"tangent {n}" in tangents]
+    params = {n: p.detach() for n, p in module.named_parameters() if n in tangents}
+
+    class Forward(torch.nn.Module):  # functional_call replaces parameters only in a module's own call
+        def __init__(self):
+            super().__init__()
+            self.model = module
+
+        def forward(self, *args):
+            return call_forward(call.forward[0], self.model, args, t_kwargs)
+
+    wrapper = Forward()
+
+    def run(param_values, *floats):
+        args = with_floats(tensors, float_positions, floats)
+        return functional_call(wrapper, {f"model.{n}": v for n, v in param_values.items()}, tuple(args))
+
+    def tangent(key, like):
+        return torch.from_numpy(np.array(tangents[key])).to(like.dtype)
+
+    primal_in = (params, *(tensors[i] for i in float_positions))
+    tangent_in = (
+        {n: tangent(n, p) for n, p in params.items()},
+        *(tangent(f"tangent {input_names[i]}", tensors[i]) for i in float_positions),
+    )
+    with _torch_eval_untouched(module), torch.no_grad():
+        outputs, output_tangents = jvp(run, primal_in, tangent_in)
+    named, _, dropped = torch_outputs(outputs)
+    named.update({f"tangent {k}": to_numpy(v) for k, v in named_outputs(output_tangents) if is_float(named[k])})
+    return named, dropped
+
+
+def _resolve_dtype(torch_module, dtype: str | None) -> str:
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in torch_module.parameters() if p.is_floating_point()})
+    if dtype is None:
+        if len(found) > 1:
+            raise ValueError(f"compare_modules: the torch module mixes parameter dtypes {found}; pass dtype=")
+        dtype = found[0] if found else "float32"
+    if dtype not in TOLERANCES:
+        raise ValueError(f"compare_modules: dtype must be one of {list(TOLERANCES)}, got {dtype!r}")
+    want = parameter_dtype(dtype)
+    if found and found != [want]:
+        raise ValueError(
+            f"compare_modules(dtype={dtype!r}) needs torch parameters in {want}, found {found}: "
+            f"call torch_module.to(torch.{want})"
+            + (" (half precision compares against a float32 torch reference)" if dtype in HALF_PRECISION else "")
+        )
+    return dtype
+
+
+@dataclasses.dataclass
+class TorchSide:
+    """Everything a comparison takes from torch, from a live run (:func:`run_torch_side`) or a
+    reference file (:mod:`flax_ln.parity.reference`). Arrays are NumPy; parameters go by torch name.
+
+    ``expected`` holds, by report name, what flax must reproduce (outputs, then ``loss``,
+    gradients, or output tangents) and ``kinds`` their kinds; ``truth`` the same from a
+    float64 run (``attribute``); ``records``/``calls`` every submodule's first call (for
+    the first divergence and isolated mode), captured on demand.
+    """
+
+    name: str
+    dtype: str
+    mode: str  # "grad": outputs and reverse-mode gradients; "jvp": outputs and forward-mode tangents
+    inputs: list[np.ndarray]
+    input_names: list[str]
+    kwargs: dict[str, Any]
+    state_dict: dict[str, np.ndarray]
+    param_names: list[str]
+    expected: dict[str, np.ndarray]
+    kinds: dict[str, str]
+    cotangents: dict[str, np.ndarray]
+    tangents: dict[str, np.ndarray]
+    truth: dict[str, np.ndarray] | None = None
+    records: Records | None = None
+    calls: Calls | None = None
+    frozen: list[str] = dataclasses.field(default_factory=list)  # parameters without requires_grad: no gradient
+    dropped_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # output leaves not compared: type
+
+    def call(self, forward=None, loss=None) -> Call:
+        """The :class:`~flax_ln.parity.call.Call` of this side's inputs, with a ``forward`` and ``loss``."""
+        return Call.make(
+            self.inputs, input_names=self.input_names, kwargs=self.kwargs, forward=forward, loss=loss, mode=self.mode
+        )
+
+
+MODES = ("grad", "jvp")
+
+
+def _torch_results(module, call: Call, mode, cotangents, tangents, *, double=False):
+    """``(expected, kinds, cotangents, dropped outputs)`` of one torch run (see :class:`TorchSide`)."""
+    if mode == "jvp":
+        expected, dropped = _run_torch_jvp(module, call, tangents, double=double)
+        return expected, {k: "tangent" if k.startswith("tangent ") else "output" for k in expected}, {}, dropped
+    param_names = trainable_and_frozen(module)[0]
+    outputs, dropped, cotangents, value, grads = _run_torch(module, call, cotangents, double=double)
+    expected, kinds = dict(outputs), dict.fromkeys(outputs, "output")
+    if call.loss is not None:
+        expected["loss"], kinds["loss"] = value, "loss"
+    for k, g in grads.items():
+        expected[k], kinds[k] = g, "param grad" if k in param_names else "input grad"
+    return expected, kinds, cotangents, dropped
+
+
+def run_torch_side(
+    torch_module,
+    inputs,
+    *,
+    input_names=None,
+    kwargs=None,
+    forward=None,
+    loss=None,
+    dtype: str,
+    mode: str = "grad",
+    tangent_params: bool = True,
+    attribute: bool = False,
+    record: bool = False,
+    name: str | None = None,
+) -> TorchSide:
+    """Run the torch side once (and, with ``attribute``, once more on a float64 copy, the same
+    cotangents or tangents in float64). ``record`` captures every submodule's call too.
+
+    ``inputs`` is a :class:`~flax_ln.parity.call.Call` (then ``input_names``, ``kwargs``,
+    ``forward`` and ``loss`` come from it), or the inputs of one, as in
+    :func:`~flax_ln.parity.compare_modules`. Frozen parameters (``requires_grad=False``)
+    get no gradient and no tangent; they are listed in ``frozen``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    call = (
+        inputs
+        if isinstance(inputs, Call)
+        else Call.make(inputs, input_names=input_names, kwargs=kwargs, forward=forward, loss=loss, mode=mode)
+    )
+    state_dict = {k: to_numpy(v) for k, v in torch_module.state_dict().items()}
+    param_names, frozen = trainable_and_frozen(torch_module)
+    tangents = (
+        _tangents(call.inputs, call.input_names, {k: state_dict[k] for k in param_names}, tangent_params)
+        if mode == "jvp"
+        else {}
+    )
+    expected, kinds, cotangents, dropped = _torch_results(torch_module, call, mode, None, tangents)
+    side = TorchSide(
+        name or type(torch_module).__name__,
+        dtype,
+        mode,
+        list(call.inputs),
+        list(call.input_names),
+        dict(call.kwargs),
+        state_dict,
+        param_names,
+        expected,
+        kinds,
+        cotangents,
+        tangents,
+        frozen=frozen,
+        dropped_outputs=dropped,
+    )
+    if attribute:
+        with _torch_in_float64(torch_module):
+            side.truth = _torch_results(torch_module, call, mode, cotangents, tangents, double=True)[0]
+    if record:
+        record_torch_side(side, torch_module, call.forward[0])
+    return side
+
+
+@contextlib.contextmanager
+def _torch_in_float64(module) -> Iterator[None]:
+    """``module`` in float64 for this scope, then back in its dtype: float32/16 -> float64 -> back is exact.
+    (A deep copy is not always possible: torch refuses to copy non-leaf tensors held as attributes.)"""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    grads = [(p, p.grad) for p in module.parameters()]
+    for p, _ in grads:
+        p.grad = None
+    module.double()
+    try:
+        yield
+    finally:
+        if dtype is not None:
+            module.to(dtype)
+        for p, grad in grads:
+            p.grad = grad
+
+
+def record_torch_side(side: TorchSide, torch_module, forward) -> None:
+    """Fill ``side.records`` and ``side.calls``: every torch submodule's first call, on the side's inputs."""
+    tensors, t_kwargs = torch_tensors(side.inputs, side.kwargs)
+    side.calls = {}
+    with _torch_eval_untouched(torch_module):
+        side.records = capture_torch(
+            torch_module, lambda: call_forward(forward, torch_module, tensors, t_kwargs), side.calls
+        )
