@@ -52,7 +52,7 @@ SIDE_REQUIRED = (
     "cotangents",
     "tangents",
 )
-SIDE_OPTIONAL = ("truth", "records", "calls")
+SIDE_OPTIONAL = ("truth", "records", "calls", "frozen", "dropped_outputs")
 MAX_BATCH = 1 << 20
 MAX_LAYERS = 1024
 MAX_UNUSED_SIZE = 1 << 24
@@ -211,6 +211,18 @@ def _check_side(side: dict, field: str, dtype: str, batch: int) -> dict[str, Any
     for k in param_names:
         _require(k in state_dict, f"{field}.param_names", f"names {k!r}, which is not in the state dict")
     _require(bool(param_names), f"{field}.param_names", "is empty: a model without parameters cannot be checked")
+    for k in _string_list(side.get("frozen", []), f"{field}.frozen"):
+        _require(
+            k in state_dict and k not in param_names,
+            f"{field}.frozen",
+            f"names {k!r}, which is not a state-dict entry outside param_names",
+        )
+    dropped = side.get("dropped_outputs", {})
+    _require(
+        isinstance(dropped, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in dropped.items()),
+        f"{field}.dropped_outputs",
+        f"expected a dict of output name -> what was dropped, got {_type_name(dropped)}",
+    )
 
     expected = _tensor_dict(side["expected"], f"{field}.expected")
     kinds = side["kinds"]
