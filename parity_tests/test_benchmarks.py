@@ -9,11 +9,14 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts a subprocess or runs an example
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run(cmd, **env):
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    # the timeout only catches a hang: beside a parallel test run a quick benchmark takes minutes
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **env})
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 

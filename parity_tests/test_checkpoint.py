@@ -81,6 +81,7 @@ def test_missing_or_empty_folder_is_a_clear_error(tmp_path):
         Checkpointer(tmp_path / "empty", create=False).read_meta()
 
 
+@pytest.mark.slow
 def test_kill_during_a_write_leaves_the_previous_checkpoint_usable(tmp_path):
     # Step 2 is 64 MB, so the process is killed (SIGKILL, no cleanup) while orbax is still writing it.
     script = textwrap.dedent(f"""
@@ -190,6 +191,7 @@ def test_no_readable_checkpoint_lists_each_one(tmp_path):
     assert lines[2].startswith(f"  {tmp_path / '1'}: unreadable checkpoint: cannot read the arrays")
 
 
+@pytest.mark.slow
 def test_a_failed_read_prints_nothing_else(tmp_path):
     # When orbax gives up on a damaged checkpoint, TensorStore reads still in flight post to its closed
     # event loop, and Python printed "RuntimeError: Event loop is closed" tracebacks, during and after
@@ -268,6 +270,7 @@ def script():
     return module
 
 
+@pytest.mark.slow
 def test_train_music_resumes_from_the_newest_readable_checkpoint(script, tmp_path, capsys):
     chorales = tmp_path / "chorales"
     music.render_bach_chorales(chorales, limit=4)
@@ -302,6 +305,7 @@ def usage_error(script, capsys, *args) -> str:
     return err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_train_music_refuses_a_folder_nobody_can_write(script, capsys, tmp_path):
     # Root may write into mode 555, so this uses a path that nobody can create: /proc is not writable.
     for extra in ([], ["--resume"]):
@@ -314,6 +318,7 @@ def test_train_music_refuses_a_folder_nobody_can_write(script, capsys, tmp_path)
     assert f"--out {tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is not a folder" in line, line
 
 
+@pytest.mark.slow
 def test_read_only_folder_as_another_user(script, tmp_path):
     """Mode 555 for a user who does not own the folder: as root, a forked child drops to ``nobody`` first."""
     base = Path(tempfile.mkdtemp())  # tmp_path's parents are private to root; nobody must reach the folder

@@ -224,6 +224,7 @@ def test_layernorm_modules_round_trip_with_torch_twins():
             np.testing.assert_array_equal(back[k], v.numpy())
 
 
+@pytest.mark.slow
 def test_import_does_not_pull_in_torch():
     import subprocess
     import sys

@@ -16,6 +16,8 @@ from flax import nnx
 import flax_ln
 from flax_ln.convert import HF_GPT2_KEYS
 
+pytestmark = pytest.mark.slow  # every test here starts a subprocess or runs an example
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 

@@ -3,10 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from test_examples import load_example
 
 from flax_ln.parity import TOLERANCES
+
+pytestmark = pytest.mark.slow  # every test here starts a subprocess or runs an example
 
 # bf16 compute against float32 keeps 8 significant bits (u = 2^-8); the parity policy's
 # bfloat16 output bound (2e-2, ~5 u) applies. Measured on these models: 6.6e-3.

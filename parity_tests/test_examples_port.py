@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts a subprocess or runs an example
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "port_your_model.py"
 
 

@@ -125,6 +125,7 @@ def test_attention_is_causal():
     assert not np.allclose(y1[:, 5:], y2[:, 5:])
 
 
+@pytest.mark.slow
 def test_gpt2_xl_block_full_width_float32():
     config = GPTConfig.gpt2_xl()
     torch.manual_seed(0)

@@ -210,6 +210,7 @@ LONG_BLOCK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_long_block_loads_without_a_block_squared_buffer(tmp_path):
     """wpe (100000, 2), 800 KB: torch's causal-mask buffer would be 40 GB; the port builds none."""
     folder = tmp_path / "hf"
@@ -312,6 +313,7 @@ def noisy_flax_gpt(config=SMALL, *, scan_layers=False, tied=False, seed=0) -> fl
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tied", "scan_layers"), [(False, False), (True, True)])
 def test_save_hf_gpt2_opens_in_transformers(tmp_path, tied, scan_layers):
     model = noisy_flax_gpt(scan_layers=scan_layers, tied=tied)
@@ -402,6 +404,7 @@ def mesh_report(tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["scan=False,fsdp=8", "scan=True,fsdp=8", "scan=True,fsdp=4"])
 def test_load_hf_gpt2_onto_a_mesh(mesh_report, layout):
     got = mesh_report[layout]
@@ -414,6 +417,7 @@ def test_load_hf_gpt2_onto_a_mesh(mesh_report, layout):
     assert got["logits"] <= RTOL_F32
 
 
+@pytest.mark.slow
 def test_a_sharded_model_converts_and_saves(mesh_report):
     assert mesh_report["to_torch_equal"]  # to_torch_state_dict gathers every shard
     assert mesh_report["saved_equal"]  # save_hf_gpt2 of the sharded model, read back unsharded

@@ -408,6 +408,7 @@ except ValueError as err:
 """
 
 
+@pytest.mark.slow
 def test_a_gap_of_years_is_refused_within_2_gib(tmp_path):
     path = hostile_midi(tmp_path / "bomb.mid")
     assert path.stat().st_size == 44

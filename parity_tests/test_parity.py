@@ -249,6 +249,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "flax_ln", "parity", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_cli_passes_writes_json_and_plot(tmp_path):
     out = tmp_path / "report.json"
     picture = tmp_path / "errors.png"
@@ -269,6 +270,7 @@ def test_cli_passes_writes_json_and_plot(tmp_path):
     assert picture.stat().st_size > 1000 and picture.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_cli_exit_code_is_one_when_out_of_tolerance(tmp_path):
     out = tmp_path / "report.json"
     # float32 parity is ~1e-7, not exact: zero tolerance must fail
@@ -284,6 +286,7 @@ def test_cli_float64_is_exact_to_rounding():
     assert main(["parity", "--model", "layernorm", "--dtype", "float64", "--rtol", "1e-14", "--quiet"]) == 0
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_arguments():
     for args in (["--batch", "0"], ["--model", "nope"], ["--dtype", "float16"], ["--train-steps", "-1"]):
         proc = run_cli(*args)
@@ -350,6 +353,7 @@ def save_book_gpt(path, config):
 SMALL_GPT = dict(n_layer=2, n_head=4, n_embd=32, vocab_size=40, block_size=16)
 
 
+@pytest.mark.slow
 def test_checkpoint_book_gpt_safetensors(tmp_path):
     import flax_ln
 
@@ -377,6 +381,7 @@ def test_checkpoint_music_preset(tmp_path):
     assert parity.check_case(case).passed
 
 
+@pytest.mark.slow
 def test_checkpoint_hf_folder(tmp_path):
     from test_gpt import hf_config, hf_tensors, tied_torch_gpt, write_hf
 
@@ -389,6 +394,7 @@ def test_checkpoint_hf_folder(tmp_path):
     assert "checkpoint hf (float32)" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem", ["corrupt", "wrong-architecture", "wrong-shapes", "pickled-objects", "missing"])
 def test_checkpoint_errors_are_clear(tmp_path, problem):
     import torch
@@ -429,6 +435,7 @@ def test_checkpoint_errors_are_clear(tmp_path, problem):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_and_model_are_exclusive():
     proc = run_cli("--checkpoint", "x.safetensors", "--model", "gpt")
     assert proc.returncode == 2 and "replaces --model" in proc.stderr
@@ -566,6 +573,7 @@ def run_without_torch(*args):
     return subprocess.run([sys.executable, "-c", TORCH_BLOCKER, "parity", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_reference_file_checks_flax_without_torch(tmp_path):
     from safetensors.numpy import load_file, save_file
 

@@ -11,6 +11,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts a subprocess or runs an example
+
 SHARDED_CASES = textwrap.dedent("""
     import json
     import jax

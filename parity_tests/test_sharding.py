@@ -86,6 +86,7 @@ AGREEMENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_one_vs_eight_devices_same_losses():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", AGREEMENT], capture_output=True, text=True, env=env, timeout=600)

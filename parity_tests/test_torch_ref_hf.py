@@ -40,6 +40,7 @@ TINY = dict(n_layer=2, n_head=2, n_embd=16, vocab_size=37, block_size=12)
 # the reference stands alone
 
 
+@pytest.mark.slow
 def test_torch_ref_imports_and_runs_with_jax_unimportable():
     script = textwrap.dedent("""
         import importlib.abc, sys, types

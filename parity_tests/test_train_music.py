@@ -19,6 +19,8 @@ import flax_ln
 from flax_ln import music
 from flax_ln.checkpoint import read_metrics
 
+pytestmark = pytest.mark.slow  # every test here starts a subprocess or runs an example
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_music.py"
 # Tiny model, 4 chorales (rendered in about a second), short sequences: each run takes seconds.
 COMMON = ["--config", "tiny", "--max-files", "4", "--batch-size", "8", "--seq-len", "64", "--seed", "3"]
