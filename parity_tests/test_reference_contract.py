@@ -16,19 +16,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from test_cli_errors import run  # flax-ln parity in this process: (exit code, stdout, stderr)
 
 from flax_ln.parity.cli import main
 from flax_ln.parity.reference import DIGEST_KEY, METADATA_KEY, digest
-
-
-def run(capsys, *args):
-    """``(exit code, stdout, stderr)`` of ``flax-ln parity ARGS`` run in this process."""
-    try:
-        code = main(["parity", *map(str, args)])
-    except SystemExit as exit_:
-        code = exit_.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
