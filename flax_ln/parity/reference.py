@@ -31,6 +31,7 @@ from flax_ln._atomic import write_atomically
 from flax_ln._deprecated import module_getattr
 from flax_ln.parity import reference_schema
 from flax_ln.parity.capture import Unsupported
+from flax_ln.parity.policy import parameter_dtype
 
 METADATA_KEY = "flax_ln_reference"
 DIGEST_KEY = "flax_ln_reference_sha256"
@@ -105,7 +106,7 @@ def build_flax_model(spec: Mapping[str, Any], dtype: str) -> nnx.Module:
     ``{"builder": "GPT" | "Block", "config": GPTConfig fields}``,
     ``{"builder": "make_model", "sizes": make_model's sizes, "ffn_activation"}``.
     """
-    param_dtype = jnp.float32 if dtype in ("bfloat16", "float16") else getattr(jnp, dtype)
+    param_dtype = getattr(jnp, parameter_dtype(dtype))
     rngs = nnx.Rngs(0)
     builder = spec.get("builder")
     if builder in ("LayerNorm", "TorchLayerNorm"):
