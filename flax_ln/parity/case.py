@@ -133,7 +133,7 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
 
         flax_model = case.flax_model
         flax_model.eval()
-        graphdef, params, rest = nnx.split(flax_model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(flax_model, nnx.Param, ...)  # type: ignore[misc]  # nnx.split's result is typed as a variadic tuple
         opt_state = spec.optax_optimizer.init(params)
         f_inputs = [jnp.asarray(x) for x in case.inputs]
         f_kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()}

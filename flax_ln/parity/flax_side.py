@@ -114,7 +114,7 @@ class _Split:
 
     @classmethod
     def of(cls, model: nnx.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> _Split:
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # nnx.split's result is typed as a variadic tuple
         float_positions = [i for i, x in enumerate(inputs) if is_float(x)]
         array_kwargs = {
             k: jnp.asarray(v) for k, v in kwargs.items() if isinstance(v, (np.ndarray, np.generic, jax.Array))

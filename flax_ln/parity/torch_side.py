@@ -146,7 +146,7 @@ def _run_torch_jvp(module, call: Call, tangents, *, double=False):
     float_positions = [i for i, n in enumerate(input_names) if f"tangent {n}" in tangents]
     params = {n: p.detach() for n, p in module.named_parameters() if n in tangents}
 
-    class Forward(torch.nn.Module):  # functional_call replaces parameters only in a module's own call
+    class Forward(torch.nn.Module):  # type: ignore[name-defined]  # torch is imported lazily; functional_call replaces parameters only in a module's own call
         def __init__(self):
             super().__init__()
             self.model = module
@@ -169,7 +169,7 @@ def _run_torch_jvp(module, call: Call, tangents, *, double=False):
         *(tangent(f"tangent {input_names[i]}", tensors[i]) for i in float_positions),
     )
     with _torch_eval_untouched(module), torch.no_grad():
-        outputs, output_tangents = jvp(run, primal_in, tangent_in)
+        outputs, output_tangents = jvp(run, primal_in, tangent_in)  # type: ignore[misc]  # jvp returns a pair here (no has_aux)
     named, _, dropped = torch_outputs(outputs)
     named.update({f"tangent {k}": to_numpy(v) for k, v in named_outputs(output_tangents) if is_float(named[k])})
     return named, dropped
