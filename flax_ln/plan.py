@@ -88,6 +88,9 @@ CHIPS = {
 }
 
 
+MEGACORE = ("v4", "v5p")
+
+
 class PlanError(Exception):
     """A plan that cannot be made; ``exit_code`` is 2 (usage, libtpu missing, not lowerable for TPU)."""
 
@@ -221,13 +224,18 @@ def run(request: dict, *, timeout: float | None = None) -> dict:
     The result has the pinned JSON keys of ``flax-ln plan``, and ``"exit_code"`` and
     ``"error"`` (``None`` when the plan was made; a message otherwise).
     """
+    return run_many([request], timeout=timeout)[0]
+
+
+def run_many(requests: list[dict], *, timeout: float | None = None) -> list[dict]:
+    """:func:`run` for several requests in one child process (JAX and libtpu start once); results in order."""
     missing = libtpu_missing()
     if missing:
-        return failed(request, missing, EXIT_USAGE)
+        return [failed(request, missing, EXIT_USAGE) for request in requests]
     with tempfile.TemporaryDirectory(prefix="flax-ln-plan-") as tmp:
         request_file, result_file = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
         with open(request_file, "w") as f:
-            json.dump(request, f)
+            json.dump(requests, f)
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "flax_ln.plan", request_file, result_file],
@@ -238,7 +246,7 @@ def run(request: dict, *, timeout: float | None = None) -> dict:
                 timeout=timeout,
             )
         except subprocess.TimeoutExpired:
-            return failed(request, f"the TPU compile took longer than {timeout} s", EXIT_USAGE)
+            return [failed(r, f"the TPU compile took longer than {timeout} s", EXIT_USAGE) for r in requests]
         if proc.returncode == 0 and os.path.exists(result_file):
             with open(result_file) as f:
                 return json.load(f)
@@ -247,7 +255,7 @@ def run(request: dict, *, timeout: float | None = None) -> dict:
         why = f"the TPU compiler process was killed by signal {-proc.returncode}"
     else:
         why = f"the TPU compiler process failed (exit status {proc.returncode})"
-    return failed(request, f"{why}; its last messages:\n{tail}", EXIT_USAGE)
+    return [failed(r, f"{why}; its last messages:\n{tail}", EXIT_USAGE) for r in requests]
 
 
 def failed(request: dict, message: str, exit_code: int, **known) -> dict:
@@ -387,7 +395,9 @@ def topology_devices(topology: str):
     from jax.experimental import topologies
 
     try:
-        return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+        # v4 and v5p chips have two TensorCores that JAX drives as one device ("megacore"), as on a TPU VM
+        options = {"chip_config_name": "megacore"} if topology.partition(":")[0] in MEGACORE else {}
+        return topologies.get_topology_desc(topology_name=topology, platform="tpu", **options).devices
     except Exception as e:  # noqa: BLE001 - libtpu reports an unknown topology with a runtime error
         raise PlanError(
             f"--topology {topology!r}: libtpu does not know this topology ({str(e).splitlines()[0][:300]}); "
@@ -616,8 +626,8 @@ def _search_batch(request: dict, devices, fsdp: int) -> tuple[dict, dict]:
         tried.append({"batch": k * step, "fits": result["fits"], "total_bytes": result["per_chip"]["total_bytes"]})
         return result["fits"]
 
-    def total(k: int) -> float | None:
-        return results[k]["per_chip"]["total_bytes"]
+    def total(k: int) -> float:  # only for compiles that gave a figure (see ``known``)
+        return float(results[k]["per_chip"]["total_bytes"])
 
     capacity = CHIPS[request["topology"].partition(":")[0]].hbm_bytes
     lo, hi = 0, None
@@ -629,7 +639,7 @@ def _search_batch(request: dict, devices, fsdp: int) -> tuple[dict, dict]:
             hi = k if hi is None else min(hi, k)
         if hi == 1 or (hi is not None and hi - lo <= 1):
             break
-        known = sorted(j for j in results if total(j) is not None)
+        known = sorted(j for j in results if results[j]["per_chip"]["total_bytes"] is not None)
         guess = None
         if len(known) >= 2:
             a, b = known[-2], known[-1]
@@ -676,10 +686,9 @@ def _search_fsdp(request: dict, devices, batch: int) -> tuple[dict, dict]:
     return results[hi], {"axis": "fsdp", "best": divisors[hi], "tried": tried}
 
 
-def child_main(request_file: str, result_file: str) -> int:
-    """The child process: make the plan of the request in ``request_file``, write the result to ``result_file``."""
-    with open(request_file) as f:
-        request = json.load(f)
+def plan_request(request: dict) -> dict:
+    """The plan of one request, in this process (the child's work; its stack limit must be raised for libtpu)."""
+    devices = None
     try:
         devices = topology_devices(request["topology"])
         if request.get("devices"):  # a script that runs on fewer chips than the topology has (generate_gpt2.py: 1)
@@ -689,17 +698,22 @@ def child_main(request_file: str, result_file: str) -> int:
         batch = request["batch"] or (BATCH_PER_CHIP * chips if request["kind"] != "decode" else chips)
         if request["search"] == "batch":
             result, search = _search_batch(request, devices, fsdp)
-            result = {**result, "search": search}
-        elif request["search"] == "fsdp":
+            return {**result, "search": search}
+        if request["search"] == "fsdp":
             result, search = _search_fsdp(request, devices, batch)
-            result = {**result, "search": search}
-        else:
-            result = _plan_once(request, devices, batch, fsdp)
+            return {**result, "search": search}
+        return _plan_once(request, devices, batch, fsdp)
     except PlanError as e:
-        known = {"chips": len(devices)} if "devices" in locals() else {}
-        result = failed(request, str(e), e.exit_code, **known)
+        return failed(request, str(e), e.exit_code, **({"chips": len(devices)} if devices is not None else {}))
+
+
+def child_main(request_file: str, result_file: str) -> int:
+    """The child process: plan each request listed in ``request_file``; the results, in order, to ``result_file``."""
+    with open(request_file) as f:
+        requests = json.load(f)
+    results = [plan_request(request) for request in requests]
     with open(result_file, "w") as f:
-        json.dump(result, f)
+        json.dump(results, f)
     return 0
 
 

@@ -72,7 +72,7 @@ class ShardedStep(NamedTuple):
     state_shardings: Any
     batch_shardings: Any
     abstract_batch: Any
-    step: Callable
+    step: Any  # the jitted function (``jax.jit``'s wrapper: call it, or ``.trace``/``.lower`` it)
 
 
 def gpt_model(
