@@ -138,10 +138,11 @@ def test_fsdp_divides_the_arguments(tiny):
 
 @pytest.mark.slow
 def test_batch_over_data_and_fsdp_cuts_temporaries(tiny):
-    # each chip holds the activations of 2 sequences instead of all 8; 0.8: the 4x fewer activations
-    # dominate the temporaries at T = 1024, the gathered weights and gradient buffers are the same
+    # each chip's share is 2 sequences instead of all 8. At this size XLA's propagation already splits most
+    # activations under the old rule (measured: 328 against 365 MB), so only the direction is asserted; at
+    # GPT-2 124M's size the old rule took 6.52 GiB at fsdp 8 against 3.70 (benchmarks/RESULTS.md)
     after, before = tiny["base"]["per_chip"]["temp_bytes"], tiny["data_only"]["per_chip"]["temp_bytes"]
-    assert after < 0.8 * before, (after, before)
+    assert after < before, (after, before)
 
 
 @pytest.mark.slow
@@ -156,7 +157,8 @@ def test_batch_over_data_and_fsdp_keeps_temporaries_per_chip(tiny):
 def test_remat_lowers_temporaries_at_t1024(tiny):
     assert tiny["remat"]["per_chip"]["temp_bytes"] < 0.7 * tiny["base"]["per_chip"]["temp_bytes"]
     assert tiny["remat"]["flops_per_step"] == tiny["base"]["flops_per_step"]  # model FLOPs; the recompute is not MFU
-    assert tiny["remat"]["roofline"]["mfu_ceiling"] <= tiny["base"]["roofline"]["mfu_ceiling"]
+    # the recompute costs compute time (8 N instead of 6 N); its smaller temporaries can cost less memory time
+    assert tiny["remat"]["roofline"]["compute_seconds"] > tiny["base"]["roofline"]["compute_seconds"]
 
 
 @pytest.mark.slow
