@@ -15,6 +15,12 @@ With no ``--checkpoint`` it runs a small GPT with random weights (2 layers, widt
 one token per byte, so text prompts work) and says so: the output is noise, but every
 step of the pipeline runs.
 
+``--compile-only TOPOLOGY`` (e.g. ``v5e:2x4``) compiles this script's decode step (one token
+per sample against the KV cache, :func:`flax_ln.models.gpt.decode_step`) for that TPU
+topology on this machine (libtpu, no TPU needed; only ``config.json`` and the tokenizer
+are read, no weights) and prints the plan instead of generating: the script runs on one
+device, so the plan is for one chip of the topology (exit 0 fits, 1 does not, 2 error).
+
 Run: python examples/generate_gpt2.py                                   # random weights, a notice
      python examples/generate_gpt2.py --checkpoint ~/models/gpt2-xl --prompt "I went to the kitchen and" \\
          --max-new-tokens 50 --temperature 0.8 --top-k 40
@@ -88,10 +94,12 @@ def load_tokenizer(folder: Path) -> tuple[HFTokenizer | None, str]:
         raise SystemExit(f"{folder}: tokenizers cannot read its tokenizer files: {e}") from None
 
 
+RANDOM_CONFIG = flax_ln.GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=128)
+
+
 def random_model(seed: int, **kwargs) -> flax_ln.GPT:
     """A small GPT with random weights whose vocabulary is the 256 byte values; ``kwargs`` go to ``flax_ln.GPT``."""
-    config = flax_ln.GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=128)
-    model = flax_ln.GPT(config, rngs=nnx.Rngs(seed), **kwargs)
+    model = flax_ln.GPT(RANDOM_CONFIG, rngs=nnx.Rngs(seed), **kwargs)
     model.eval()
     return model
 
@@ -127,6 +135,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=True,
         help="stack the blocks and scan over them: one compiled block, fast compiles for deep models",
     )
+    p.add_argument(
+        "--compile-only",
+        metavar="TOPOLOGY",
+        help="compile this script's decode step for a TPU topology (e.g. v5e:2x4) and print the plan; no generation",
+    )
+    p.add_argument("--plan-json", metavar="PATH", help="with --compile-only: also write the plan as JSON")
     args = p.parse_args(argv)
     if args.max_new_tokens < 0:
         p.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -137,8 +151,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> list[list[int]]:
+def prompt_ids(args, tokenizer, source: str, vocab_size: int) -> list[int]:
+    """The prompt's token ids, from --prompt-ids or the tokenised --prompt (default text)."""
+    if args.prompt_ids is not None:
+        return parse_ids(args.prompt_ids, vocab_size)
+    if tokenizer is None:
+        raise SystemExit(f"{source}, so a text prompt cannot be tokenised; pass --prompt-ids 464,2068,7586 instead")
+    ids = tokenizer.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+    if not ids:
+        raise SystemExit("--prompt: the prompt is empty; give some text")
+    if max(ids) >= vocab_size:
+        raise SystemExit(f"the tokenizer gave id {max(ids)}, outside the model's vocabulary [0, {vocab_size})")
+    return ids
+
+
+def compile_only(args) -> int:
+    """``--compile-only TOPOLOGY``: the plan of this script's decode step on one chip of a TPU topology."""
+    import dataclasses
+    import json
+    import sys
+
+    from flax_ln import plan
+    from flax_ln.convert.hf import gpt_config_from_hf
+
+    if args.checkpoint is None:
+        config, tokenizer, source = RANDOM_CONFIG, ByteTokenizer(), "one token per byte (random-weights demo)"
+    else:
+        try:
+            config = gpt_config_from_hf(json.loads((args.checkpoint / "config.json").read_text()))[0]
+        except (OSError, ValueError, TypeError) as e:
+            raise SystemExit(f"--checkpoint {args.checkpoint}: cannot read config.json ({e})") from None
+        tokenizer, source = load_tokenizer(args.checkpoint)
+    ids = prompt_ids(args, tokenizer, source, config.vocab_size)
+    cache = max(1, min(config.block_size, len(ids) + args.max_new_tokens - 1))  # as generate() sizes its cache
+    try:
+        request = plan.make_request(
+            "gpt2",
+            args.compile_only,
+            batch=args.num_samples,
+            seq_len=cache,
+            dtype=args.dtype,
+            fsdp=1,
+            generate=True,
+            config=dataclasses.asdict(config),
+        )
+    except plan.PlanError as e:
+        print(f"generate_gpt2.py: error: {str(e).replace('--topology', '--compile-only')}", file=sys.stderr)
+        return 2
+    request["scan_layers"] = args.scan_layers
+    request["devices"] = 1  # generate() runs on one device
+    return plan.plan_or_exit(request, args.plan_json, "generate_gpt2.py")
+
+
+def main(argv=None) -> list[list[int]] | int:
     args = parse_args(argv)
+    if args.compile_only:
+        return compile_only(args)
     model_kwargs = dict(scan_layers=args.scan_layers, dtype=DTYPES[args.dtype])
     if args.checkpoint is None:
         print(
@@ -162,16 +230,7 @@ def main(argv=None) -> list[list[int]]:
     print(f"tokenizer: {source}")
 
     vocab_size = model.config.vocab_size
-    if args.prompt_ids is not None:
-        ids = parse_ids(args.prompt_ids, vocab_size)
-    elif tokenizer is None:
-        raise SystemExit(f"{source}, so a text prompt cannot be tokenised; pass --prompt-ids 464,2068,7586 instead")
-    else:
-        ids = tokenizer.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
-        if not ids:
-            raise SystemExit("--prompt: the prompt is empty; give some text")
-        if max(ids) >= vocab_size:
-            raise SystemExit(f"the tokenizer gave id {max(ids)}, outside the model's vocabulary [0, {vocab_size})")
+    ids = prompt_ids(args, tokenizer, source, vocab_size)
     if args.top_k is not None and not 1 <= args.top_k <= vocab_size:
         raise SystemExit(f"--top-k must be in [1, {vocab_size}], got {args.top_k}")
 
@@ -202,4 +261,7 @@ def main(argv=None) -> list[list[int]]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    result = main()
+    sys.exit(result if isinstance(result, int) else 0)

@@ -10,8 +10,12 @@ Continue a run:         add --resume (same --out); it continues exactly where th
 Sample only:            python examples/train_music.py --config music --sample-only book_music.pt \
                             --data PATH/TO/maestro-v2.0.0 --out out/book-sample
 Several devices:        --fsdp K shards parameters and optimizer state over K devices and the batch over
-                        the other devices // K; on a multi-host slice run the same command on every
-                        host with --distributed and a shared --ckpt-dir (e.g. gs://BUCKET/run).
+                        every device (--batch-size a multiple of the device count); on a multi-host slice
+                        run the same command on every host with --distributed and a shared --ckpt-dir
+                        (e.g. gs://BUCKET/run).
+Check a TPU run first:  add --compile-only v5e:2x4 (any CHIP:SHAPE): compiles this exact training step for
+                        that TPU topology on this machine (libtpu, no TPU needed) and prints the memory
+                        per chip and a roofline bound instead of training; exit 0 fits, 1 does not, 2 error.
 
 Data: the Bach chorales of music21's corpus, rendered to MIDI once into OUT/bach_chorales
 (no download; about two minutes; reuse them with ``--data OUT/bach_chorales``), or
@@ -50,12 +54,11 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from flax_ln import GPT, ConversionError, GPTConfig, generate, load_torch_state_dict, music
+from flax_ln import GPT, ConversionError, GPTConfig, generate, load_torch_state_dict, music, recipes
 from flax_ln.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -65,14 +68,14 @@ from flax_ln.checkpoint import (
     plot_loss,
     read_metrics,
 )
-from flax_ln.sharding import batch_sharding, initialize_distributed, make_mesh, replicated, shard_batch, state_shardings
-from flax_ln.train import gpt_adam, gpt_loss, init_train_state, make_train_step
+from flax_ln.sharding import batch_sharding, initialize_distributed, make_mesh, replicated, shard_batch
+from flax_ln.train import gpt_adam, init_train_state
 
 CONFIGS = {
     "music": GPTConfig.music(),  # the book's 6 layers, 8 heads, width 512, vocab 390, block 2048
     "tiny": GPTConfig.music(n_layer=2, n_head=4, n_embd=64, block_size=128),  # seconds on a CPU
 }
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # compute dtype; parameters stay float32
+DTYPES = recipes.DTYPES  # compute dtype; parameters stay float32
 KILL_ENV = "FLAX_LN_TEST_SIGKILL_AFTER_STEP"  # tests only: SIGKILL this process once this step is logged
 
 
@@ -130,6 +133,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="folder of .mid/.midi files (default: music21's Bach chorales)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N MIDI files (quick runs)")
     p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
+    p.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass (less memory)")
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="stack the blocks and scan over them (faster compiles; checkpoints then hold the stacked layout)",
+    )
+    p.add_argument(
+        "--compile-only",
+        metavar="TOPOLOGY",
+        help="compile this training step for a TPU topology (e.g. v5e:2x4) and print the plan; no training",
+    )
+    p.add_argument("--plan-json", metavar="PATH", help="with --compile-only: also write the plan as JSON")
     args = p.parse_args(argv)
     config = CONFIGS[args.config]
     args.seq_len = args.seq_len or config.block_size
@@ -151,6 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not ok:
             p.error(message)
     args.out = Path(args.out or f"out/music-{args.config}")
+    if args.compile_only:
+        return args  # nothing is written
     try:  # before any slow work: a run that cannot write its outputs fails now, not at its first save
         check_writable_folder(args.out, "--out")
         check_writable_folder(args.ckpt_dir or args.out / "checkpoints", "--ckpt-dir" if args.ckpt_dir else "--out")
@@ -213,10 +230,21 @@ def open_checkpoints(args, expect: dict) -> Checkpointer:
     return ckpt
 
 
-def new_model(config: GPTConfig, seed: int, dtype: str = "float32") -> GPT:
-    model = GPT(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(seed))
-    model.train()  # dropout on; its RNG state is split into state.rest and checkpointed with it
-    return model
+def new_model(config: GPTConfig, seed: int, dtype: str = "float32", remat: bool = False, scan: bool = False) -> GPT:
+    return recipes.gpt_model(config, seed=seed, dtype=dtype, remat=remat, scan_layers=scan)
+
+
+def training_setup(args, config: GPTConfig) -> recipes.TrainingSetup:
+    """This script's training step; ``--compile-only`` compiles the same one (``flax_ln.plan``)."""
+    return recipes.gpt_setup(
+        config,
+        batch=args.batch_size,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        dtype=args.dtype,
+        remat=args.remat,
+        scan_layers=args.scan_layers,
+    )
 
 
 def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: list[Path]):
@@ -224,16 +252,11 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
     is_main = jax.process_index() == 0
     dataset = load_data(args, files)
     expect = {**expect, "data": dataset.fingerprint}
-    tx = gpt_adam()  # clip the global norm to 1 as torch does, then Adam(1e-4)
-
-    def make_model() -> GPT:
-        return new_model(config, args.seed, args.dtype)
-
-    graphdef, abstract = jax.eval_shape(lambda: init_train_state(make_model(), tx))
-    shardings = state_shardings(abstract, mesh)
+    setup = training_setup(args, config)  # clip the global norm to 1 as torch does, then Adam(1e-4)
+    sharded = recipes.sharded_step(setup, mesh)
+    graphdef = sharded.graphdef
     if args.resume:
-        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-        state, meta, skipped = ckpt.restore_newest_readable(target, expect=expect)
+        state, meta, skipped = ckpt.restore_newest_readable(sharded.abstract_state, expect=expect)
         for error in skipped if is_main else ():
             print(
                 f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
@@ -242,10 +265,10 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
             )
         start, position = meta["step"], meta["data_position"]
     else:
-        state = jax.jit(lambda: init_train_state(make_model(), tx)[1], out_shardings=shardings)()
+        state = recipes.init_state(setup, sharded)
         start, position = 0, 0
-    data_sharding = batch_sharding(mesh)
-    train_step = make_train_step(gpt_loss, tx, state_sharding=shardings, batch_sharding=data_sharding)
+    data_sharding = batch_sharding(mesh)  # every device: data x fsdp
+    train_step = sharded.step
 
     metrics = MetricsLog(args.out / "metrics.jsonl", keep_through=start, enabled=is_main)
     tokens_per_step = args.batch_size * args.seq_len
@@ -323,13 +346,15 @@ def sample(args, model: GPT, prompt_file: Path) -> np.ndarray:
 def load_for_sampling(args, config: GPTConfig) -> GPT:
     """The model of ``--sample-only``: a torch state dict file or an orbax checkpoint folder of this example."""
     path = args.sample_only
-    model = new_model(config, args.seed, args.dtype)
+    model = new_model(config, args.seed, args.dtype, args.remat, args.scan_layers)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         ckpt = Checkpointer(folder, create=False)
         try:
             graphdef, abstract = jax.eval_shape(
-                lambda: init_train_state(new_model(config, args.seed, args.dtype), gpt_adam())
+                lambda: init_train_state(
+                    new_model(config, args.seed, args.dtype, args.remat, args.scan_layers), gpt_adam()
+                )
             )
             state, _ = ckpt.restore(abstract, expect={"config": dataclasses.asdict(config)})
         finally:
@@ -364,23 +389,16 @@ def load_for_sampling(args, config: GPTConfig) -> GPT:
     return model
 
 
-def train(args) -> None:
+def train(args, mesh) -> None:
     config = CONFIGS[args.config]
-    try:
-        mesh = make_mesh(args.fsdp)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.batch_size % mesh.shape["data"]:
-        raise UsageError(
-            f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis "
-            f"({mesh.shape['data']} = {jax.device_count()} devices // --fsdp {args.fsdp})"
-        )
     if args.sample_only is not None:
         _, prompt_file = split_files(args) if args.prompt_midi is None else (None, args.prompt_midi)
         args.out.mkdir(parents=True, exist_ok=True)
         sample(args, load_for_sampling(args, config), prompt_file)
         return
     expect = {"config": dataclasses.asdict(config), "seq_len": args.seq_len, "seed": args.seed}
+    if args.scan_layers:  # the stacked layout; absent from default runs' checkpoints, as before the option existed
+        expect["scan_layers"] = True
     ckpt = open_checkpoints(args, expect)
     try:
         train_files, heldout = split_files(args)
@@ -401,12 +419,51 @@ def train(args) -> None:
         )
 
 
+def compile_only(args) -> int:
+    """``--compile-only TOPOLOGY``: the plan of this script's own step for a TPU topology (``flax_ln.plan``)."""
+    from flax_ln import plan
+
+    config = CONFIGS[args.config]
+    try:
+        request = plan.make_request(
+            "music",
+            args.compile_only,
+            batch=args.batch_size,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            fsdp=args.fsdp,
+            remat=args.remat,
+            config=dataclasses.asdict(config),
+        )
+    except plan.PlanError as e:
+        print(f"train_music.py: error: {str(e).replace('--topology', '--compile-only')}", file=sys.stderr)
+        return 2
+    request["scan_layers"] = args.scan_layers  # this script's own layout (the planner's default is scanned)
+    return plan.plan_or_exit(request, args.plan_json, "train_music.py")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_only:
+        return compile_only(args)
     if args.distributed:
         initialize_distributed()
     try:
-        train(args)
+        mesh = make_mesh(args.fsdp)
+    except ValueError as e:
+        print(f"train_music.py: error: {e}", file=sys.stderr)
+        return 2
+    n = jax.device_count()
+    if args.batch_size % n:
+        print(
+            f"train_music.py: error: --batch-size {args.batch_size} must be a multiple of the device count "
+            f"{n}: the batch is split over every device (mesh data {mesh.shape['data']} x fsdp {args.fsdp}); "
+            f"pick a --batch-size like {n * max(1, args.batch_size // n)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        train(args, mesh)
     except (CheckpointError, UsageError) as e:
         print(f"train_music.py: error: {e}", file=sys.stderr)
         return 1

@@ -24,8 +24,15 @@ Outputs in ``--out`` (default ``out/translation``): ``metrics.jsonl`` (one JSON 
 per step: ``step``, ``loss`` per target token, ``lr``), ``loss.png`` and ``eval.json``
 (exact-match rate and examples).
 
+Several devices: the batch is split over every device (``--batch-size`` a multiple of the
+device count) and ``--fsdp K`` shards parameters and optimizer state over K of them
+(``flax_ln.sharding``). ``--compile-only TOPOLOGY`` (e.g. ``v5e:2x4``) compiles this exact
+training step for that TPU topology on this machine (libtpu, no TPU needed) and prints the
+memory per chip and a roofline bound instead of training (exit 0 fits, 1 does not, 2 error).
+
 Run: python examples/train_translation.py                       # copy task, ~30 s on 2 CPU cores
      python examples/train_translation.py --data pairs.tsv --layers 6 --d-model 256 --steps 20000
+     python examples/train_translation.py --data pairs.tsv --layers 6 --d-model 256 --compile-only v5e:2x4
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import argparse
 import collections
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -44,9 +52,11 @@ from flax import nnx
 from tqdm import tqdm
 
 import flax_ln
-from flax_ln.train import encoder_decoder_loss, init_train_state, make_batch, make_train_step, noam_adam, noam_schedule
+from flax_ln import recipes
+from flax_ln.sharding import make_mesh
+from flax_ln.train import init_train_state, make_batch, noam_schedule
 
-PAD, BOS, EOS, UNK = 0, 1, 2, 3
+PAD, BOS, EOS, UNK = recipes.PAD, 1, 2, 3
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 
 
@@ -190,6 +200,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--examples", type=int, default=5, help="held-out examples to print")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/translation"), help="output folder")
+    p.add_argument("--dtype", choices=list(recipes.DTYPES), default="float32", help="compute dtype (default float32)")
+    p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (mesh: devices//K x K)")
+    p.add_argument(
+        "--compile-only",
+        metavar="TOPOLOGY",
+        help="compile this training step for a TPU topology (e.g. v5e:2x4) and print the plan; no training",
+    )
+    p.add_argument("--plan-json", metavar="PATH", help="with --compile-only: also write the plan as JSON")
     args = p.parse_args(argv)
     for name in (
         "steps",
@@ -212,7 +230,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> dict:
+def compile_only(args, setup_kwargs: dict) -> int:
+    """``--compile-only TOPOLOGY``: the plan of this script's own step for a TPU topology (``flax_ln.plan``)."""
+    from flax_ln import plan
+
+    kwargs = {k: v for k, v in setup_kwargs.items() if k not in ("batch", "seed")}
+    try:
+        request = plan.make_request(
+            "encoder-decoder",
+            args.compile_only,
+            batch=args.batch_size,
+            seq_len=kwargs["src_len"],
+            dtype=args.dtype,
+            fsdp=args.fsdp,
+            encoder_decoder=kwargs,
+        )
+    except plan.PlanError as e:
+        print(f"train_translation.py: error: {str(e).replace('--topology', '--compile-only')}", file=sys.stderr)
+        return 2
+    return plan.plan_or_exit(request, args.plan_json, "train_translation.py")
+
+
+def main(argv=None) -> dict | int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
 
@@ -242,22 +281,45 @@ def main(argv=None) -> dict:
     print(f"vocabularies: source {len(src_vocab)}, target {len(tgt_vocab)} words (specials included)")
 
     d_ff = args.d_ff or 4 * args.d_model
-    model = flax_ln.make_model(
-        len(src_vocab),
-        len(tgt_vocab),
-        N=args.layers,
+    setup_kwargs = dict(  # this script's training step; --compile-only compiles the same one (flax_ln.plan)
+        src_vocab=len(src_vocab),
+        tgt_vocab=len(tgt_vocab),
+        batch=args.batch_size,
+        src_len=src_len,
+        tgt_len=tgt_len,
+        layers=args.layers,
         d_model=args.d_model,
         d_ff=d_ff,
-        h=args.heads,
+        heads=args.heads,
         dropout=args.dropout,
         ffn_activation=None if args.ffn_activation == "none" else "relu",
-        rngs=nnx.Rngs(params=args.seed, dropout=args.seed + 1),
+        factor=args.factor,
+        warmup=args.warmup,
+        smoothing=args.smoothing,
+        seed=args.seed,
     )
-    model.train()
-    tx = noam_adam(args.d_model, factor=args.factor, warmup=args.warmup)
+    if args.compile_only:
+        return compile_only(args, setup_kwargs)
+    try:
+        mesh = make_mesh(args.fsdp)
+    except ValueError as e:
+        raise SystemExit(f"train_translation.py: error: {e}") from None
+    if args.batch_size % jax.device_count():
+        n = jax.device_count()
+        print(
+            f"train_translation.py: error: --batch-size {args.batch_size} must be a multiple of the device count "
+            f"{n}: the batch is split over every device (mesh data {mesh.shape['data']} x fsdp {args.fsdp}); "
+            f"pick a --batch-size like {n * max(1, args.batch_size // n)}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    setup = recipes.encoder_decoder_setup(dtype=args.dtype, **setup_kwargs)
+    sharded = recipes.sharded_step(setup, mesh)
+    model = setup.make_model()
     lr_at = noam_schedule(args.d_model, factor=args.factor, warmup=args.warmup)
-    step_fn = make_train_step(encoder_decoder_loss(padding_idx=PAD, smoothing=args.smoothing), tx)
-    graphdef, state = init_train_state(model, tx)
+    step_fn = sharded.step
+    graphdef, state = init_train_state(model, setup.tx)
+    state = jax.device_put(state, sharded.state_shardings)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     print(
         f"model: N={args.layers} d_model={args.d_model} d_ff={d_ff} h={args.heads}, {n_params:,} parameters, "
@@ -275,7 +337,7 @@ def main(argv=None) -> dict:
         for step in bar:
             idx = next(index_batches)
             batch = make_batch(jnp.asarray(src_train[idx]), jnp.asarray(tgt_train[idx]), PAD)
-            state, loss = step_fn(graphdef, state, batch)
+            state, loss = step_fn(graphdef, state, jax.device_put(batch, sharded.batch_shardings))
             loss = float(loss)
             if not np.isfinite(loss):
                 raise SystemExit(f"step {step}: the loss is {loss}; lower --factor or raise --warmup")
@@ -318,4 +380,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    sys.exit(result if isinstance(result, int) else 0)

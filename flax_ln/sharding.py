@@ -9,7 +9,11 @@ reduce-scatters. The rules:
 - every array of the train state (parameters, optimizer moments, RNG state) is split
   along its largest axis whose size the ``fsdp`` size divides (the first such axis on a
   tie) and replicated over ``data``; arrays with no such axis, and scalars, are replicated;
-- a batch is split along its first (batch) axis over ``data`` and replicated over ``fsdp``.
+- a batch is split along its first (batch) axis over ``data`` and ``fsdp`` together (every device
+  holds ``batch / n_devices`` examples), as FSDP does: replicating it over ``fsdp`` instead would
+  give each device the activations of ``fsdp`` times as many examples. The global batch must
+  therefore be a multiple of the device count. (The parity engine splits its inputs over ``data``
+  only: ``batch_sharding(mesh, axes=(DATA,))``.)
 
 With ``fsdp=1`` this is plain data parallelism; with ``data=1`` plain FSDP. Typical use::
 
@@ -107,9 +111,31 @@ def abstract_model(make: Callable[[], ModuleT], mesh: Mesh | None = None) -> Mod
     return nnx.merge(graphdef, params, rest)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batch arrays split along axis 0 over ``data``, replicated over ``fsdp``."""
-    return NamedSharding(mesh, P(DATA))
+def batch_sharding(mesh: Mesh, axes: Sequence[str] = (DATA, FSDP)) -> NamedSharding:
+    """Batch arrays split along axis 0 over the mesh ``axes``: by default ``data`` and ``fsdp``, every device.
+
+    ``axes=(DATA,)`` splits over ``data`` only and replicates over ``fsdp`` (each of a group's
+    ``fsdp`` devices then holds the group's whole share of the batch).
+    """
+    axes = tuple(axes)
+    unknown = [a for a in axes if a not in mesh.axis_names]
+    if not axes or unknown:
+        raise ValueError(f"batch_sharding: axes must be a non-empty subset of {mesh.axis_names}, got {axes}")
+    return NamedSharding(mesh, P(axes))
+
+
+def batch_split(sharding: NamedSharding) -> int:
+    """How many ways ``sharding`` (from :func:`batch_sharding`) splits the batch axis: its axes' sizes multiplied."""
+    first = sharding.spec[0] if len(sharding.spec) else None
+    names = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    return int(np.prod([sharding.mesh.shape[a] for a in names], dtype=int))
+
+
+def batch_shardings(batch: Any, mesh: Mesh, axes: Sequence[str] = (DATA, FSDP)) -> Any:
+    """A sharding per array of ``batch`` (arrays or ``ShapeDtypeStruct``): :func:`batch_sharding` for every array
+    with a batch axis, replicated for scalars (a token count)."""
+    split, whole = batch_sharding(mesh, axes), replicated(mesh)
+    return jax.tree.map(lambda x: split if np.ndim(x) else whole, batch)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -122,16 +148,17 @@ def shard_batch(batch: Any, sharding: NamedSharding) -> Any:
 
     Every process passes the same whole (global) batch and each one places only the
     slices its own devices hold (``jax.make_array_from_callback``), so this works
-    unchanged on one host and on many. The batch axis must divide evenly over ``data``.
+    unchanged on one host and on many. The batch axis must divide evenly over the
+    sharding's axes (:func:`batch_split`: every device with the default :func:`batch_sharding`).
     """
-    n_data = sharding.mesh.shape[DATA]
+    n_split = batch_split(sharding)
 
     def put(x):
         x = np.asarray(x)
-        if x.shape[0] % n_data:
+        if x.shape[0] % n_split:
             raise ValueError(
-                f"batch size {x.shape[0]} is not divisible by the mesh's data axis ({n_data} = devices // fsdp); "
-                f"pick a --batch-size that is a multiple of {n_data}"
+                f"batch size {x.shape[0]} is not divisible by the {n_split} ways the batch is split "
+                f"(the mesh axes {sharding.spec[0]}); pick a --batch-size that is a multiple of {n_split}"
             )
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 

@@ -1,6 +1,14 @@
+import importlib.util
 import os
 
-import jax
+# With libtpu installed (jax[tpu], for the TPU planner), a JAX start would look for TPU chips and query the
+# TPU metadata server first: then the tests run on the CPU unless JAX_PLATFORMS says otherwise (flax_ln.plan's
+# child process compiles for TPU topologies all the same). Without libtpu (a GPU machine) nothing changes.
+if importlib.util.find_spec("libtpu") is not None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+import jax  # noqa: E402 - after the environment above
 import pytest
 from hypothesis import HealthCheck, settings
 

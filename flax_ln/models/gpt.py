@@ -733,6 +733,19 @@ def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_li
     return jax.random.categorical(key, logits, axis=-1)
 
 
+def decode_step(
+    graphdef: nnx.GraphDef, state: nnx.State, token: Int[Array, "B T"], cache: KVCache, pos
+) -> tuple[Float[Array, "B T V"], KVCache]:
+    """One step of :func:`generate`'s cached loop as a pure function: ``GPT.decode`` of the merged model, dropout off.
+
+    ``(graphdef, state)`` is ``nnx.split(model)``; jit it with ``graphdef`` static (the
+    planner compiles exactly this for a TPU topology).
+    """
+    model = nnx.merge(graphdef, state)
+    model.eval()
+    return model._forward(token, cache, pos)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k", "vocab_limit"))
 def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k, vocab_limit):
     # The model is merged afresh inside every traced scope (loop bodies get `state` through
@@ -769,7 +782,7 @@ def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy,
             out, cache, state = carry
             n = length + i
             token = jax.lax.dynamic_slice(out, (0, n - 1), (B, 1))  # (B, 1)
-            logits, cache = model(state)._forward(token, cache, n - 1)
+            logits, cache = decode_step(graphdef, state, token, cache, n - 1)
             return put(out, n, logits), cache, state
 
         out, _, _ = jax.lax.fori_loop(0, n_cached, cached_step, (out, cache, state))

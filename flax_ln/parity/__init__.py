@@ -12,23 +12,61 @@ book's models on it;
 when a comparison runs.
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from flax_ln.convert import KeyMap
-from flax_ln.parity.engine import (
-    HALF_PRECISION,
-    TOLERANCES,
-    Case,
-    Tolerance,
-    TrainSpec,
-    assert_parity,
-    check_case,
-    check_training,
-    compare_modules,
-    compare_tensors,
-    lm_metrics,
-    relative_error,
-    zero_gradient_names,
-)
-from flax_ln.parity.report import FirstDivergence, Isolation, ParityReport, TensorResult
+
+if TYPE_CHECKING:  # the lazily imported names, for type checkers and documentation tools
+    from flax_ln.parity.engine import (
+        HALF_PRECISION,
+        TOLERANCES,
+        Case,
+        Tolerance,
+        TrainSpec,
+        assert_parity,
+        check_case,
+        check_training,
+        compare_modules,
+        compare_tensors,
+        lm_metrics,
+        relative_error,
+        zero_gradient_names,
+    )
+    from flax_ln.parity.report import FirstDivergence, Isolation, ParityReport, TensorResult
+
+# Imported on first use (PEP 562), so that ``flax-ln plan``, which lives in the same command
+# line, starts without the engine: the names are those of the engine and the report.
+_LAZY = {
+    **dict.fromkeys(
+        [
+            "HALF_PRECISION",
+            "TOLERANCES",
+            "Case",
+            "Tolerance",
+            "TrainSpec",
+            "assert_parity",
+            "check_case",
+            "check_training",
+            "compare_modules",
+            "compare_tensors",
+            "lm_metrics",
+            "relative_error",
+            "zero_gradient_names",
+        ],
+        "flax_ln.parity.engine",
+    ),
+    **dict.fromkeys(["FirstDivergence", "Isolation", "ParityReport", "TensorResult"], "flax_ln.parity.report"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Case",

@@ -1,4 +1,4 @@
-"""The ``flax-ln`` command line: ``flax-ln parity``."""
+"""The ``flax-ln`` command line: ``flax-ln parity`` and ``flax-ln plan`` (:mod:`flax_ln.plan`, imported lazily)."""
 
 from __future__ import annotations
 
@@ -115,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="encoder-decoder feed-forward activation (default none, as the book)",
     )
+    plan = commands.add_parser(
+        "plan",
+        help="compile a model's training step for a TPU topology on this machine: per-chip memory, fit, roofline",
+        description="Compile the examples' training step (or, with --generate, the GPT's KV-cache decode step) "
+        "for a TPU topology with libtpu, on any machine and without a TPU, and report the memory per chip, "
+        "whether it fits and a roofline bound. Exit code 0 if it fits, 1 if it does not (also when the TPU "
+        "compiler refuses it for lack of memory), 2 for a usage error (also: libtpu missing, an op that cannot "
+        "run on TPU). The numbers are compiled-for-TPU figures, not measurements on a TPU.",
+    )
+    from flax_ln.plan import add_arguments as add_plan_arguments  # torch-free; imports JAX only to compile
+
+    add_plan_arguments(plan)
     return parser
 
 
@@ -482,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "plan":
+        from flax_ln.plan import main_args  # torch-free: never imports the parity engine
+
+        return main_args(args)
     _validate(parser, args)
     return run_parity(args, _make_mesh(parser, args))
 

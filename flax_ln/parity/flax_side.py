@@ -44,7 +44,7 @@ def _on_mesh(mesh, params, rest, arrays):
 
     def place(x):
         split = x is not None and np.ndim(x) > 0 and np.shape(x)[0] % mesh.shape[DATA] == 0
-        return None if x is None else jax.device_put(x, batch_sharding(mesh) if split else replicated(mesh))
+        return None if x is None else jax.device_put(x, batch_sharding(mesh, (DATA,)) if split else replicated(mesh))
 
     specs = {".".join(map(str, path)): str(var.get_value().sharding.spec) for path, var in nnx.to_flat_state(params)}
     record = {"mesh": dict(mesh.shape), "params": specs}

@@ -1,0 +1,177 @@
+"""The examples' training setups as functions: the scripts and the planner (:mod:`flax_ln.plan`) build one step.
+
+A :class:`TrainingSetup` is everything that decides a training step's program: how the
+model is built, the optax transformation, the loss, and the shapes of one batch.
+:func:`sharded_step` turns it into the jitted step on a ``(data, fsdp)`` mesh with the
+shardings of :mod:`flax_ln.sharding`. ``examples/train_music.py`` and
+``examples/train_translation.py`` train with exactly this step; the planner compiles it
+for a TPU topology instead. Nothing here allocates parameters: the state's shapes come
+from ``jax.eval_shape``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from flax_ln.models.encoder_decoder import make_model as make_encoder_decoder
+from flax_ln.models.gpt import GPT, GPTConfig
+from flax_ln.sharding import DATA, FSDP, batch_shardings, state_shardings
+from flax_ln.train import (
+    LossFn,
+    TrainState,
+    encoder_decoder_loss,
+    gpt_adam,
+    gpt_loss,
+    init_train_state,
+    make_batch,
+    make_train_step,
+    noam_adam,
+)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # compute dtypes; parameters stay float32
+PAD = 0  # the encoder-decoder examples' padding id
+
+
+class TrainingSetup(NamedTuple):
+    """What a training step is made of.
+
+    Attributes:
+      make_model: builds the model in training mode (dropout on); called under ``jax.eval_shape`` or ``jax.jit``.
+      tx: the optax transformation.
+      loss_fn: ``(model, batch) -> scalar loss``.
+      batch: one global batch as a pytree of ``jax.ShapeDtypeStruct``.
+    """
+
+    make_model: Callable[[], nnx.Module]
+    tx: optax.GradientTransformation
+    loss_fn: LossFn
+    batch: Any
+
+
+class ShardedStep(NamedTuple):
+    """A :class:`TrainingSetup`'s jitted step on a mesh, with the shardings it takes and returns.
+
+    Attributes:
+      graphdef: the model's static graph (the step's first, static argument).
+      abstract_state: the :class:`~flax_ln.train.TrainState` as ``ShapeDtypeStruct`` s, each carrying its sharding.
+      state_shardings: the state's shardings (parameters and optimizer state split over ``fsdp``).
+      batch_shardings: the batch's shardings (split over ``data`` and ``fsdp``).
+      abstract_batch: the batch as ``ShapeDtypeStruct`` s carrying their shardings.
+      step: ``step(graphdef, state, batch) -> (state, loss)``, from :func:`flax_ln.train.make_train_step`.
+    """
+
+    graphdef: nnx.GraphDef
+    abstract_state: TrainState
+    state_shardings: Any
+    batch_shardings: Any
+    abstract_batch: Any
+    step: Any  # the jitted function (``jax.jit``'s wrapper: call it, or ``.trace``/``.lower`` it)
+
+
+def gpt_model(
+    config: GPTConfig, *, seed: int = 0, dtype: str = "float32", remat: bool = False, scan_layers: bool = False
+) -> GPT:
+    """A :class:`~flax_ln.GPT` for training: ``dtype`` compute (float32 parameters), dropout on."""
+    model = GPT(config, dtype=DTYPES[dtype], remat=remat, scan_layers=scan_layers, rngs=nnx.Rngs(seed))
+    model.train()  # dropout on; its RNG state is split into state.rest and checkpointed with it
+    return model
+
+
+def gpt_setup(
+    config: GPTConfig,
+    *,
+    batch: int,
+    seq_len: int,
+    seed: int = 0,
+    dtype: str = "float32",
+    remat: bool = False,
+    scan_layers: bool = False,
+) -> TrainingSetup:
+    """Chapters 11-14's step: :func:`gpt_model`, clip-to-1 + Adam 1e-4 (:func:`~flax_ln.gpt_adam`), ``gpt_loss``."""
+    ids = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)  # (B, T)
+    return TrainingSetup(
+        lambda: gpt_model(config, seed=seed, dtype=dtype, remat=remat, scan_layers=scan_layers),
+        gpt_adam(),
+        gpt_loss,
+        {"idx": ids, "targets": ids},
+    )
+
+
+def encoder_decoder_setup(
+    src_vocab: int,
+    tgt_vocab: int,
+    *,
+    batch: int,
+    src_len: int,
+    tgt_len: int,
+    layers: int = 6,
+    d_model: int = 256,
+    d_ff: int = 1024,
+    heads: int = 8,
+    dropout: float = 0.1,
+    ffn_activation: str | None = None,
+    factor: float = 1.0,
+    warmup: int = 2000,
+    smoothing: float = 0.1,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> TrainingSetup:
+    """Chapter 10's step: the encoder-decoder under Noam Adam with label smoothing (``examples/train_translation.py``).
+
+    ``tgt_len`` counts the target with its ``<s>``: the decoder reads ``tgt_len - 1`` ids
+    (:func:`~flax_ln.make_batch`). Defaults are chapter 10's sizes.
+    """
+
+    def make() -> nnx.Module:
+        model = make_encoder_decoder(
+            src_vocab,
+            tgt_vocab,
+            N=layers,
+            d_model=d_model,
+            d_ff=d_ff,
+            h=heads,
+            dropout=dropout,
+            ffn_activation=ffn_activation,
+            dtype=DTYPES[dtype],
+            rngs=nnx.Rngs(params=seed, dropout=seed + 1),
+        )
+        model.train()
+        return model
+
+    src = jax.ShapeDtypeStruct((batch, src_len), jnp.int32)  # (B, S)
+    tgt = jax.ShapeDtypeStruct((batch, tgt_len), jnp.int32)  # (B, T + 1)
+    return TrainingSetup(
+        make,
+        noam_adam(d_model, factor=factor, warmup=warmup),
+        encoder_decoder_loss(padding_idx=PAD, smoothing=smoothing),
+        jax.eval_shape(lambda s, t: make_batch(s, t, PAD), src, tgt),
+    )
+
+
+def sharded_step(
+    setup: TrainingSetup, mesh: Mesh, *, donate: bool = True, batch_axes: Sequence[str] = (DATA, FSDP)
+) -> ShardedStep:
+    """``setup``'s train step on ``mesh``: the state split by :func:`~flax_ln.sharding.state_shardings`, the batch
+    by :func:`~flax_ln.sharding.batch_shardings` over ``batch_axes`` (default ``data`` and ``fsdp``: every device);
+    no parameter allocated."""
+    graphdef, abstract = jax.eval_shape(lambda: init_train_state(setup.make_model(), setup.tx))
+    shardings = state_shardings(abstract, mesh)
+    batch_sh = batch_shardings(setup.batch, mesh, batch_axes)
+
+    def placed(tree, sh):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+
+    step = make_train_step(setup.loss_fn, setup.tx, donate=donate, state_sharding=shardings, batch_sharding=batch_sh)
+    return ShardedStep(graphdef, placed(abstract, shardings), shardings, batch_sh, placed(setup.batch, batch_sh), step)
+
+
+def init_state(setup: TrainingSetup, sharded: ShardedStep) -> TrainState:
+    """The initial train state, created directly with its shardings (one jitted initialisation)."""
+    return jax.jit(lambda: init_train_state(setup.make_model(), setup.tx)[1], out_shardings=sharded.state_shardings)()
