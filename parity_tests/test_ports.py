@@ -415,3 +415,48 @@ def test_llama_exports_without_like_from_its_regexes():
     fresh.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
     for key, value in hf.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
+
+
+class _TiedTorch(torch.nn.Module):
+    """Embedding and output projection that are one Parameter (two state-dict keys)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.out = torch.nn.Linear(6, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mix(self.embed(ids))))
+
+
+class _SharedFlax(nnx.Module):
+    """The port shares one Variable in two places (``table`` and ``head``): a tie on both sides."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.table = nnx.Embed(11, 6, param_dtype=jnp.float64, rngs=rngs)
+        self.head = self.table.embedding  # the same nnx.Param, reached by a second path
+        self.mix = nnx.Linear(6, 6, param_dtype=jnp.float64, rngs=rngs)
+
+    def __call__(self, ids):
+        return jnp.tanh(self.mix(self.table(ids))) @ self.head[...].T
+
+
+def test_a_variable_shared_in_two_places_in_the_port_counts_once(x64):
+    """Both torch aliases fill the one shared flax Variable; its gradient already holds both uses, so it is
+    compared once under the canonical name. float64 policy: the same math on both sides."""
+    torch.manual_seed(0)
+    model = _TiedTorch().double()
+    key_map = KeyMap(
+        [
+            (r"embed\.weight", "table.embedding", None),
+            (r"out\.weight", "head", None),
+            (r"mix\.weight", "mix.kernel", "o i -> i o"),
+            (r"mix\.bias", "mix.bias", None),
+        ]
+    )
+    ids = np.random.default_rng(0).integers(0, 11, (2, 5))
+    report = assert_parity(model, _SharedFlax(nnx.Rngs(0)), (ids,), weights=key_map)
+    assert {r.name for r in report.results if r.kind == "param grad"} == {"embed.weight", "mix.weight", "mix.bias"}
+    assert report.ties["embed.weight"].torch_aliases == ("embed.weight", "out.weight")
