@@ -646,3 +646,5 @@ def test_engine_pairs_renamed_submodules_by_their_torch_path(rules):
     report = compare_modules(torch_model, planted, x)
     assert not report.passed
     assert report.first_divergence is not None and report.first_divergence.module == "layers.1"
+    assert report.first_divergence.flax_module == "blocks.1"  # the renamed path, dotted
+    assert report.first_divergence.describe().startswith("first divergence: layers.1  (")  # no key map: one path

@@ -72,6 +72,9 @@ def test_an_in_place_residual_after_a_norm_does_not_move_the_blame():
     assert not report.passed
     assert report.first_divergence is not None and report.first_divergence.module == "blocks.1.norm", str(report)
     assert report.isolation.culprits == ["blocks.1.norm"], str(report)
+    assert report.first_divergence.flax_module == "blocks.1.norm"  # mirrored trees: the same path
+    assert report.isolation.flax_culprits == ["blocks.1.norm"]
+    assert report.ties == {} and report.to_json()["ties"] == {}
     # every module before the planted mistake agrees, blocks.0.norm (whose output torch changes in place) included
     errors = {r.name: r for r in report.module_errors}
     assert errors["blocks.0.norm"].passed and errors["blocks.0"].passed

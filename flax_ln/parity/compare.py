@@ -13,9 +13,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from flax_ln.convert import KeyMap
 from flax_ln.parity.call import Call, as_inputs, merge_dropped
 from flax_ln.parity.flax_side import NNXSide
-from flax_ln.parity.localize import isolate, localize
+from flax_ln.parity.localize import isolate, localize, pair_modules
 from flax_ln.parity.policy import (
     HALF_PRECISION,
     TOLERANCES,
@@ -112,10 +113,12 @@ def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.nd
         )
 
 
-def _flax_half(side: TorchSide, flax_module, call: Call, flax_inputs, tolerances, lm_logits, mesh):
-    """Load and run the flax side against ``side``, compare, add LM metrics and attribution."""
-    flax = NNXSide.load(flax_module, side, None if flax_inputs is None else as_inputs(flax_inputs))
+def _flax_half(side: TorchSide, flax_module, call: Call, flax_inputs, tolerances, lm_logits, mesh, weights=None):
+    """Load and run the flax side against ``side`` (through ``weights``, a key map, when given), compare, add
+    the ties, LM metrics and attribution."""
+    flax = NNXSide.load(flax_module, side, None if flax_inputs is None else as_inputs(flax_inputs), weights)
     report, actual = _judge(side, flax, call, tolerances, mesh)
+    report.ties = {} if flax.plan is None else dict(flax.plan.ties)
     if lm_logits is not None:
         _lm_metrics(report, side, actual, lm_logits)
     if side.truth is not None:
@@ -123,14 +126,23 @@ def _flax_half(side: TorchSide, flax_module, call: Call, flax_inputs, tolerances
     return report, flax
 
 
-def _localise(report: ParityReport, side: TorchSide, flax: NNXSide, call: Call, tolerance: Tolerance) -> None:
+def _localise(
+    report: ParityReport, side: TorchSide, flax: NNXSide, call: Call, tolerance: Tolerance, modules=None
+) -> None:
     """The first divergence and isolated mode, from the torch side's records (when it has them)."""
+    pairs = pair_modules(
+        flax.model, plan=flax.plan, torch_keys=list(side.state_dict), modules=modules, orders=flax.orders
+    )
+    flax_records = None
     if side.records is not None:
-        report.module_errors, report.first_divergence = localize(
-            side.records, flax.model, flax.inputs, side.kwargs, call.forward[1], tolerance
+        report.module_errors, report.first_divergence, flax_records = localize(
+            side.records, flax.model, flax.inputs, side.kwargs, call.forward[1], tolerance, pairs=pairs
         )
+        report.module_skipped = dict(pairs.skipped)
     if side.records is not None and side.calls is not None:
-        report.isolation = isolate(side.records, side.calls, flax.model, tolerance)
+        report.isolation = isolate(
+            side.records, side.calls, flax.model, tolerance, pairs=pairs, flax_records=flax_records
+        )
 
 
 def _stamp(report: ParityReport, started: float, stored_dtype: str | None) -> ParityReport:
@@ -194,6 +206,8 @@ def compare_modules(
     localize_failures: bool = True,
     capture_modules: bool = False,
     stored_dtype: str | None = None,
+    weights: KeyMap | None = None,
+    modules: Mapping[str, Any] | None = None,
 ) -> ParityReport:
     """Compare a torch module with its NNX twin: every output, and the gradient of every floating input and parameter.
 
@@ -258,6 +272,16 @@ def compare_modules(
       localize_failures: on failure, localise (first divergence and isolated mode).
       capture_modules: record every submodule's error even when everything passes.
       stored_dtype: a checkpoint's dtype(s) on disk, named in the report.
+      weights: the port's own :class:`~flax_ln.convert.KeyMap`, for a port whose tree does not
+        mirror torch's: the weights load through it (strictly: every problem listed at once, the
+        model unchanged on error), parameter gradients come back under ``named_parameters()``'s
+        names through each layout's inverse (tied copies summed), ``jvp`` parameter tangents go
+        into the flax layout through it, ``report.ties`` lists the ties, and localisation pairs
+        modules by their parameters (:func:`~flax_ln.parity.localize.pair_modules`). ``None``:
+        the converter's rules and mirrored trees.
+      modules: with ``weights``, ``{torch_path: flax_path | (flax_path, layout) | None}``: add a
+        pair (a parameter-free module), give a pair's activation layout (an einops pattern,
+        torch -> flax), or remove an automatic pair (``None``).
 
     Frozen torch parameters (``requires_grad=False``) are loaded and compared through the
     outputs, but have no gradient: they are listed in ``report.frozen``. An input with
@@ -274,10 +298,10 @@ def compare_modules(
         side = run_torch_side(
             torch_module, call, dtype=dtype, mode=mode, tangent_params=tangent_params, attribute=attribute, name=name
         )
-        report, flax = _flax_half(side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh)
+        report, flax = _flax_half(side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, weights)
         if capture_modules or (localize_failures and not report.passed):
             record_torch_side(side, torch_module, call.forward[0])
-            _localise(report, side, flax, call, tolerances["output"])
+            _localise(report, side, flax, call, tolerances["output"], modules)
     return _stamp(report, started, stored_dtype)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import load_torch_state_dict, to_torch_state_dict
+from flax_ln.convert import KeyMap, KeyPlan, find_ties, load_torch_state_dict, to_torch_state_dict
 from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, with_floats
 from flax_ln.parity.call import call as call_forward
 from flax_ln.parity.policy import parameter_dtype
@@ -145,9 +145,18 @@ class _Split:
         return {k: jnp.asarray(v) for k, v in named}, raw
 
 
-def _run_flax(model, inputs, call: Call, side: TorchSide, mesh=None):
+def _torch_named(grads_model: nnx.Module, param_grads, plan: KeyPlan | None) -> dict[str, Any]:
+    """Parameter gradients under torch's names: through the converter's rules, or through ``plan`` (tied
+    copies summed, each through its inverse layout; a variable shared in two places counts once)."""
+    if plan is None:
+        return to_torch_state_dict(grads_model)
+    flat = {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(param_grads)}
+    return plan.torch_gradients(flat)
+
+
+def _run_flax(model, inputs, call: Call, side: TorchSide, mesh=None, plan: KeyPlan | None = None):
     """Outputs, dropped outputs, loss, gradients (same keys as the torch side) and the sharding record of
-    the flax side, jitted; on ``mesh`` (see :func:`_on_mesh`) when given."""
+    the flax side, jitted; on ``mesh`` (see :func:`_on_mesh`) when given; named through ``plan`` when given."""
     split = _Split.of(model, inputs, call.kwargs)
     dropped: dict[str, str] = {}
     loss, cotangents = call.loss, side.cotangents
@@ -167,29 +176,37 @@ def _run_flax(model, inputs, call: Call, side: TorchSide, mesh=None):
         split.params, split.rest, split.float_inputs, split.other_inputs, split.array_kwargs
     )
     grads = {f"grad {call.input_names[i]}": np.asarray(g) for i, g in zip(split.float_positions, input_grads)}
-    named = to_torch_state_dict(nnx.merge(split.graphdef, param_grads, split.rest))
+    named = _torch_named(nnx.merge(split.graphdef, param_grads, split.rest), param_grads, plan)
     grads.update({k: v for k, v in named.items() if k in side.param_names})  # buffers and frozen: no gradient
     return {k: np.asarray(v) for k, v in outputs.items()}, dropped, np.asarray(value), grads, sharding
 
 
-def _run_flax_jvp(model, inputs, call: Call, side: TorchSide, tangents, mesh=None):
+def _run_flax_jvp(
+    model, inputs, call: Call, side: TorchSide, tangents, mesh=None, weights: KeyMap | None = None, plan=None
+):
     """Outputs and output tangents (``tangent <output>``, as the torch side), the dropped outputs and the
     sharding record of the flax side: ``jax.jvp``, jitted; on ``mesh`` (see :func:`_on_mesh`) when given,
     each tangent placed like its primal.
 
     The parameter tangents, keyed by torch name, go through the converter like weights
     (into a copy of the model), so they land in the flax layout; parameters without
-    one (frozen ones included) get a zero tangent.
+    one (frozen ones included) get a zero tangent. With ``weights`` (a key map) they go through it;
+    a tied alias takes its canonical parameter's tangent.
     """
     split = _Split.of(model, inputs, call.kwargs)
     holder = nnx.clone(model)
     params_of_torch = set(side.param_names) | set(side.frozen)
+    canonical = {k: k for k in side.state_dict}
+    if plan is not None:
+        canonical = {k: plan.canonical(k) for k in side.state_dict}
     load_torch_state_dict(
         holder,
         {
-            k: tangents[k] if k in tangents else np.zeros_like(v) if k in params_of_torch else v
+            k: tangents[c] if c in tangents else np.zeros_like(v) if c in params_of_torch else v
             for k, v in side.state_dict.items()
+            for c in (canonical[k],)
         },
+        weights=weights,
     )
     param_tangents = nnx.split(holder, nnx.Param, ...)[1]
     input_tangents = [
@@ -224,32 +241,53 @@ def _run_flax_jvp(model, inputs, call: Call, side: TorchSide, tangents, mesh=Non
     return named, dropped, sharding
 
 
+def _ties(side: TorchSide) -> dict[str, tuple[str, ...]]:
+    """The torch side's ties (keys holding one tensor), each under the name ``named_parameters()`` gives it."""
+    named = set(side.param_names) | set(side.frozen)
+    ties = {}
+    for keys in find_ties(side.state_dict).values():
+        canonical = next((k for k in keys if k in named), keys[0])
+        ties[canonical] = (canonical, *[k for k in keys if k != canonical])
+    return ties
+
+
 @dataclasses.dataclass
 class NNXSide:
     """The flax side as an NNX module, loaded with a :class:`TorchSide`'s weights.
 
     ``module`` is the caller's (its weights are replaced in place by the strict converter);
     ``model`` an eval-mode copy, which is what runs (the caller's module keeps its mode);
-    ``inputs`` the flax side's inputs and ``orders`` the axis permutation of each from torch's.
+    ``inputs`` the flax side's inputs and ``orders`` the axis permutation of each from torch's;
+    ``weights`` the port's key map (``None``: the converter's rules) and ``plan`` it resolved.
     """
 
     module: nnx.Module
     model: nnx.Module
     inputs: tuple[np.ndarray, ...]
     orders: list[tuple[int, ...]]
+    weights: KeyMap | None = None
+    plan: KeyPlan | None = None
 
     @classmethod
-    def load(cls, flax_module: nnx.Module, side: TorchSide, flax_inputs: Sequence[np.ndarray] | None) -> NNXSide:
-        """Check the flax parameters' dtype, load the torch weights, and pair each input with torch's."""
+    def load(
+        cls,
+        flax_module: nnx.Module,
+        side: TorchSide,
+        flax_inputs: Sequence[np.ndarray] | None,
+        weights: KeyMap | None = None,
+    ) -> NNXSide:
+        """Check the flax parameters' dtype, load the torch weights (through ``weights``, a key map, when
+        given; else the converter's rules), and pair each input with torch's."""
         inputs = tuple(side.inputs) if flax_inputs is None else tuple(flax_inputs)
         if len(inputs) != len(side.inputs):
             raise ValueError(f"flax_inputs has {len(inputs)} arrays, inputs {len(side.inputs)}: give one per input")
         orders = [_axis_order(t, f, i) for i, (t, f) in enumerate(zip(side.inputs, inputs))]
         _check_flax_params(flax_module, side.dtype)
-        load_torch_state_dict(flax_module, side.state_dict)
+        load_torch_state_dict(flax_module, side.state_dict, weights=weights)
+        plan = None if weights is None else weights.resolve(flax_module, side.state_dict, ties=_ties(side))
         model = nnx.clone(flax_module)
         model.eval()
-        return cls(flax_module, model, inputs, orders)
+        return cls(flax_module, model, inputs, orders, weights, plan)
 
     def values(self, side: TorchSide, call: Call, mesh=None) -> tuple[dict[str, np.ndarray], dict[str, str], Any]:
         """The flax side's values under the keys of ``side.expected`` (input gradients back in torch's axis
@@ -275,8 +313,8 @@ class NNXSide:
                 key = f"tangent {names[i]}"
                 if key in tangents:
                     tangents[key] = np.transpose(tangents[key], order)
-            return _run_flax_jvp(model, inputs, call, side, tangents, mesh)
-        outputs, dropped, value, grads, sharding = _run_flax(model, inputs, call, side, mesh)
+            return _run_flax_jvp(model, inputs, call, side, tangents, mesh, self.weights, self.plan)
+        outputs, dropped, value, grads, sharding = _run_flax(model, inputs, call, side, mesh, self.plan)
         for i, order in enumerate(self.orders):
             key = f"grad {names[i]}"
             if key in grads:

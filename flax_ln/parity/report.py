@@ -13,22 +13,31 @@ from typing import Any
 import jax
 import numpy as np
 
+from flax_ln.convert.keymap import Tie
 from flax_ln.parity.policy import TensorResult, _json_number
 
 
 @dataclasses.dataclass
 class FirstDivergence:
-    """The first submodule, in execution order, whose output is out of tolerance."""
+    """The first submodule, in execution order, whose output is out of tolerance.
+
+    ``module`` is its torch path, ``flax_module`` the dotted path of the flax module paired with it
+    (equal to ``module`` for mirrored trees, the renamed path under ``register_rename``);
+    ``key_map``: the pair was found through a key map (the printed line names both paths).
+    """
 
     module: str
     inputs: list[TensorResult]
     outputs: list[TensorResult]
+    flax_module: str = ""
+    key_map: bool = False
 
     def describe(self) -> str:
         out = max(self.outputs, key=lambda r: r.excess)
         ins = ", ".join(f"{r.name} rel {r.relative_error:.2e}" for r in self.inputs) or "none compared"
+        where = f"{self.module} <-> {self.flax_module}" if self.key_map else self.module
         return (
-            f"first divergence: {self.module}  (output rel {out.relative_error:.2e}, "
+            f"first divergence: {where}  (output rel {out.relative_error:.2e}, "
             f"max |d| {out.max_abs_error:.2e} at {out.max_error_index}; inputs: {ins})"
         )
 
@@ -39,12 +48,14 @@ class Isolation:
 
     ``results`` holds each module's own output error (by torch path, execution order),
     ``skipped`` why a module could not be run alone, ``culprits`` the failing modules
-    none of whose submodules fails: the modules whose own computation differs.
+    none of whose submodules fails: the modules whose own computation differs (torch paths);
+    ``flax_culprits`` the dotted paths of their flax twins, in the same order.
     """
 
     results: list[TensorResult]
     skipped: dict[str, str]
     culprits: list[str]
+    flax_culprits: list[str] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
         by_name = {r.name: r for r in self.results}
@@ -57,7 +68,12 @@ class Isolation:
         return f"isolated: {named}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"culprits": self.culprits, "modules": [r.to_json() for r in self.results], "skipped": self.skipped}
+        return {
+            "culprits": self.culprits,
+            "flax_culprits": self.flax_culprits,
+            "modules": [r.to_json() for r in self.results],
+            "skipped": self.skipped,
+        }
 
 
 def _side_further_off(r: TensorResult) -> str:
@@ -93,6 +109,8 @@ class ParityReport:
     sharding: dict[str, Any] | None = None  # on a mesh: its axes and each flax parameter's PartitionSpec
     frozen: list[str] = dataclasses.field(default_factory=list)  # torch parameters without requires_grad
     dropped_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # output leaves not compared: types
+    ties: dict[str, Tie] = dataclasses.field(default_factory=dict)  # torch keys holding one tensor -> flax copies
+    module_skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # pairs localisation could not compare
 
     @property
     def passed(self) -> bool:
@@ -119,6 +137,7 @@ class ParityReport:
             if self.first_divergence is None
             else {
                 "module": self.first_divergence.module,
+                "flax_module": self.first_divergence.flax_module,
                 "inputs": [r.to_json() for r in self.first_divergence.inputs],
                 "outputs": [r.to_json() for r in self.first_divergence.outputs],
             },
@@ -134,6 +153,7 @@ class ParityReport:
             "sharding": self.sharding,
             "frozen": self.frozen,
             "dropped_outputs": self.dropped_outputs,
+            "ties": {name: tie.to_json() for name, tie in self.ties.items()},
         }
 
     @property

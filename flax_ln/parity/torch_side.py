@@ -277,7 +277,7 @@ def run_torch_side(
         if isinstance(inputs, Call)
         else Call.make(inputs, input_names=input_names, kwargs=kwargs, forward=forward, loss=loss, mode=mode)
     )
-    state_dict = {k: to_numpy(v) for k, v in torch_module.state_dict().items()}
+    state_dict = _state_dict(torch_module)
     param_names, frozen = trainable_and_frozen(torch_module)
     tangents = (
         _tangents(call.inputs, call.input_names, {k: state_dict[k] for k in param_names}, tangent_params)
@@ -307,6 +307,19 @@ def run_torch_side(
     if record:
         record_torch_side(side, torch_module, call.forward[0])
     return side
+
+
+def _state_dict(torch_module) -> dict[str, np.ndarray]:
+    """The module's state dict as NumPy copies; keys that hold one torch tensor (a tie) hold one array, so
+    that :func:`flax_ln.convert.find_ties` finds the tie in the copy too."""
+    copies: dict[tuple, np.ndarray] = {}
+    out = {}
+    for k, v in torch_module.state_dict().items():
+        address = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), str(v.dtype)) if v.numel() else (k,)
+        if address not in copies:
+            copies[address] = to_numpy(v)
+        out[k] = copies[address]
+    return out
 
 
 @contextlib.contextmanager
