@@ -76,9 +76,8 @@ class Isolation:
         }
 
 
-def _side_further_off(r: TensorResult) -> str:
-    """Which side is further from float64 truth, by how much."""
-    t, f = r.torch_vs_float64, r.flax_vs_float64
+def _side_further_off(t: float, f: float) -> str:
+    """Which side is further from float64 truth, by how much: torch's error ``t`` against flax's ``f``."""
     if f > t:
         return f"flax is further off (x{f / t:.3g})" if t > 0 else "flax is further off (torch exact)"
     if t > f:
@@ -180,8 +179,9 @@ def environment() -> dict[str, Any]:
         "flax": flax.__version__,
         "optax": optax.__version__,
         "numpy": np.__version__,
-        "x64": bool(jax.config.jax_enable_x64),
-        "matmul_precision": str(jax.config.jax_default_matmul_precision),
+        # jax's Config sets its flags as attributes at run time, which type checkers cannot see
+        "x64": bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),  # type: ignore[attr-defined]
     }
     try:
         import torch
@@ -266,16 +266,19 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
             f"{_fmt(report.attribution['flax_float64_rel'])} from it "
             f"(worst: {report.attribution['flax_float64_worst']})"
         )
-        attributed = [r for r in failed if r.torch_vs_float64 is not None and r.flax_vs_float64 is not None]
+        attributed = [
+            (r, t, f)  # the tensor, torch's and flax's error against float64 truth
+            for r in failed
+            if (t := r.torch_vs_float64) is not None and (f := r.flax_vs_float64) is not None
+        ]
         shown_ids = {id(r) for r in shown}
-        for r in (r for r in attributed if id(r) in shown_ids):
+        for r, t, f in (a for a in attributed if id(a[0]) in shown_ids):
             lines.append(
-                f"attribution: {r.name}: flax {_fmt(r.flax_vs_float64)}, torch "
-                f"{_fmt(r.torch_vs_float64)} from float64 -> {_side_further_off(r)}"
+                f"attribution: {r.name}: flax {_fmt(f)}, torch {_fmt(t)} from float64 -> {_side_further_off(t, f)}"
             )
-        rest = [r for r in attributed if id(r) not in shown_ids]
+        rest = [(t, f) for r, t, f in attributed if id(r) not in shown_ids]
         if rest:
-            flax_worse = sum(r.flax_vs_float64 > r.torch_vs_float64 for r in rest)
+            flax_worse = sum(f > t for t, f in rest)
             lines.append(
                 f"attribution: {len(rest)} more failing tensors (all in --json): flax further off on "
                 f"{flax_worse}, torch on {len(rest) - flax_worse}"
