@@ -3,7 +3,7 @@
 Row ``music-throughput`` (float32, this CPU; ``--quick`` shrinks the model to a toy):
 ``GPTConfig.music()``, the book's 6 layers, 8 heads, width 512, vocabulary 390, block
 size 2048, dropout 0.1 on in both frameworks, at T=2048 tokens per sequence (the book's
-training length, = the block size) and B=2 (DESIGN.md gives no batch size for chapter 14,
+training length, = the block size) and B=2 (the book gives no batch size for chapter 14,
 so 2 is our choice). Targets are the inputs shifted left, with the second sequence's tail
 padded by 389 as the book's data pipeline pads a shorter piece.
 
@@ -31,7 +31,7 @@ import flax_ln
 from flax_ln import GPTConfig
 
 END, PAD = 388, 389  # chapter 14's end-of-sequence and padding ids
-BOOK_BATCH = 2  # not given by DESIGN.md §2.4: our choice
+BOOK_BATCH = 2  # the book's chapter 14 gives none: our choice
 MAX_REPEATS = 3  # a step is seconds long on 2 cores: keeps the full row under 8 minutes
 
 

@@ -1,4 +1,4 @@
-"""Chapter 14's tokenizer (flax_ln.music) against DESIGN.md section 2.4 and the book's own output.
+"""Chapter 14's tokenizer (flax_ln.music) against the book's rules (README, chapter 14) and its own output.
 
 Every expected id list below is derived by hand from section 2.4 (the derivation is in
 the comments), or is the book's output in ``data/ch14/expected.json``. The MIDI files are
