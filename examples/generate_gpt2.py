@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 import flax_ln
+from flax_ln import recipes
 
 DEFAULT_PROMPT = "Once upon a time"
 ENDOFTEXT = "<|endoftext|>"  # GPT-2's only special token
@@ -135,12 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=True,
         help="stack the blocks and scan over them: one compiled block, fast compiles for deep models",
     )
-    p.add_argument(
-        "--compile-only",
-        metavar="TOPOLOGY",
-        help="compile this script's decode step for a TPU topology (e.g. v5e:2x4) and print the plan; no generation",
-    )
-    p.add_argument("--plan-json", metavar="PATH", help="with --compile-only: also write the plan as JSON")
+    recipes.add_compile_only_arguments(p, "this script's decode step")
     args = p.parse_args(argv)
     if args.max_new_tokens < 0:
         p.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")

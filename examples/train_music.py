@@ -139,12 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="stack the blocks and scan over them (faster compiles; checkpoints then hold the stacked layout)",
     )
-    p.add_argument(
-        "--compile-only",
-        metavar="TOPOLOGY",
-        help="compile this training step for a TPU topology (e.g. v5e:2x4) and print the plan; no training",
-    )
-    p.add_argument("--plan-json", metavar="PATH", help="with --compile-only: also write the plan as JSON")
+    recipes.add_compile_only_arguments(p, "this training step")
     args = p.parse_args(argv)
     config = CONFIGS[args.config]
     args.seq_len = args.seq_len or config.block_size

@@ -202,12 +202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("out/translation"), help="output folder")
     p.add_argument("--dtype", choices=list(recipes.DTYPES), default="float32", help="compute dtype (default float32)")
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (mesh: devices//K x K)")
-    p.add_argument(
-        "--compile-only",
-        metavar="TOPOLOGY",
-        help="compile this training step for a TPU topology (e.g. v5e:2x4) and print the plan; no training",
-    )
-    p.add_argument("--plan-json", metavar="PATH", help="with --compile-only: also write the plan as JSON")
+    recipes.add_compile_only_arguments(p, "this training step")
     args = p.parse_args(argv)
     for name in (
         "steps",

@@ -175,3 +175,18 @@ def sharded_step(
 def init_state(setup: TrainingSetup, sharded: ShardedStep) -> TrainState:
     """The initial train state, created directly with its shardings (one jitted initialisation)."""
     return jax.jit(lambda: init_train_state(setup.make_model(), setup.tx)[1], out_shardings=sharded.state_shardings)()
+
+
+def add_compile_only_arguments(parser, step: str) -> None:
+    """An example's ``--compile-only TOPOLOGY`` and ``--plan-json PATH`` (see :mod:`flax_ln.plan`).
+
+    Args:
+      parser: the example's ``argparse.ArgumentParser``.
+      step: what is compiled instead of run, for the help text (e.g. ``"this training step"``).
+    """
+    parser.add_argument(
+        "--compile-only",
+        metavar="TOPOLOGY",
+        help=f"compile {step} for a TPU topology (e.g. v5e:2x4) and print the plan; nothing runs",
+    )
+    parser.add_argument("--plan-json", metavar="PATH", help="with --compile-only: also write the plan as JSON")
