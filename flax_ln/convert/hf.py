@@ -507,7 +507,9 @@ def load_hf_gpt2(
       mesh: a ``(data, fsdp)`` mesh from :func:`flax_ln.sharding.make_mesh`; ``None``
         puts every parameter on the default device.
       config: the :class:`GPTConfig`; required for a single file.
-      scan_layers, dtype, param_dtype: as :class:`flax_ln.GPT` (dropout streams are seeded 0).
+      scan_layers: as :class:`flax_ln.GPT` (dropout streams are seeded 0).
+      dtype: as :class:`flax_ln.GPT`.
+      param_dtype: as :class:`flax_ln.GPT`.
 
     Raises:
       ValueError: a config this GPT cannot express (e.g. ``activation_function="relu"``),

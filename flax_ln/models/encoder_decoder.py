@@ -668,7 +668,8 @@ def make_model(
     Chapter 10 uses ``N=6, d_model=256, d_ff=1024, h=8``.
 
     Args:
-      src_vocab, tgt_vocab: vocabulary sizes.
+      src_vocab: source vocabulary size.
+      tgt_vocab: target vocabulary size.
       N: layers in the encoder and in the decoder.
       d_model: model width.
       d_ff: feed-forward hidden width.

@@ -145,8 +145,10 @@ def compare_tensors(
     """Compare ``actual`` (flax) with ``expected`` (torch). NaN/Inf are flagged and fail.
 
     Args:
-      name, kind: how the tensor is reported.
-      actual, expected: arrays of the same shape (a different shape fails, and so does an empty one).
+      name: the tensor's name in the report.
+      kind: its kind in the report (``"output"``, ``"input grad"``, ``"param grad"``, ...).
+      actual: the flax array.
+      expected: the torch array, of the same shape (a different shape fails, and so does an empty one).
       tolerance: the criteria of :class:`Tolerance`.
       gradient_norm: the norm of the whole gradient this tensor belongs to, for ``tolerance.gtol``.
       dtype: the dtype ``actual`` must have, if any (a different dtype fails).
