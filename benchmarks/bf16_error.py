@@ -1,4 +1,4 @@
-"""Error of ``--dtype bfloat16`` (float32 parameters, bfloat16 compute) against float32, for the README.
+"""Error of ``--dtype bfloat16`` (float32 parameters, bfloat16 compute) against float32, for docs/examples.md.
 
 Two measurements, correctness only (no timing):
 

@@ -2,7 +2,7 @@
 
     python benchmarks/tpu_plan.py fsdp  --out tpu_fsdp.jsonl    # GPT-2 124M on v5e:2x4, B=16, T=1024, fsdp 1..8,
                                                                  # the batch over data only (before) and data x fsdp
-    python benchmarks/tpu_plan.py table --out tpu_table.jsonl   # the README's "Run on TPU" table (--search batch,
+    python benchmarks/tpu_plan.py table --out tpu_table.jsonl   # the planner's table in docs/tpu.md (--search batch,
                                                                  # at most 3 compiles per row)
     python benchmarks/tpu_plan.py show tpu_fsdp.jsonl tpu_table.jsonl   # both as markdown
 

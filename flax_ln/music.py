@@ -11,7 +11,8 @@ Token ids (vocabulary 390), as in the book::
 
 MIDI is read and written with pretty_midi, as the book does. :func:`encode_midi` and
 :func:`decode_notes` reproduce the book's processor token for token and note for note
-(the README's chapter-14 section lists its rules; the book's own output in ``parity_tests/data/ch14`` pins them).
+(``docs/music.md`` lists its rules and ``docs/design.md`` gives them step by step; the book's own output in
+``parity_tests/data/ch14`` pins them).
 A model trained with the book's code saw exactly this stream, so its quirks are kept:
 
 1. Instruments are merged in pretty_midi's order; each instrument's notes are taken in

@@ -1,8 +1,8 @@
-"""Chapter 14's tokenizer (flax_ln.music) against the book's rules (README, chapter 14) and its own output.
+"""Chapter 14's tokenizer (flax_ln.music) against the book's rules and its own output.
 
-Every expected id list below is derived by hand from section 2.4 (the derivation is in
-the comments), or is the book's output in ``data/ch14/expected.json``. The MIDI files are
-written with pretty_midi at 120 bpm and 256 ticks per beat, so a tick is 1/512 s and every
+Every expected id list below is derived by hand from the rules in docs/design.md ("The chapter-14
+event stream"; the derivation is in the comments), or is the book's output in ``data/ch14/expected.json``.
+The MIDI files are written with pretty_midi at 120 bpm and 256 ticks per beat, so a tick is 1/512 s and every
 time used here (multiples of 1/8 s) is exact in binary: a gap of 0.125 s is exactly 12.5
 steps, a true half.
 
