@@ -374,7 +374,7 @@ STANDARD_LAYERS = {
     ),
 }
 
-# float64: both frameworks compute the same math, so anything above ~1e-12 is a bug (the policy).
+# float64: both frameworks compute the same math, so anything above ~1e-12 is a bug (the policy, docs/tolerances.md).
 # float32: the policy's output bound; reductions and conv sums run in different orders.
 TOLERANCE = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 JAX_DTYPE = {torch.float64: jnp.float64, torch.float32: jnp.float32}

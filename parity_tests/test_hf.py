@@ -33,7 +33,8 @@ IDX = np.random.default_rng(3).integers(0, SMALL.vocab_size, (2, 16)).astype(np.
 
 # float32 logits of the same weights through transformers (torch) and flax_ln (XLA): the
 # two sum in different orders, ~1e-7 relative per op; 1e-5 is the project's float32
-# output bound (the engine's tolerance policy), far below what a wrong or transposed weight gives (~1).
+# output bound (the engine's tolerance policy, docs/tolerances.md), far below what a wrong or
+# transposed weight gives (~1).
 RTOL_F32 = 1e-5
 
 
