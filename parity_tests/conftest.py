@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 
 # With libtpu installed (jax[tpu], for the TPU planner), a JAX start would look for TPU chips and query the
@@ -31,3 +32,30 @@ def x64():
     """Enable float64 in JAX for one test only."""
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory, worker_id):
+    """``built_once(name, build)``: ``build()``'s JSON-able result, built by one pytest-xdist worker for all.
+
+    A module-scoped fixture is built once per worker that runs one of its tests, and the
+    parallel scheduler may give a module's tests to both workers. For the expensive ones (a
+    set of TPU compiles, an 8-device subprocess) the first worker to ask builds the value,
+    under a file lock in the run's shared temporary folder, and the others read its JSON.
+    A build that raises leaves nothing behind: the next worker to ask builds it again.
+    """
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    shared = root if worker_id == "master" else root.parent
+
+    def once(name: str, build):
+        path = shared / f"built-once-{name}.json"
+        with FileLock(f"{path}.lock"):
+            if path.is_file():
+                return json.loads(path.read_text())
+            value = build()
+            path.write_text(json.dumps(value))
+            return json.loads(path.read_text())  # the same JSON round trip as the workers that read it
+
+    return once

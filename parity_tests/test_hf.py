@@ -391,18 +391,21 @@ MESH = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def mesh_report(tmp_path_factory):
-    folder = saved(hf_model(), tmp_path_factory.mktemp("mesh") / "hf")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", MESH, str(folder), str(folder.parent / "out")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def mesh_report(tmp_path_factory, built_once):
+    def build():
+        folder = saved(hf_model(), tmp_path_factory.mktemp("mesh") / "hf")
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.run(
+            [sys.executable, "-c", MESH, str(folder), str(folder.parent / "out")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return built_once("hf-mesh-report", build)
 
 
 @pytest.mark.slow

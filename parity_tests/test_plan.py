@@ -72,8 +72,8 @@ def cli(*args, env=None, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def tiny(libtpu):
-    """Every tiny plan the tests compare, compiled in one child process."""
+def tiny(libtpu, built_once):
+    """Every tiny plan the tests compare, compiled in one child process, once for all the test workers."""
     gpt = dict(config=TINY, seq_len=1024)
     requests = {
         "base": plan.make_request("gpt2", TOPOLOGY, batch=8, fsdp=4, **gpt),
@@ -87,7 +87,7 @@ def tiny(libtpu):
             "encoder-decoder", TOPOLOGY, batch=8, seq_len=16, fsdp=4, encoder_decoder=TINY_ENC_DEC
         ),
     }
-    results = dict(zip(requests, plan.run_many(list(requests.values()))))
+    results = built_once("tpu-plans", lambda: dict(zip(requests, plan.run_many(list(requests.values())))))
     for name, result in results.items():
         assert result["exit_code"] == 0 and result["error"] is None, (name, result["error"])
     return results
