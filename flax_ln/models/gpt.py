@@ -210,7 +210,7 @@ class CausalSelfAttention(nnx.Module):
     the converter still writes and checks torch's persistent ``attn.bias`` buffer.
 
     Args:
-      config: the :class:`GPTConfig`.
+      config: a :class:`GPTConfig` itself (:class:`Block` and :class:`GPT` convert theirs once).
       dtype: compute dtype (``None``: inferred from inputs and parameters).
       param_dtype: parameter dtype.
       precision: matmul precision for the projections and attention.
@@ -218,7 +218,7 @@ class CausalSelfAttention(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config = GPTConfig.from_any(config)
+        self.config = config
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -269,12 +269,12 @@ class MLP(nnx.Module):
     The book's GPT uses the tanh GELU (its encoder-decoder feed-forward has no activation).
 
     Args:
-      config: the :class:`GPTConfig`.
+      config: a :class:`GPTConfig` itself, as :class:`CausalSelfAttention`.
       dtype, param_dtype, precision, rngs: as :class:`CausalSelfAttention`.
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config = GPTConfig.from_any(config)
+        self.config = config
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -297,7 +297,8 @@ class Block(nnx.Module):
     encoder-decoder uses.
 
     Args:
-      config: the :class:`GPTConfig`.
+      config: the :class:`GPTConfig`, or anything :meth:`GPTConfig.from_any` takes; converted
+        once here and passed on to ``attn`` and ``mlp``.
       dtype: compute dtype; norm statistics stay at least float32.
       param_dtype: parameter dtype.
       precision: matmul precision.
@@ -360,7 +361,8 @@ class GPT(nnx.Module):
     negative id wraps around and an id >= vocab_size gives NaN (:mod:`flax_ln.models.checks`).
 
     Args:
-      config: the :class:`GPTConfig`.
+      config: the :class:`GPTConfig`, or anything :meth:`GPTConfig.from_any` takes; converted
+        once here and passed on to every block.
       scan_layers: stack the blocks and scan over them.
       remat: rematerialise each block in the backward pass: ``False`` (off), ``True``
         (``jax.checkpoint_policies.nothing_saveable``) or any ``jax.checkpoint`` policy.
