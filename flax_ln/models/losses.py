@@ -32,8 +32,8 @@ def _cross_entropy_parts(logits, targets, ignore_index):
     The log-softmax as ``jax.nn.log_softmax`` computes it (the row's maximum, held constant
     for differentiation, taken out before ``exp``), with ``exp`` of the shifted logits
     computed once for both the normaliser and ``probs``: the loss's gradient needs the
-    softmax, and recomputing ``exp`` from the log-probabilities cost XLA:CPU a second pass
-    over the (tokens, vocab) array.
+    softmax, and recomputing ``exp`` from the log-probabilities would cost XLA:CPU a second
+    pass over the (tokens, vocab) array.
     """
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # (..., V)

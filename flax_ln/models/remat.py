@@ -54,7 +54,7 @@ def remat_in_backward(fun, policy):
     so the gradients are those of ``fun``. Plain ``jax.checkpoint`` relies on
     ``optimization_barrier``s to keep XLA from merging the recomputation back into the
     forward pass; XLA's CPU pipeline removes them (``cse_barrier_expander``) before its
-    last CSE pass, which then does exactly that, and no memory is saved (RESULTS.md).
+    last CSE pass, which then does exactly that, and no memory is saved (benchmarks/RESULTS.md).
     Here the residuals pass through ``where(isnan(sum(cotangent)), nan, r)`` first: a data
     dependency on the incoming cotangent that no compiler pass removes, costing one
     element-wise pass over the residuals. It changes nothing unless the cotangent holds a
@@ -64,8 +64,8 @@ def remat_in_backward(fun, policy):
     ``jax.jacrev``, also nested); ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize`` and
     ``jax.hessian`` raise. A data dependency on the cotangent cannot be expressed in a
     rule that JAX transposes (``custom_jvp``), and without it XLA:CPU schedules the
-    recomputation inside the forward pass (measured: a stateful-RNG input that defeats
-    CSE alone still saved nothing). Only the unrolled layout uses it: the scanned
+    recomputation inside the forward pass (benchmarks/RESULTS.md lists what else was
+    tried). Only the unrolled layout uses it: the scanned
     layout's recomputation sits in the backward loop, where plain ``jax.checkpoint``
     works (:func:`scan_blocks`).
     """

@@ -27,7 +27,7 @@ def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_li
     logits = logits / temperature
     if top_k is not None:
         # the k-th largest logit as the min of the top k: slicing out the last value instead makes
-        # XLA:CPU lower top_k as a full sort of the vocabulary (measured: ~100x slower at V=50257)
+        # XLA:CPU lower top_k as a full sort of the vocabulary (benchmarks/RESULTS.md)
         kth = jnp.min(jax.lax.top_k(logits, top_k)[0], axis=-1, keepdims=True)  # (B, 1)
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1)
