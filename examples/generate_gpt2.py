@@ -16,7 +16,7 @@ one token per byte, so text prompts work) and says so: the output is noise, but 
 step of the pipeline runs.
 
 ``--compile-only TOPOLOGY`` (e.g. ``v5e:2x4``) compiles this script's decode step (one token
-per sample against the KV cache, :func:`flax_ln.models.gpt.decode_step`) for that TPU
+per sample against the KV cache, :func:`flax_ln.models.sampling.decode_step`) for that TPU
 topology on this machine (libtpu, no TPU needed; only ``config.json`` and the tokenizer
 are read, no weights) and prints the plan instead of generating: the script runs on one
 device, so the plan is for one chip of the topology (exit 0 fits, 1 does not, 2 error).

@@ -20,8 +20,10 @@ from flax_ln.models.encoder_decoder import (
     make_std_mask,
     subsequent_mask,
 )
-from flax_ln.models.gpt import GPT, GPTConfig, KVCache, generate, head_cross_entropy, head_logits_and_cross_entropy
+from flax_ln.models.gpt import GPT, GPTConfig, KVCache
 from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm, normalize
+from flax_ln.models.losses import head_cross_entropy, head_logits_and_cross_entropy
+from flax_ln.models.sampling import generate
 from flax_ln.train import (
     TrainState,
     encoder_decoder_loss,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,19 +13,23 @@ def module_getattr(module: str, renamed: Mapping[str, str], namespace: Mapping[s
 
     Args:
       module: the module's ``__name__``, for the messages.
-      renamed: old name -> new name (see CHANGELOG.md).
-      namespace: the module's ``globals()``, where the new names live.
+      renamed: old name -> new name (see CHANGELOG.md): a name in ``namespace``, or the dotted
+        path of a name that moved to another module (``"flax_ln.models.remat.remat_in_backward"``),
+        imported on first use, so that module may import this one.
+      namespace: the module's ``globals()``, where the new names without a module live.
     """
 
     def __getattr__(name: str) -> Any:
         if name in renamed:
             new = renamed[name]
+            where, _, attribute = new.rpartition(".")
             warnings.warn(
-                f"{module}.{name} is deprecated and will be removed in the next release: use {module}.{new}",
+                f"{module}.{name} is deprecated and will be removed in the next release: "
+                f"use {new if where else module + '.' + new}",
                 DeprecationWarning,
                 stacklevel=2,
             )
-            return namespace[new]
+            return getattr(importlib.import_module(where), attribute) if where else namespace[new]
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__

@@ -33,7 +33,7 @@ The roofline (:func:`roofline`):
 - step time = the larger of the two; ``bound`` names it; ``mfu_ceiling`` = model FLOPs /
   (chips * peak * step time), the best MFU the chip allows for this step.
 
-Decoding (``--generate``): one step of :func:`flax_ln.models.gpt.decode_step` (one token
+Decoding (``--generate``): one step of :func:`flax_ln.models.sampling.decode_step` (one token
 per sequence against a KV cache of ``seq_len`` positions), FLOPs ``B * (2 * N + 4 * L * d * S)``,
 weights read once.
 """
@@ -477,7 +477,8 @@ def _plan_once(request: dict, devices, batch: int, fsdp: int) -> dict:
     from flax import nnx
 
     from flax_ln import recipes
-    from flax_ln.models.gpt import GPTConfig, decode_step
+    from flax_ln.models.gpt import GPTConfig
+    from flax_ln.models.sampling import decode_step
     from flax_ln.sharding import DATA, FSDP, make_mesh, replicated, state_shardings
 
     chips = len(devices)

@@ -69,8 +69,8 @@ def global_norm(tree) -> jax.Array:
     Each leaf is flattened behind an optimisation barrier before its squares are summed.
     XLA:CPU lays some gradients out column-major (GPT-2's 768x50257 ``lm_head`` kernel,
     produced by a transposed matmul) and rewrites a sum over such a 2-D array into a
-    padded 32x32 windowed reduction that ran single-threaded: 30 % of a GPT-2 124M
-    training step. Flattened first (a copy only where the layout is not row-major), the
+    padded 32x32 windowed reduction that runs single-threaded, a large share of a GPT-2 124M
+    training step (benchmarks/RESULTS.md). Flattened first (a copy only where the layout is not row-major), the
     sum is an ordinary 1-D reduction. Accumulated in at least float32.
     """
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import flax_ln
-from flax_ln.models import gpt as fg
+from flax_ln.models import sampling as fg
 from flax_ln.parity import relative_error
 
 TINY = flax_ln.GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16)

@@ -14,7 +14,7 @@ from jax.experimental import checkify
 
 import flax_ln
 import flax_ln.models.encoder_decoder as fe
-import flax_ln.models.gpt as fg
+import flax_ln.models.sampling as fg
 from flax_ln import GPT, GPTConfig
 
 V = 10  # GPT vocabulary

@@ -41,12 +41,12 @@ def _linear_product_jvp(precision, preferred_element_type, primals, tangents):
     barrier (so XLA cannot fold the transpose back into the product), and the gradient
     becomes ``xᵀ @ g``, a plain row-major product on ``g`` as it is, which XLA:CPU runs
     as a YNNPACK matmul. ``xᵀ`` is kept for the backward pass instead of ``x``: the same
-    size. On XLA:CPU the GPT-2 124M training step takes 0.72-0.81x of its time with
-    plain ``lax.dot_general`` and the chapter-10 encoder-decoder step 0.79x
-    (``benchmarks/RESULTS.md``). Inside a ``scan`` over layers XLA:CPU keeps the blocks'
-    kernel gradients as Eigen dots all the same, so there only the head gains: GPT-2 with
-    ``scan_layers`` takes 0.86x, a 2-layer width-512 GPT with ``scan_layers`` 1.06x (the
-    copies of ``xᵀ`` unpaid). Other backends also pay that one copy of each layer's input.
+    size. On XLA:CPU the GPT-2 124M and chapter-10 encoder-decoder training steps take
+    less time than with plain ``lax.dot_general`` (``benchmarks/RESULTS.md``, "Issue 15,
+    fourth pass"). Inside a ``scan`` over layers XLA:CPU keeps the blocks' kernel gradients
+    as Eigen dots all the same, so there only the head gains, and a model with a small
+    head (a narrow vocabulary) pays the copies of ``xᵀ`` for nothing. Other backends also
+    pay that one copy of each layer's input.
     The rule is plain JAX, so every transformation applies, higher derivatives included;
     a tangent that is known to be zero costs nothing.
     """

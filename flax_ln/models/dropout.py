@@ -3,16 +3,15 @@
 ``jax.random.bernoulli`` hashes a counter per element with Threefry-2x32 (20 rounds).
 On the CPU, JAX lowers that hash as a rolled 5-iteration ``while`` loop, so XLA
 writes and re-reads two full-size ``uint32`` arrays per iteration and keeps the
-``uint32`` bits alive for the backward pass: 76 ms for one (8, 8, 256, 256) attention
-mask on this project's CPU, 20 % of a GPT training step (benchmarks/RESULTS.md). The
+``uint32`` bits alive for the backward pass (benchmarks/RESULTS.md, "GPT on this CPU"). The
 same hash written out round by round is plain element-wise integer arithmetic that XLA
 fuses. On GPUs and TPUs JAX already emits the unrolled hash.
 
 Written element-wise, though, the hash reads no array (only the key and an iota), so
 XLA:CPU counts it free to duplicate and recomputes it inside every fusion that uses the
 mask: the forward select, the backward select and the transposed copies made for
-weight gradients, about four times per mask in a training step (17 % of the chapter-10
-encoder-decoder step). The mask is therefore packed 32 samples to a ``uint32`` word by
+weight gradients, about four times per mask in a training step (benchmarks/RESULTS.md,
+"Issue 15, second pass"). The mask is therefore packed 32 samples to a ``uint32`` word by
 a reduction, which XLA computes once; its users unpack a bit with a shift, and the
 packed mask (one bit per element) is all that stays alive for the backward pass.
 """

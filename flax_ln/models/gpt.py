@@ -6,6 +6,10 @@ does: ``transformer.wte``, ``transformer.h.{i}.attn.c_attn``, ``lm_head``, ...
 
 :class:`GPTConfig` is torch-free; a config from ``torch_ref`` (or any object with the same
 field names) is accepted as plain data through :meth:`GPTConfig.from_any`.
+
+The loss is computed by :mod:`flax_ln.models.losses`, remat and the scan over layers by
+:mod:`flax_ln.models.remat` (both imported here); sampling, :func:`flax_ln.generate`, is in
+:mod:`flax_ln.models.sampling`, which imports this module.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from flax_ln.models.checks import check_token_ids
 from flax_ln.models.dense import linear_dot_general
 from flax_ln.models.dropout import Dropout
 from flax_ln.models.layernorm import TorchLayerNorm
+from flax_ln.models.losses import cross_entropy as cross_entropy
+from flax_ln.models.losses import head_cross_entropy as head_cross_entropy
+from flax_ln.models.losses import head_logits_and_cross_entropy as head_logits_and_cross_entropy
+from flax_ln.models.remat import remat_block, remat_policy, scan_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +214,7 @@ class CausalSelfAttention(nnx.Module):
     the converter still writes and checks torch's persistent ``attn.bias`` buffer.
 
     Args:
-      config: the :class:`GPTConfig`.
+      config: a :class:`GPTConfig` itself (:class:`Block` and :class:`GPT` convert theirs once).
       dtype: compute dtype (``None``: inferred from inputs and parameters).
       param_dtype: parameter dtype.
       precision: matmul precision for the projections and attention.
@@ -214,7 +222,7 @@ class CausalSelfAttention(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config = GPTConfig.from_any(config)
+        self.config = config
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -265,12 +273,12 @@ class MLP(nnx.Module):
     The book's GPT uses the tanh GELU (its encoder-decoder feed-forward has no activation).
 
     Args:
-      config: the :class:`GPTConfig`.
+      config: a :class:`GPTConfig` itself, as :class:`CausalSelfAttention`.
       dtype, param_dtype, precision, rngs: as :class:`CausalSelfAttention`.
     """
 
     def __init__(self, config: GPTConfig, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
-        self.config = config = GPTConfig.from_any(config)
+        self.config = config
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -293,7 +301,8 @@ class Block(nnx.Module):
     encoder-decoder uses.
 
     Args:
-      config: the :class:`GPTConfig`.
+      config: the :class:`GPTConfig`, or anything :meth:`GPTConfig.from_any` takes; converted
+        once here and passed on to ``attn`` and ``mlp``.
       dtype: compute dtype; norm statistics stay at least float32.
       param_dtype: parameter dtype.
       precision: matmul precision.
@@ -322,226 +331,12 @@ class Block(nnx.Module):
         return x + self.mlp(self.ln_2(x)), cache
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, ignore_index: int) -> jax.Array:
-    """Mean token cross-entropy over targets != ``ignore_index``, as ``F.cross_entropy``.
-
-    Computed in at least float32. If every target is ignored the mean is 0/0 = NaN, as in
-    torch. Targets are not checked here (:meth:`GPT.__call__` checks them): one outside
-    ``[0, vocab)`` wraps around if in ``[-vocab, 0)`` and gives NaN otherwise (``jnp.take_along_axis``).
-    """
-    return _cross_entropy_parts(logits, targets, ignore_index)[0]
-
-
-def _cross_entropy_parts(logits, targets, ignore_index):
-    """``(loss, probs, valid, safe_targets, count)`` of :func:`cross_entropy`.
-
-    The log-softmax as ``jax.nn.log_softmax`` computes it (the row's maximum, held constant
-    for differentiation, taken out before ``exp``), with ``exp`` of the shifted logits
-    computed once for both the normaliser and ``probs``: the loss's gradient needs the
-    softmax, and recomputing ``exp`` from the log-probabilities cost XLA:CPU a second pass
-    over the (tokens, vocab) array.
-    """
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # (..., V)
-    exp_shifted = jnp.exp(shifted)
-    normaliser = jnp.sum(exp_shifted, axis=-1, keepdims=True)  # (..., 1)
-    valid = targets != ignore_index
-    safe_targets = jnp.where(valid, targets, 0)
-    picked = jnp.take_along_axis(shifted, safe_targets[..., None], axis=-1)[..., 0] - jnp.log(normaliser[..., 0])
-    count = jnp.sum(valid)
-    loss = -jnp.sum(jnp.where(valid, picked, 0.0)) / count
-    return loss, exp_shifted / normaliser, valid, safe_targets, count
-
-
-def head_cross_entropy(head: nnx.Module, hidden: jax.Array, targets: jax.Array, ignore_index: int) -> jax.Array:
-    """``cross_entropy(head(hidden), targets, ignore_index)``, differentiated in one piece.
-
-    The same value, and the same derivatives to rounding, as the composition; what
-    changes is what a gradient computes and keeps. The rule's tangent is linear in the
-    tangents of ``hidden`` and of ``head``'s parameters with coefficients that are the
-    loss's gradients, ``d loss / d logits = (softmax(logits) - onehot(targets)) / count``
-    pulled back through ``head``. So reverse mode computes both gradients in the forward
-    pass, right after the softmax, and keeps them (``hidden``-sized and parameter-sized)
-    instead of the (tokens, vocab) logits and log-probabilities; the backward pass has
-    nothing left to do for the head. On a 2-core CPU this makes the GPT-2 124M training
-    step faster (``benchmarks/RESULTS.md``). It is a ``custom_jvp``: forward mode,
-    ``vmap`` and higher derivatives all work (the rule is plain JAX).
-
-    Args:
-      head: the output layer, any NNX module mapping ``hidden`` to logits (e.g. ``nnx.Linear``).
-      hidden: its input, (..., C).
-      targets: token ids, the leading shape of ``hidden``; ``ignore_index`` entries are skipped.
-      ignore_index: the target id to skip.
-    """
-    return head_logits_and_cross_entropy(head, hidden, targets, ignore_index)[1]
-
-
-def head_logits_and_cross_entropy(head: nnx.Module, hidden: jax.Array, targets: jax.Array, ignore_index: int):
-    """``(head(hidden), loss)``: :func:`head_cross_entropy` that also returns the logits it computed.
-
-    Under ``jit`` a caller that drops the logits pays nothing for them beyond the softmax's
-    own need; outside ``jit`` the head runs once for both.
-    """
-    graphdef, params = nnx.split(head)
-    return _head_logits_and_cross_entropy(graphdef, ignore_index, hidden, params, targets)
-
-
-def _apply_head(graphdef, hidden, params):
-    return nnx.merge(graphdef, params)(hidden)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _head_logits_and_cross_entropy(graphdef, ignore_index, hidden, params, targets):
-    logits = _apply_head(graphdef, hidden, params)
-    return logits, cross_entropy(logits, targets, ignore_index)
-
-
-@_head_logits_and_cross_entropy.defjvp
-def _head_logits_and_cross_entropy_jvp(graphdef, ignore_index, primals, tangents):
-    hidden, params, targets = primals
-    hidden_tangent, params_tangent, _ = tangents
-    logits, head_linear = jax.linearize(functools.partial(_apply_head, graphdef), hidden, params)
-    loss, probs, valid, safe_targets, count = _cross_entropy_parts(logits, targets, ignore_index)
-    onehot = jax.nn.one_hot(safe_targets, probs.shape[-1], dtype=probs.dtype)  # (..., V)
-    logits_grad = jnp.where(valid[..., None], (probs - onehot) / count, 0.0)  # (..., V)
-    grads = jax.linear_transpose(head_linear, hidden, params)(logits_grad.astype(logits.dtype))
-    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves((hidden_tangent, params_tangent)))
-    loss_tangent = sum(jnp.vdot(grad, tangent) for grad, tangent in pairs)
-    return (logits, loss), (head_linear(hidden_tangent, params_tangent), loss_tangent)
-
-
-def _remat_policy(remat):
-    """The ``jax.checkpoint`` policy :class:`GPT` wraps each block in: ``None`` (no remat) or a policy.
-
-    ``False`` -> ``None``; ``True`` -> ``jax.checkpoint_policies.nothing_saveable`` (keep
-    only each block's input, recompute the rest in the backward pass); a callable is
-    taken as a policy, e.g. ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``.
-    """
-    if remat is False or remat is None:
-        return None
-    if remat is True:
-        return jax.checkpoint_policies.nothing_saveable
-    if callable(remat):
-        return remat
-    raise ValueError(
-        f"GPT: remat must be False, True or a jax.checkpoint policy (e.g. "
-        f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable), got {remat!r}"
-    )
-
-
-def _dropout_active(module: nnx.Module) -> bool:
-    return any(isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0 for _, m in nnx.iter_modules(module))
-
-
-def remat_in_backward(fun, policy):
-    """``jax.checkpoint(fun, policy=policy)`` whose recomputation stays in the backward pass on every backend.
-
-    The backward pass keeps only the values ``policy`` saves (just the inputs with
-    ``nothing_saveable``) and recomputes the rest of ``fun`` before differentiating it,
-    so the gradients are those of ``fun``. Plain ``jax.checkpoint`` relies on
-    ``optimization_barrier``s to keep XLA from merging the recomputation back into the
-    forward pass; XLA's CPU pipeline removes them (``cse_barrier_expander``) before its
-    last CSE pass, which then does exactly that, and no memory is saved (RESULTS.md).
-    Here the residuals pass through ``where(isnan(sum(cotangent)), nan, r)`` first: a data
-    dependency on the incoming cotangent that no compiler pass removes, costing one
-    element-wise pass over the residuals. It changes nothing unless the cotangent holds a
-    NaN, and then the gradients would be NaN anyway.
-
-    Being a ``jax.custom_vjp``, it supports reverse mode only (``jax.grad``, ``jax.vjp``,
-    ``jax.jacrev``, also nested); ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize`` and
-    ``jax.hessian`` raise. A data dependency on the cotangent cannot be expressed in a
-    rule that JAX transposes (``custom_jvp``), and without it XLA:CPU schedules the
-    recomputation inside the forward pass (measured: a stateful-RNG input that defeats
-    CSE alone still saved nothing). Only the unrolled layout uses it: the scanned
-    layout's recomputation sits in the backward loop, where plain ``jax.checkpoint``
-    works (:func:`_scan_blocks`).
-    """
-    remat_fun = jax.checkpoint(fun, policy=policy, prevent_cse=False)
-
-    @jax.custom_vjp
-    def wrapped(*args):
-        return fun(*args)
-
-    def fwd(*args):
-        return jax.vjp(remat_fun, *args)  # (outputs, residuals as a pytree: the vjp function)
-
-    def bwd(vjp_fn, cotangents):
-        floats = [c for c in jax.tree.leaves(cotangents) if jnp.issubdtype(c.dtype, jnp.inexact)]
-        poisoned = jnp.isnan(sum(jnp.sum(c, dtype=jnp.float32) for c in floats))
-        vjp_fn = jax.tree.map(
-            lambda r: (
-                jnp.where(poisoned, jnp.asarray(jnp.nan, r.dtype), r) if jnp.issubdtype(r.dtype, jnp.inexact) else r
-            ),
-            vjp_fn,
-        )
-        return vjp_fn(cotangents)
-
-    wrapped.defvjp(fwd, bwd)
-    return wrapped
-
-
-def _pure_block(graphdef, pos, policy, remat=remat_in_backward):
-    """``(block_state, x, cache, layer) -> (x, cache, rng_state)``: one block on the functional split, rematerialised
-    with ``remat(fun, policy)`` (:func:`remat_in_backward` by default) unless ``policy`` is ``None``.
-
-    Dropout masks are recomputed from the same keys, so the gradients are unchanged.
-    """
-
-    def run(block_state, x, cache, layer=0):
-        block = nnx.merge(graphdef, block_state)
-        x, cache = block.attend(x, cache, pos, layer)
-        return x, cache, nnx.state(block, nnx.RngState)
-
-    return run if policy is None else remat(run, policy)
-
-
-def _remat_block(block: Block, x, pos, policy):
-    """``block(x)`` rematerialised with ``policy``; dropout RNG counters written back."""
-    graphdef, state = nnx.split(block)
-    x, _, rng_state = _pure_block(graphdef, pos, policy)(state, x, None)
-    if _dropout_active(block):
-        nnx.update(block, rng_state)
-    return x
-
-
-def _scan_blocks(h: nnx.Module, x, cache, pos, policy=None):
-    """Run stacked blocks (leading layer axis) with ``jax.lax.scan``; returns ``(x, cache)``.
-
-    The KV cache (all layers) rides in the carry and each step writes its own layer in
-    place; scanning over per-layer cache slices instead would rebuild the whole cache as
-    the stacked output at every call. Each step merges one layer's slice into a fresh
-    :class:`Block`, rematerialised with
-    plain ``jax.checkpoint`` and ``policy`` unless it is ``None`` (inside the backward
-    loop XLA cannot move the recomputation into the forward pass, and forward-mode
-    autodiff works through it). Only when some dropout is active is the advanced
-    RNG state written back into ``h``, so in eval mode the module is never mutated,
-    exactly like the unrolled path (NNX forbids mutating Variables from another trace
-    level, e.g. a model closed over inside ``jax.grad``).
-    """
-    graphdef, state = nnx.split(h)
-    block = _pure_block(  # decoding takes no gradients
-        graphdef, pos, None if cache is not None else policy, lambda fun, policy: jax.checkpoint(fun, policy=policy)
-    )
-
-    def step(carry, layer):
-        x, cache = carry
-        layer_state, index = layer
-        x, cache, rng_state = block(layer_state, x, cache, index)
-        return (x, cache), rng_state
-
-    n_layer = jax.tree.leaves(state)[0].shape[0]
-    (x, cache), rng_state = jax.lax.scan(step, (x, cache), (state, jnp.arange(n_layer)))
-    if _dropout_active(h):
-        nnx.update(h, rng_state)
-    return x, cache
-
-
 class GPT(nnx.Module):
     """The book's GPT: ``lm_head(ln_f(blocks(drop(wte(idx) + wpe(pos)))))``, plus the loss.
 
     ``model(idx, targets=None)`` returns ``(logits, loss)`` like chapter 11's model; the
     loss is the mean cross-entropy ignoring ``config.ignore_index``, ``None`` without
-    targets, computed with the head in one piece (:func:`head_cross_entropy`: a training
+    targets, computed with the head in one piece (:func:`~flax_ln.models.losses.head_cross_entropy`: a training
     step that uses only the loss never keeps the (B, T, V) logits). ``lm_head``
     has no bias and is *not* tied to ``wte`` (as in minGPT and the book; Hugging Face
     GPT-2 ties them, see :func:`flax_ln.load_hf_gpt2`).
@@ -560,7 +355,7 @@ class GPT(nnx.Module):
     Every JAX transformation works through the model (``jit``, ``vmap``, ``grad``,
     ``jvp``, ``jacfwd``, ``hessian``, ``linearize``, ``scan``, ``checkpoint``), with one
     exception: ``scan_layers=False`` with ``remat`` enabled is reverse mode only
-    (see :func:`remat_in_backward`); use ``scan_layers=True`` for forward mode with remat.
+    (see :func:`~flax_ln.models.remat.remat_in_backward`); use ``scan_layers=True`` for forward mode with remat.
 
     Call ``model.eval()`` to switch dropout off (``model.train()`` to switch it back).
 
@@ -570,7 +365,8 @@ class GPT(nnx.Module):
     negative id wraps around and an id >= vocab_size gives NaN (:mod:`flax_ln.models.checks`).
 
     Args:
-      config: the :class:`GPTConfig`.
+      config: the :class:`GPTConfig`, or anything :meth:`GPTConfig.from_any` takes; converted
+        once here and passed on to every block.
       scan_layers: stack the blocks and scan over them.
       remat: rematerialise each block in the backward pass: ``False`` (off), ``True``
         (``jax.checkpoint_policies.nothing_saveable``) or any ``jax.checkpoint`` policy.
@@ -595,7 +391,7 @@ class GPT(nnx.Module):
         debug_checks: bool = False,
         rngs: nnx.Rngs,
     ):
-        _remat_policy(remat)  # validate early
+        remat_policy(remat)  # validate early
         self.config = config = GPTConfig.from_any(config)
         self.debug_checks = debug_checks
         self.scan_layers = scan_layers
@@ -641,7 +437,7 @@ class GPT(nnx.Module):
 
         Each cached token costs every later step a read of its keys and values, so a
         sequence known to stay shorter than ``block_size`` decodes faster with a cache of
-        just its length (:func:`generate` does this).
+        just its length (:func:`~flax_ln.models.sampling.generate` does this).
 
         Args:
           batch_size: number of sequences B.
@@ -705,13 +501,13 @@ class GPT(nnx.Module):
         """``(ln_f(x), cache)``: :meth:`_forward` without the head, (B, T or 1, C)."""
         t = self.transformer
         x = t.drop(t.wte(idx) + t.wpe(pos + jnp.arange(idx.shape[1])))  # (B, T, C)
-        policy = _remat_policy(self.remat)
+        policy = remat_policy(self.remat)
         if self.scan_layers:
-            x, cache = _scan_blocks(t.h, x, cache, pos, policy)
+            x, cache = scan_blocks(t.h, x, cache, pos, policy)
         else:
             for i, block in enumerate(t.h):  # type: ignore[arg-type]  # nnx.Dict members are typed Module
                 if cache is None and policy is not None:
-                    x = _remat_block(block, x, pos, policy)
+                    x = remat_block(block, x, pos, policy)
                     continue
                 x, cache = block.attend(x, cache, pos, i)
         if last_only:
@@ -719,154 +515,13 @@ class GPT(nnx.Module):
         return t.ln_f(x), cache
 
 
-def _pick(logits, key, temperature, *, greedy: bool, top_k: int | None, vocab_limit: int | None):
-    """Next token ids (B,) from last-position logits (B, V): argmax, or a top-k/temperature sample."""
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))[:, :vocab_limit]  # (B, V or vocab_limit)
-    if greedy:
-        return jnp.argmax(logits, axis=-1)
-    logits = logits / temperature
-    if top_k is not None:
-        # the k-th largest logit as the min of the top k: slicing out the last value instead makes
-        # XLA:CPU lower top_k as a full sort of the vocabulary (measured: ~100x slower at V=50257)
-        kth = jnp.min(jax.lax.top_k(logits, top_k)[0], axis=-1, keepdims=True)  # (B, 1)
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1)
-
-
-def decode_step(
-    graphdef: nnx.GraphDef, state: nnx.State, token: Int[Array, "B T"], cache: KVCache, pos
-) -> tuple[Float[Array, "B T V"], KVCache]:
-    """One step of :func:`generate`'s cached loop as a pure function: ``GPT.decode`` of the merged model, dropout off.
-
-    ``(graphdef, state)`` is ``nnx.split(model)``; jit it with ``graphdef`` static (the
-    planner compiles exactly this for a TPU topology).
-    """
-    model = nnx.merge(graphdef, state)
-    model.eval()
-    return model._forward(token, cache, pos)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k", "vocab_limit"))
-def _generate(graphdef, state, idx, rng, temperature, *, max_new_tokens, greedy, top_k, vocab_limit):
-    # The model is merged afresh inside every traced scope (loop bodies get `state` through
-    # their carry), because NNX refuses Variables that hold tracers of an outer trace.
-    # Carrying `state` costs nothing: XLA passes unchanged loop-carried buffers through
-    # without copying (checked in the optimised HLO; the cache is what must not be copied).
-    def model(state):
-        m = nnx.merge(graphdef, state)
-        m.eval()
-        return m
-
-    bs = model(state).config.block_size
-    B, T0 = idx.shape
-    total = T0 + max_new_tokens
-    keys = jax.random.split(rng, max_new_tokens)  # keys[j] draws token T0 + j
-    out = jnp.zeros((B, total), idx.dtype).at[:, :T0].set(idx)  # (B, T0 + new)
-    pick = functools.partial(_pick, temperature=temperature, greedy=greedy, top_k=top_k, vocab_limit=vocab_limit)
-
-    def put(out, n, logits):  # write token n, drawn from the logits that follow the first n tokens
-        token = pick(logits[:, -1], keys[n - T0]).astype(out.dtype)  # (B,)
-        return jax.lax.dynamic_update_slice(out, token[:, None], (0, n))
-
-    length = T0  # tokens known so far
-    if T0 <= bs:  # cached phase: prefill, then one token at a time while the context fits
-        m = model(state)
-        # slots for every token fed to the model while it fits: positions 0..min(bs, total - 1) - 1
-        cache = m.init_cache(B, length=min(bs, total - 1))
-        logits, cache = m._forward(idx, cache, 0, last_only=True)  # ids were checked by generate()
-        out = put(out, length, logits)
-        length += 1
-        n_cached = max(0, min(bs, total - 1) - length + 1)
-
-        def cached_step(i, carry):
-            out, cache, state = carry
-            n = length + i
-            token = jax.lax.dynamic_slice(out, (0, n - 1), (B, 1))  # (B, 1)
-            logits, cache = decode_step(graphdef, state, token, cache, n - 1)
-            return put(out, n, logits), cache, state
-
-        out, _, _ = jax.lax.fori_loop(0, n_cached, cached_step, (out, cache, state))
-        length += n_cached
-
-    def window_step(n, carry):  # the context exceeds block_size: recompute on the last block_size tokens
-        out, state = carry
-        context = jax.lax.dynamic_slice(out, (0, n - bs), (B, bs))  # (B, block)
-        logits, _ = model(state)._forward(context, None, 0, last_only=True)
-        return put(out, n, logits), state
-
-    if length < total:
-        out = jax.lax.fori_loop(length, total, window_step, (out, state))[0]
-    return out
-
-
-def generate(
-    model: GPT,
-    idx: Int[Array, "B T"],
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    vocab_limit: int | None = None,
-    rng: jax.Array,
-) -> Int[Array, "B T+new"]:
-    """Append ``max_new_tokens`` sampled tokens to ``idx``, as the book's sampling loop does.
-
-    Each new token is drawn from ``softmax(logits[:, -1] / temperature)`` restricted to
-    the ids below ``vocab_limit`` (chapter 14 draws only its 388 event ids: softmax over
-    all ids then keeping the first 388, as the book does, is this renormalised) and to
-    the ``top_k`` largest logits (ties with the k-th value are kept, as in torch); with
-    ``temperature == 0`` it is the argmax instead (greedy; ``rng`` is then unused). The
-    context is the last ``block_size`` tokens. While the sequence fits in ``block_size``
-    a KV cache gives each step in O(S) work, S = min(block_size, prompt + max_new_tokens - 1)
-    being the cache's preallocated length (each layer's new keys and values are written
-    in place); beyond that every position shifts, so each step recomputes the last
-    ``block_size`` tokens, exactly like the book. The prefill and those recomputations
-    apply the head to the last position only. The whole loop is one jitted function with static
-    shapes (compiled once per prompt shape, ``max_new_tokens``, ``top_k`` and greedy or
-    not). Dropout is always off, whatever the model's mode; ``model`` is not modified.
-
-    Args:
-      model: a :class:`GPT`.
-      idx: prompt token ids in ``[0, vocab_size)``, (B, T), any length >= 1 (longer than block_size is
-        cropped for context); concrete ids are checked before anything is compiled.
-      max_new_tokens: number of tokens to append.
-      temperature: softmax temperature, > 0, or 0 for greedy decoding.
-      top_k: keep only the k largest logits before sampling (1 <= k <= vocab_size).
-      vocab_limit: draw only ids < vocab_limit (1 <= vocab_limit <= vocab_size); None: all.
-      rng: a JAX PRNG key.
-
-    Returns:
-      (B, T + max_new_tokens) token ids, prompt included, in ``idx``'s dtype.
-    """
-    idx = model._check_ids(idx, "idx", "generate", any_length=True)  # longer prompts are cropped for context
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"generate: temperature must be >= 0 (0 means greedy), got {temperature!r}")
-    if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
-        raise ValueError(
-            f"generate: vocab_limit must be in [1, {model.config.vocab_size}] or None, got {vocab_limit!r}"
-        )
-    n_drawable = vocab_limit or model.config.vocab_size
-    if top_k is not None and not 1 <= top_k <= n_drawable:
-        raise ValueError(f"generate: top_k must be in [1, {n_drawable}] or None, got {top_k!r}")
-    if max_new_tokens == 0:
-        return idx
-    graphdef, state = nnx.split(model)
-    greedy = temperature == 0
-    return _generate(
-        graphdef,
-        state,
-        idx,
-        rng,
-        jnp.float32(1.0 if greedy else temperature),
-        max_new_tokens=max_new_tokens,
-        greedy=greedy,
-        top_k=top_k,
-        vocab_limit=vocab_limit,
-    )
-
-
-__getattr__ = module_getattr(
-    __name__, {"checkpoint": "remat_in_backward"}, globals()
-)  # deprecated alias, see CHANGELOG.md
+__getattr__ = module_getattr(  # deprecated aliases of names that moved, see CHANGELOG.md
+    __name__,
+    {
+        "checkpoint": "flax_ln.models.remat.remat_in_backward",
+        "remat_in_backward": "flax_ln.models.remat.remat_in_backward",
+        "generate": "flax_ln.models.sampling.generate",
+        "decode_step": "flax_ln.models.sampling.decode_step",
+    },
+    globals(),
+)

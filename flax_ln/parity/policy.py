@@ -57,8 +57,7 @@ class Tolerance:
     gtol: float = 0.0
 
 
-# The one policy, for the CLI and every test: per dtype and kind, the tightest bound any
-# test or the CLI used before the tables were merged into this one.
+# The one policy, for the CLI and every test: one bound per dtype and kind.
 # float64: both frameworks evaluate the same math; only op-order rounding (~1e-16 per op,
 #   amplified by depth and two passes) remains. Measured worst: 3e-16 outputs, 4e-15 grads.
 # float32: XLA and torch reduce in different orders; ~1e-7 per op, measured worst ~2e-6.
