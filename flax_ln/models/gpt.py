@@ -47,8 +47,9 @@ class GPTConfig:
       n_embd: model width.
       vocab_size: number of token ids.
       block_size: longest sequence (the positional-embedding table and causal mask size).
-      embd_pdrop, resid_pdrop, attn_pdrop: dropout rates (embeddings, residual branches,
-        attention probabilities); 0.1 each, as in the book.
+      embd_pdrop: dropout rate on the summed token and position embeddings; 0.1, as in the book.
+      resid_pdrop: dropout rate on each residual branch's output; 0.1.
+      attn_pdrop: dropout rate on the attention probabilities; 0.1.
       ignore_index: target id the loss skips (chapter 11: -1; chapter 14: 389, the padding id).
       c_proj_reinit: initialise every ``c_proj.weight`` as normal(0, 0.02/sqrt(2*n_layer)),
         as chapters 12 and 14 do; otherwise normal(0, 0.02) like every other weight.
