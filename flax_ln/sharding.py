@@ -9,6 +9,9 @@ reduce-scatters. The rules:
 - every array of the train state (parameters, optimizer moments, RNG state) is split
   along its largest axis whose size the ``fsdp`` size divides (the first such axis on a
   tie) and replicated over ``data``; arrays with no such axis, and scalars, are replicated;
+- a parameter whose largest axis the ``fsdp`` size does not divide (GPT-2's 50257-row token
+  embedding) is stored split along a smaller axis, and the train step gathers it whole where it
+  is used (:func:`gather_uneven_parameters`);
 - a batch is split along its first (batch) axis over ``data`` and ``fsdp`` together (every device
   holds ``batch / n_devices`` examples), as FSDP does: replicating it over ``fsdp`` instead would
   give each device the activations of ``fsdp`` times as many examples. The global batch must
@@ -109,6 +112,32 @@ def abstract_model(make: Callable[[], ModuleT], mesh: Mesh | None = None) -> Mod
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, state_shardings(params, mesh)
         )
     return nnx.merge(graphdef, params, rest)
+
+
+def gather_uneven_parameters(params: Any, shardings: Any) -> Any:
+    """``params`` with each array whose largest axis the ``fsdp`` size does not divide constrained to be whole.
+
+    :func:`fsdp_spec` stores such an array split along a smaller axis: for a token embedding
+    ``(vocab, d_model)`` with an odd vocabulary, ``d_model``, the axis the output head contracts
+    over. Left to XLA's sharding propagation, a contraction over an ``fsdp``-split axis against
+    activations whose batch is split over ``fsdp`` too is resolved by gathering the activations of
+    the whole batch onto every device, not the weight: the logits of every example on every chip.
+    Gathering the weight instead (one all-gather forward, a reduce-scatter of its gradient) keeps
+    each device's activations to its own share of the batch. Every other array is returned as it
+    is: XLA gathers those per use already (inside a layer ``scan``, one layer at a time).
+
+    Args:
+      params: the parameters inside the jitted step (traced arrays).
+      shardings: their shardings, a pytree like ``params`` (:func:`state_shardings`).
+    """
+
+    def constrain(x, sharding):
+        fsdp = sharding.mesh.shape.get(FSDP, 1) if isinstance(sharding, NamedSharding) else 1
+        if fsdp == 1 or not np.ndim(x) or max(np.shape(x)) % fsdp == 0:
+            return x
+        return jax.lax.with_sharding_constraint(x, replicated(sharding.mesh))
+
+    return jax.tree.map(constrain, params, shardings)
 
 
 def batch_sharding(mesh: Mesh, axes: Sequence[str] = (DATA, FSDP)) -> NamedSharding:

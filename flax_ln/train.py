@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from flax_ln.models.checks import check_id_values
 from flax_ln.models.encoder_decoder import make_src_mask, make_std_mask
+from flax_ln.sharding import gather_uneven_parameters
 
 Batch = Any
 LossFn = Callable[[nnx.Module, Batch], jax.Array]
@@ -232,13 +233,18 @@ def make_train_step(
       donate: donate the input state's buffers to the output (do not reuse ``state`` after the call).
       state_sharding: shardings of the state, a pytree like it (e.g.
         :func:`flax_ln.sharding.state_shardings`); the step takes and returns the state so
-        placed. ``None``: as the input arrays are placed (NumPy inputs: replicated).
+        placed. ``None``: as the input arrays are placed (NumPy inputs: replicated). Given as a
+        :class:`TrainState` of shardings, the parameters that it splits along an axis other than
+        their largest are gathered whole where the loss uses them
+        (:func:`flax_ln.sharding.gather_uneven_parameters`).
       batch_sharding: sharding of the batch (a prefix of it, e.g. one ``NamedSharding``
         for every array); ``None``: as the input arrays are placed.
     """
 
     def step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
         def loss_of(params):
+            if isinstance(state_sharding, TrainState):
+                params = gather_uneven_parameters(params, state_sharding.params)
             # copy=True: fresh Variables at this trace level, so dropout may advance its RNG counters
             model = nnx.merge(graphdef, params, state.rest, copy=True)
             loss = loss_fn(model, batch)
