@@ -97,12 +97,16 @@ AGREEMENT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def eight_devices():
-    """The script above on 8 CPU devices, once: its RESULT record."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", AGREEMENT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+def eight_devices(built_once):
+    """The script above on 8 CPU devices, once for all the test workers: its RESULT record."""
+
+    def build():
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.run([sys.executable, "-c", AGREEMENT], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+    return built_once("eight-devices", build)
 
 
 @pytest.mark.slow
