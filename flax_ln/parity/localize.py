@@ -495,39 +495,45 @@ def _substitute(pairs: Pairs, path: str, args: Sequence[Any], torch_inputs: list
 def isolate_linen(
     torch_records: Records, forward: Callable[[], Any], tolerance: Tolerance, *, pairs: Pairs
 ) -> Isolation:
-    """:func:`isolate` for a Linen module, during one ``apply`` (``forward()``, eager): the first call of each
-    paired submodule is intercepted (``flax.linen.intercept_methods``) and made on torch's recorded inputs
-    instead of its own (floating positional arrays, in order, in the flax layout; the other arguments as
-    flax passed them), and its output recorded and passed on. A submodule whose call is traced (an
-    ``nn.scan`` body), or whose inputs do not fit, is skipped with the reason.
+    """:func:`isolate` for a Linen module: the first call of each paired submodule is intercepted
+    (``flax.linen.intercept_methods``) and made on torch's recorded inputs instead of its own (floating
+    positional arrays, in order, in the flax layout; the other arguments as flax passed them), its own
+    submodules running as usual; its output is recorded and passed on. One eager ``apply``
+    (``forward()``) per nesting depth, so that no isolated module runs inside another. A submodule whose
+    call is traced (an ``nn.scan`` body), or whose inputs do not fit, is skipped with the reason.
     """
     from flax import linen
 
     by_flax = {f: t for t, f in pairs.flax_paths.items() if t in pairs.modules and t in torch_records}
     outputs: dict[str, list[np.ndarray]] = {}
     skipped: dict[str, str] = {}
-    done: set[str] = set()
 
-    def interceptor(next_fun, args, kwargs, context):
-        path = _scope_path(context.module) if context.method_name != "setup" else ""
-        torch_path = by_flax.get(path)
-        if torch_path is None or path in done:
-            return next_fun(*args, **kwargs)
-        done.add(path)
-        prepared = _substitute(pairs, torch_path, args, torch_records[torch_path][0])
-        if isinstance(prepared, str):
-            skipped[torch_path] = prepared
-            return next_fun(*args, **kwargs)
-        out = next_fun(*prepared, **kwargs)
-        outputs[torch_path] = floating_leaves(out)
-        return out
+    def depth(path: str) -> int:
+        return 0 if path == WHOLE_MODEL else path.count(".") + 1
 
-    try:
-        with linen.intercept_methods(interceptor):
-            forward()
-    except Exception as err:  # noqa: BLE001 - any failure is reported as the reason nothing was isolated
-        reason = f"the flax apply on torch's inputs raised {type(err).__name__}: {str(err)[:120]}"
-        return _isolation([], {t: reason for t in by_flax.values()}, pairs)
+    for level in sorted({depth(f) for f in by_flax}):
+        done: set[str] = set()
+
+        def interceptor(next_fun, args, kwargs, context, level=level, done=done):
+            path = _scope_path(context.module) if context.method_name != "setup" else ""
+            torch_path = by_flax.get(path)
+            if torch_path is None or path in done or depth(path) != level:
+                return next_fun(*args, **kwargs)
+            done.add(path)
+            prepared = _substitute(pairs, torch_path, args, torch_records[torch_path][0])
+            if isinstance(prepared, str):
+                skipped[torch_path] = prepared
+                return next_fun(*args, **kwargs)
+            out = next_fun(*prepared, **kwargs)
+            outputs[torch_path] = floating_leaves(out)
+            return out
+
+        try:
+            with linen.intercept_methods(interceptor):
+                forward()
+        except Exception as err:  # noqa: BLE001 - any failure is reported as the reason these were not isolated
+            reason = f"the flax apply on torch's inputs raised {type(err).__name__}: {str(err)[:120]}"
+            skipped.update({t: reason for f, t in by_flax.items() if depth(f) == level and t not in outputs})
     results = []
     for torch_path, (_, t_outs) in torch_records.items():
         if torch_path not in by_flax.values() or torch_path in skipped:
