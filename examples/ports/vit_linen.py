@@ -117,6 +117,7 @@ class ViT(nn.Module):
 
 
 _LAYER = r"vit\.layers\.(\d+)\."
+_ATTN = _LAYER + r"attention\."
 _QKV = {"q": "query", "k": "key", "v": "value"}
 _LN = {"layernorm_before": "ln_1", "layernorm_after": "ln_2"}
 KEY_MAP = KeyMap(
@@ -125,8 +126,8 @@ KEY_MAP = KeyMap(
         (r"vit\.embeddings\.position_embeddings", "pos", "1 t d -> t d"),
         (r"vit\.embeddings\.patch_embeddings\.projection\.weight", "patch_embed.kernel", "o i kh kw -> kh kw i o"),
         (r"vit\.embeddings\.patch_embeddings\.projection\.bias", "patch_embed.bias", None),
-        *[(_LAYER + rf"attention\.{t}_proj\.weight", rf"blocks_\1.attn.{f}.kernel", "(n h) d -> d n h") for t, f in _QKV.items()],
-        *[(_LAYER + rf"attention\.{t}_proj\.bias", rf"blocks_\1.attn.{f}.bias", "(n h) -> n h") for t, f in _QKV.items()],
+        *[(_ATTN + rf"{t}_proj\.weight", rf"blocks_\1.attn.{f}.kernel", "(n h) d -> d n h") for t, f in _QKV.items()],
+        *[(_ATTN + rf"{t}_proj\.bias", rf"blocks_\1.attn.{f}.bias", "(n h) -> n h") for t, f in _QKV.items()],
         (_LAYER + r"attention\.o_proj\.weight", r"blocks_\1.attn.out.kernel", "d (n h) -> n h d"),
         (_LAYER + r"attention\.o_proj\.bias", r"blocks_\1.attn.out.bias", None),
         *[(_LAYER + rf"{t}\.weight", rf"blocks_\1.{f}.scale", None) for t, f in _LN.items()],
