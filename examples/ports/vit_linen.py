@@ -25,8 +25,8 @@ from flax_ln.convert import KeyMap
 __all__ = ["KEY_MAP", "ViT", "ViTConfig", "config_from_hf"]
 
 
-def _layer_norm(c: ViTConfig, dtype, param_dtype, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(c.eps, dtype, param_dtype, use_fast_variance=False, name=name)
+def _layer_norm(eps: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(eps, dtype, param_dtype, use_fast_variance=False, name=name)
 
 
 class SelfAttention(nn.Module):
@@ -65,18 +65,19 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """``x + attn(ln_1(x))``, then ``+ mlp(ln_2(.))``."""
+    """``x + attn(ln_1(x))``, then ``+ mlp(ln_2(.))``; ``ln_2_eps`` overrides ln_2's epsilon (a planted mistake)."""
 
     config: ViTConfig
     approximate_gelu: bool = False
+    ln_2_eps: float | None = None
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
 
     def setup(self):
         c, dt, pdt = self.config, self.dtype, self.param_dtype
-        self.ln_1 = _layer_norm(c, dt, pdt, "ln_1")
+        self.ln_1 = _layer_norm(c.eps, dt, pdt, "ln_1")
         self.attn = SelfAttention(c, dt, pdt)
-        self.ln_2 = _layer_norm(c, dt, pdt, "ln_2")
+        self.ln_2 = _layer_norm(c.eps if self.ln_2_eps is None else self.ln_2_eps, dt, pdt, "ln_2")
         self.mlp = MLP(c, self.approximate_gelu, dt, pdt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -87,12 +88,14 @@ class Block(nn.Module):
 class ViT(nn.Module):
     """NHWC images (B, H, W, C) -> class logits (B, classes).
 
-    ``tanh_gelu_blocks``: the blocks whose MLP takes the tanh GELU (a planted mistake; none by default).
+    Planted mistakes (none by default): ``tanh_gelu_blocks``, the blocks whose MLP takes the tanh GELU;
+    ``ln_2_eps``, ``(block, eps)`` pairs whose ln_2 takes another epsilon.
     ``dtype``: the compute dtype (``None``: the parameters'), ``param_dtype`` the parameters'.
     """
 
     config: ViTConfig
     tanh_gelu_blocks: tuple[int, ...] = ()
+    ln_2_eps: tuple[tuple[int, float], ...] = ()
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
 
@@ -102,8 +105,9 @@ class ViT(nn.Module):
         self.patch_embed = nn.Conv(c.width, (p, p), strides=p, padding="VALID", dtype=dt, param_dtype=pdt)
         self.cls = self.param("cls", nn.initializers.zeros, (c.width,), pdt)
         self.pos = self.param("pos", nn.initializers.normal(0.02), (tokens, c.width), pdt)
-        self.blocks = [Block(c, i in self.tanh_gelu_blocks, dt, pdt) for i in range(c.layers)]
-        self.norm = _layer_norm(c, dt, pdt, "norm")
+        eps = dict(self.ln_2_eps)
+        self.blocks = [Block(c, i in self.tanh_gelu_blocks, eps.get(i), dt, pdt) for i in range(c.layers)]
+        self.norm = _layer_norm(c.eps, dt, pdt, "norm")
         self.head = nn.Dense(c.classes, dtype=dt, param_dtype=pdt)
 
     def __call__(self, images: jax.Array) -> jax.Array:
