@@ -273,7 +273,12 @@ def compare_modules(
     Args:
       torch_module: a ``torch.nn.Module`` whose parameters are in ``dtype``.
       flax_module: its NNX twin, with the same module tree (a path names the same module
-        in both) and parameters in ``dtype``.
+        in both) and parameters in ``dtype``; or a :class:`~flax_ln.parity.flax_side.Linen` module
+        with its variables, or a :class:`~flax_ln.parity.flax_side.Function` over a parameter
+        pytree: both need ``weights``, are filled on copies, and ``forward``'s flax function
+        receives ``run`` (``run(*a, **k)`` applies the module or the function to the filled
+        variables). A ``Function`` has no modules to localise (``report.localization_note``
+        says so) and takes no ``mesh``.
       inputs: one NumPy array or a tuple of them, passed positionally to both forwards.
         Floating inputs are differentiated.
       flax_inputs: the flax side's inputs when their layout differs (NLC against NCL):
