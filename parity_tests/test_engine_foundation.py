@@ -3,15 +3,27 @@ same way on both sides, and what never passes (nothing compared, frozen paramete
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
+from flax import linen, nnx
 
-from flax_ln.parity import Case, ParityReport, Tolerance, check_case, compare_modules, compare_tensors
+from flax_ln.parity import (
+    Case,
+    Function,
+    KeyMap,
+    Linen,
+    ParityReport,
+    Tolerance,
+    check_case,
+    compare_modules,
+    compare_tensors,
+)
 
 WIDTH = 6
+KINDS = ["nnx", "linen", "function"]  # the three kinds of flax side; engine tests run on each
 
 
 # ---- records are copies ------------------------------------------------------------------------
@@ -63,17 +75,113 @@ class FlaxStack(nnx.Module):
         return self.head(x)
 
 
-def test_an_in_place_residual_after_a_norm_does_not_move_the_blame():
+class LinenBlock(linen.Module):
+    eps: float
+    dtype: jnp.dtype | None = None
+
+    @linen.compact
+    def __call__(self, x):
+        h = linen.Dense(WIDTH, dtype=self.dtype, name="lin")(x)
+        return linen.LayerNorm(self.eps, dtype=self.dtype, use_fast_variance=False, name="norm")(h) + x
+
+
+class LinenStack(linen.Module):
+    """FlaxStack in Linen: its blocks are ``blocks_0`` and ``blocks_1`` (a list in ``setup``)."""
+
+    eps_of_block_1: float
+    dtype: jnp.dtype | None = None
+
+    def setup(self):
+        self.blocks = [LinenBlock(1e-5, self.dtype), LinenBlock(self.eps_of_block_1, self.dtype)]
+        self.head = linen.Dense(3, dtype=self.dtype)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def function_stack(params, x, *, eps_of_block_1=1e-5, dtype=None):
+    """FlaxStack as a function over ``{"blocks": [{"w", "b", "g", "beta"}, ...], "head": {"w", "b"}}``."""
+    cast = (lambda a: a) if dtype is None else (lambda a: jnp.asarray(a, dtype))
+    x = cast(x)
+    for block, eps in zip(params["blocks"], (1e-5, eps_of_block_1)):
+        h = x @ cast(block["w"]) + cast(block["b"])
+        mean = h.mean(-1, keepdims=True)
+        var = jnp.square(h - mean).mean(-1, keepdims=True)
+        x = (h - mean) * jax.lax.rsqrt(var + eps) * cast(block["g"]) + cast(block["beta"]) + x
+    return x @ cast(params["head"]["w"]) + cast(params["head"]["b"])
+
+
+LINEN_STACK_MAP = KeyMap(
+    [
+        (r"blocks\.(\d+)\.lin\.weight", r"blocks_\1.lin.kernel", "o i -> i o"),
+        (r"blocks\.(\d+)\.(lin|norm)\.bias", r"blocks_\1.\2.bias", None),
+        (r"blocks\.(\d+)\.norm\.weight", r"blocks_\1.norm.scale", None),
+        (r"head\.weight", "head.kernel", "o i -> i o"),
+        (r"head\.bias", "head.bias", None),
+    ]
+)
+FUNCTION_STACK_MAP = KeyMap(
+    [
+        (r"blocks\.(\d+)\.lin\.weight", r"blocks.\1.w", "o i -> i o"),
+        (r"blocks\.(\d+)\.lin\.bias", r"blocks.\1.b", None),
+        (r"blocks\.(\d+)\.norm\.weight", r"blocks.\1.g", None),
+        (r"blocks\.(\d+)\.norm\.bias", r"blocks.\1.beta", None),
+        (r"head\.weight", "head.w", "o i -> i o"),
+        (r"head\.bias", "head.b", None),
+    ]
+)
+
+
+def stack_params(dtype=np.float32):
+    """A Function's params for the stack, of the right shapes (zeros: the comparison fills them)."""
+    block = {"w": np.zeros((WIDTH, WIDTH), dtype), "b": np.zeros(WIDTH, dtype)}
+    block |= {"g": np.zeros(WIDTH, dtype), "beta": np.zeros(WIDTH, dtype)}
+    return {"blocks": [dict(block), dict(block)], "head": {"w": np.zeros((WIDTH, 3), dtype), "b": np.zeros(3, dtype)}}
+
+
+def stack(kind, eps_of_block_1=1e-5, dtype=None, param_dtype=jnp.float32):
+    """The stack's flax side of ``kind`` and the options it is compared with (``weights=`` for Linen/Function)."""
+    if kind == "nnx":
+        model = FlaxStack(eps_of_block_1, rngs=nnx.Rngs(0))
+        if dtype is not None:
+            for _, module in nnx.iter_modules(model):
+                if hasattr(module, "dtype"):
+                    module.dtype = dtype
+        return model, {}
+    if kind == "linen":
+        module = LinenStack(eps_of_block_1, dtype)
+        variables = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, WIDTH), param_dtype))
+        variables = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, param_dtype), variables)
+        return Linen(module, variables), {"weights": LINEN_STACK_MAP}
+    apply = lambda p, x: function_stack(p, x, eps_of_block_1=eps_of_block_1, dtype=dtype)  # noqa: E731
+    return Function(apply, stack_params(param_dtype)), {"weights": FUNCTION_STACK_MAP}
+
+
+# where the planted eps of the stack's blocks.1.norm is named on the flax side
+FLAX_NORM_1 = {"nnx": "blocks.1.norm", "linen": "blocks_1.norm"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_in_place_residual_after_a_norm_does_not_move_the_blame(kind):
     torch.manual_seed(0)
     torch_model = TorchInPlaceStack()
     x = np.random.default_rng(0).standard_normal((2, 4, WIDTH)).astype(np.float32)
-    assert compare_modules(torch_model, FlaxStack(1e-5, rngs=nnx.Rngs(0)), x).passed  # the faithful twin
-    report = compare_modules(torch_model, FlaxStack(0.5, rngs=nnx.Rngs(0)), x)  # eps planted in blocks.1.norm
+    flax, options = stack(kind)
+    assert compare_modules(torch_model, flax, x, **options).passed  # the faithful twin
+    flax, options = stack(kind, 0.5)
+    report = compare_modules(torch_model, flax, x, **options)  # eps planted in blocks.1.norm
     assert not report.passed
+    if kind == "function":  # no modules: the report says so, and every output and gradient is still compared
+        assert report.first_divergence is None and report.isolation is None
+        assert "localisation needs modules" in str(report) and report.to_json()["localization_note"]
+        assert not report["blocks.1.norm.weight"].passed and report["head.bias"].passed  # d/d bias: the cotangent
+        return
     assert report.first_divergence is not None and report.first_divergence.module == "blocks.1.norm", str(report)
     assert report.isolation.culprits == ["blocks.1.norm"], str(report)
-    assert report.first_divergence.flax_module == "blocks.1.norm"  # mirrored trees: the same path
-    assert report.isolation.flax_culprits == ["blocks.1.norm"]
+    assert report.first_divergence.flax_module == FLAX_NORM_1[kind]  # mirrored NNX trees: the same path
+    assert report.isolation.flax_culprits == [FLAX_NORM_1[kind]]
     assert report.ties == {} and report.to_json()["ties"] == {}
     # every module before the planted mistake agrees, blocks.0.norm (whose output torch changes in place) included
     errors = {r.name: r for r in report.module_errors}
@@ -318,12 +426,15 @@ class FlaxOffByOnePercent(FlaxPartlyFrozen):
 # ---- what isolated mode and the verdict blame ----------------------------------------------------
 
 
-def test_isolated_mode_does_not_blame_modules_whose_own_error_is_within_tolerance_on_a_nan_input():
+@pytest.mark.parametrize("kind", ["nnx", "linen"])  # isolated mode needs modules
+def test_isolated_mode_does_not_blame_modules_whose_own_error_is_within_tolerance_on_a_nan_input(kind):
     torch.manual_seed(0)
     x = np.random.default_rng(5).standard_normal((2, 4, WIDTH)).astype(np.float32)
     x[0, 1, 2] = np.nan
-    report = compare_modules(TorchInPlaceStack(), FlaxStack(1e-5, rngs=nnx.Rngs(0)), x)
+    flax, options = stack(kind)
+    report = compare_modules(TorchInPlaceStack(), flax, x, **options)
     assert not report.passed and report["output"].nonfinite  # the verdict stays NONFINITE
+    assert report.isolation.results, str(report)  # modules were run alone
     tolerance = report.isolation.results[0].tolerance
     for r in report.isolation.results:
         if r.name in report.isolation.culprits:
@@ -358,3 +469,213 @@ def test_an_integer_output_that_differs_is_not_blamed_on_the_backward_pass():
     text = str(report)
     assert "backward" not in text, text
     assert "output[1]" in text.splitlines()[-2] + text.splitlines()[-1], text
+
+
+# ---- the three kinds of flax side: every option of the engine works for each -----------------------
+
+
+def stack_input(seed=7):
+    return np.random.default_rng(seed).standard_normal((2, 4, WIDTH)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_mode_attribution_and_lm_metrics_for_every_kind(kind):
+    """float32 policy: the same math on both sides, XLA's and torch's reduction orders apart (~1e-7)."""
+    torch.manual_seed(0)
+    flax, options = stack(kind)
+    report = compare_modules(TorchInPlaceStack(), flax, stack_input(), mode="jvp", **options)
+    assert report.passed, str(report)
+    assert {r.kind for r in report.results} == {"output", "tangent"}
+    flax, options = stack(kind)
+    report = compare_modules(TorchInPlaceStack(), flax, stack_input(), attribute=True, lm_logits="output", **options)
+    assert report.passed, str(report)
+    # both sides against torch's float64 run: float32 rounding only; flax's float64 twin: float64 rounding only
+    assert report["output"].flax_vs_float64 < 1e-5 and report["output"].torch_vs_float64 < 1e-5
+    assert report.attribution["flax_float64_rel"] < 1e-12
+    assert report.lm_metrics["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_compute_with_float32_parameters_for_every_kind(kind):
+    """The engine's bfloat16 policy (outputs 2e-2, gradients 4e-2, all gradients as one vector 3e-2), against the
+    float32 torch module: every parameter gradient comes back float32, under torch's names."""
+    torch.manual_seed(0)
+    flax, options = stack(kind, dtype=jnp.bfloat16)
+    report = compare_modules(TorchInPlaceStack(), flax, stack_input(), dtype="bfloat16", **options)
+    assert report.passed, str(report)
+    assert report["output"].relative_error > 1e-5  # it did compute in bfloat16
+    grads = [r for r in report.results if r.kind == "param grad"]
+    assert len(grads) == 10 and "all parameter gradients" in [r.name for r in report.results]
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_a_mesh_for_the_module_kinds(kind):
+    from flax_ln.sharding import make_mesh
+
+    torch.manual_seed(0)
+    flax, options = stack(kind)
+    report = compare_modules(TorchInPlaceStack(), flax, stack_input(), mesh=make_mesh(1, jax.devices()[:1]), **options)
+    assert report.passed, str(report)
+    assert {"blocks.0.lin.kernel", "blocks_0.lin.kernel"} & set(report.sharding["params"]), report.sharding
+
+
+def test_what_linen_and_function_sides_need_is_a_clear_error():
+    torch.manual_seed(0)
+    for kind in ("linen", "function"):
+        flax, _ = stack(kind)
+        with pytest.raises(TypeError, match=r"weights=KeyMap"):
+            compare_modules(TorchInPlaceStack(), flax, stack_input())
+    flax, options = stack("function")
+    from flax_ln.sharding import make_mesh
+
+    with pytest.raises(ValueError, match="mesh= is not supported for a flax_ln.parity.Function"):
+        compare_modules(TorchInPlaceStack(), flax, stack_input(), mesh=make_mesh(1, jax.devices()[:1]), **options)
+    with pytest.raises(TypeError, match=r"Linen\(module, variables"):
+        compare_modules(TorchInPlaceStack(), LinenStack(1e-5), stack_input(), weights=LINEN_STACK_MAP)
+
+
+@pytest.mark.parametrize("kind", ["linen", "function"])
+def test_the_callers_variables_are_not_modified(kind):
+    torch.manual_seed(0)
+    if kind == "linen":
+        variables = LinenStack(1e-5).init(jax.random.key(0), jnp.zeros((1, WIDTH)))
+        flax, weights = Linen(LinenStack(1e-5), variables), LINEN_STACK_MAP
+        tree = variables
+    else:
+        tree = stack_params()
+        flax, weights = Function(lambda p, x: function_stack(p, x), tree), FUNCTION_STACK_MAP
+    before = [np.array(leaf, copy=True) for leaf in jax.tree.leaves(tree)]
+    structure = jax.tree.structure(tree)
+    assert compare_modules(TorchInPlaceStack(), flax, stack_input(), weights=weights).passed
+    assert jax.tree.structure(tree) == structure
+    assert all(np.array_equal(a, b) for a, b in zip(before, jax.tree.leaves(tree)))
+    assert not np.array_equal(before[0], torch.nn.Linear(WIDTH, WIDTH).weight.detach().numpy())  # not torch's
+
+
+class LinenScaled(linen.Module):
+    @linen.compact
+    def __call__(self, x, scale, *, deterministic):
+        assert deterministic is True
+        return linen.Dense(WIDTH, name="lin")(x) * scale
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eval_flags_and_common_kwargs_go_through_the_flax_forward_for_every_kind(kind):
+    torch.manual_seed(0)
+    x = np.random.default_rng(1).standard_normal((2, WIDTH)).astype(np.float32)
+    kwargs = {"scale": np.float32(2.0)}
+    lin_map = {"linen": ("lin.kernel", "lin.bias"), "function": ("w", "b")}
+    if kind == "nnx":
+        flax, options = FlaxScaled(rngs=nnx.Rngs(0)), {}
+    elif kind == "linen":
+        flax = Linen(LinenScaled(), LinenScaled().init(jax.random.key(0), x, 1.0, deterministic=True))
+    else:
+
+        def scaled(params, x, scale, *, deterministic):
+            assert deterministic is True
+            return (x @ params["w"] + params["b"]) * scale
+
+        flax = Function(scaled, {"w": np.zeros((WIDTH, WIDTH), np.float32), "b": np.zeros(WIDTH, np.float32)})
+    if kind != "nnx":
+        kernel, bias = lin_map[kind]
+        options = {"weights": KeyMap([(r"lin\.weight", kernel, "o i -> i o"), (r"lin\.bias", bias, None)])}
+    report = compare_modules(TorchScaled(), flax, x, kwargs=kwargs, forward=(None, flax_deterministic), **options)
+    assert report.passed, str(report)
+    assert [r.name for r in report.results] == ["output", "grad input 0", "lin.weight", "lin.bias"]
+
+
+class TorchNormed(torch.nn.Module):
+    """Linear -> BatchNorm1d (eval: its running statistics) -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.bn = torch.nn.BatchNorm1d(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, 3)
+        with torch.no_grad():
+            self.bn.running_mean.copy_(torch.linspace(-0.5, 0.5, WIDTH))
+            self.bn.running_var.copy_(torch.linspace(0.5, 2.0, WIDTH))
+            self.bn.weight.copy_(torch.linspace(0.8, 1.2, WIDTH))
+
+    def forward(self, x):
+        return self.head(self.bn(self.lin(x)))
+
+
+class LinenNormed(linen.Module):
+    eps: float = 1e-5
+
+    @linen.compact
+    def __call__(self, x):
+        h = linen.BatchNorm(use_running_average=True, epsilon=self.eps, name="bn")(linen.Dense(WIDTH, name="lin")(x))
+        return linen.Dense(3, name="head")(h)
+
+
+NORMED_MAP = KeyMap(
+    [
+        (r"(lin|head)\.weight", r"\1.kernel", "o i -> i o"),
+        (r"(lin|head|bn)\.bias", r"\1.bias", None),
+        (r"bn\.weight", "bn.scale", None),
+        (r"bn\.running_mean", "batch_stats.bn.mean", None),
+        (r"bn\.running_var", "batch_stats.bn.var", None),
+        (r"bn\.num_batches_tracked", None, None),
+    ]
+)
+
+
+def test_linen_batch_stats_are_filled_from_torch_buffers_and_not_differentiated():
+    """float32 policy. The running statistics move the output (a planted eps shows), have no gradient, and
+    the planted eps is named on both sides."""
+    torch.manual_seed(0)
+    x = np.random.default_rng(2).standard_normal((5, WIDTH)).astype(np.float32)
+    variables = LinenNormed().init(jax.random.key(0), x)
+    assert set(variables) == {"params", "batch_stats"}
+    report = compare_modules(TorchNormed(), Linen(LinenNormed(), variables), x, weights=NORMED_MAP)
+    assert report.passed, str(report)
+    grads = {r.name for r in report.results if r.kind == "param grad"}
+    assert grads == {"lin.weight", "lin.bias", "bn.weight", "bn.bias", "head.weight", "head.bias"}
+    report = compare_modules(TorchNormed(), Linen(LinenNormed(0.3), variables), x, weights=NORMED_MAP)
+    assert (report.first_divergence.module, report.first_divergence.flax_module) == ("bn", "bn"), str(report)
+    assert (report.isolation.culprits, report.isolation.flax_culprits) == (["bn"], ["bn"])
+
+
+class TorchTied(torch.nn.Module):
+    """Embedding and output projection that are one Parameter (two state-dict keys)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, WIDTH)
+        self.mix = torch.nn.Linear(WIDTH, WIDTH)
+        self.out = torch.nn.Linear(WIDTH, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mix(self.embed(ids))))
+
+
+class LinenTied(linen.Module):
+    """Ties inside ``__call__``: one variable serves as the embedding and the head (``embed.attend``)."""
+
+    @linen.compact
+    def __call__(self, ids):
+        embed = linen.Embed(11, WIDTH, name="embed")
+        return embed.attend(jnp.tanh(linen.Dense(WIDTH, name="mix")(embed(ids))))
+
+
+def test_a_linen_port_that_ties_in_its_call_counts_the_tie_once():
+    """Both torch aliases fill the one Linen variable; its gradient holds both uses and is compared once, under the
+    canonical name. float32 policy."""
+    torch.manual_seed(0)
+    ids = np.random.default_rng(0).integers(0, 11, (2, 5))
+    key_map = KeyMap(
+        [
+            (r"(embed|out)\.weight", "embed.embedding", None),
+            (r"mix\.weight", "mix.kernel", "o i -> i o"),
+            (r"mix\.bias", "mix.bias", None),
+        ]
+    )
+    variables = LinenTied().init(jax.random.key(0), ids)
+    report = compare_modules(TorchTied(), Linen(LinenTied(), variables), ids, weights=key_map)
+    assert report.passed, str(report)
+    assert {r.name for r in report.results if r.kind == "param grad"} == {"embed.weight", "mix.weight", "mix.bias"}
+    assert report.ties["embed.weight"].torch_aliases == ("embed.weight", "out.weight")
+    assert report.ties["embed.weight"].flax_paths == ("embed.embedding",)

@@ -460,3 +460,88 @@ def test_a_variable_shared_in_two_places_in_the_port_counts_once(x64):
     report = assert_parity(model, _SharedFlax(nnx.Rngs(0)), (ids,), weights=key_map)
     assert {r.name for r in report.results if r.kind == "param grad"} == {"embed.weight", "mix.weight", "mix.bias"}
     assert report.ties["embed.weight"].torch_aliases == ("embed.weight", "out.weight")
+
+
+# ---- a Linen port and a Function port, through flax_ln.parity.Linen / Function ---------------------------
+
+from examples.ports import mlp_function, vit_linen  # noqa: E402
+from flax_ln.parity import Function, Linen  # noqa: E402
+
+
+def linen_vit(dtype, **fields):
+    """The Linen ViT and its variables, abstract (shapes only): the comparison fills a copy through the key map."""
+    module = vit_linen.ViT(vit_linen.config_from_hf(hf_vit().config), param_dtype=getattr(jnp, dtype), **fields)
+    variables = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, IMAGE_VIT, IMAGE_VIT, 3)))
+    return Linen(module, variables)
+
+
+def linen_parity(dtype, flax, **options):
+    hf = hf_vit().to(getattr(torch, dtype))
+    x = images(IMAGE_VIT).astype(dtype)
+    return compare_modules(
+        hf, flax, (x,), flax_inputs=(x.transpose(0, 2, 3, 1),), weights=vit_linen.KEY_MAP, forward=LOGITS, **options
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_linen_vit_passes_under_the_policy(float64_islands, dtype):
+    """float32 policy (outputs 1e-5, gradients 1e-4), and float64 (1e-12, 1e-10) with ViT's eager softmax, a float32
+    island in transformers, computed in float64 (``float64_islands``). Every gradient under torch's names."""
+    with jax.enable_x64(dtype == "float64"):
+        report = linen_parity(dtype, linen_vit(dtype))
+    assert report.passed, str(report)
+    assert {r.name for r in report.results if r.kind == "param grad"} == {n for n, _ in hf_vit().named_parameters()}
+
+
+def test_planted_tanh_gelu_in_the_linen_vit_is_named_on_both_sides(float64_islands, x64):
+    """tanh GELU in block 0's MLP, float64 policy: the GELU is inline in the MLP module, so isolated mode names the
+    MLP on both sides; the first divergence is fc2, fed the difference."""
+    report = linen_parity("float64", linen_vit("float64", tanh_gelu_blocks=(0,)))
+    assert not report.passed
+    fd = report.first_divergence
+    assert (fd.module, fd.flax_module) == ("vit.layers.0.mlp.fc2", "blocks_0.mlp.fc2"), str(report)
+    assert not fd.inputs[0].passed
+    assert (report.isolation.culprits, report.isolation.flax_culprits) == (["vit.layers.0.mlp"], ["blocks_0.mlp"])
+    assert "first divergence: vit.layers.0.mlp.fc2 <-> blocks_0.mlp.fc2  (" in str(report)
+    # q/k/v kernels are (d, heads, head_dim): their outputs have no axis permutation onto torch's; the reason is kept
+    assert "not one axis permutation apart" in report.module_skipped["vit.layers.0.attention.q_proj"]
+
+
+def test_planted_layer_norm_eps_in_the_linen_vit_is_named_on_both_sides():
+    """eps 1e-3 instead of 1e-12 in block 1's second LayerNorm, float32 policy: named on both sides."""
+    report = linen_parity("float32", linen_vit("float32", ln_2_eps=((1, 1e-3),)))
+    assert not report.passed
+    _named(report, "vit.layers.1.layernorm_after", "blocks_1.ln_2")
+
+
+class TorchMLP(torch.nn.Module):
+    """``x + fc2(gelu(fc1(norm(x))))``: the torch twin of examples/ports/mlp_function."""
+
+    def __init__(self, width=16, hidden=32):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc1, self.fc2 = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_function_mlp_passes_under_the_policy(dtype):
+    """float32 and float64 policies: the same math in plain jax.numpy, op-order rounding only."""
+    torch_model = randomized(TorchMLP()).to(getattr(torch, dtype))
+    x = np.random.default_rng(4).standard_normal((BATCH, SEQ, 16)).astype(dtype)
+    with jax.enable_x64(dtype == "float64"):
+        flax = Function(mlp_function.apply, mlp_function.init(16, 32, dtype))
+        report = assert_parity(torch_model, flax, (x,), weights=mlp_function.KEY_MAP)
+    assert {r.name for r in report.results if r.kind == "param grad"} == {n for n, _ in torch_model.named_parameters()}
+
+
+def test_planted_tanh_gelu_in_the_function_mlp_fails_and_says_localisation_needs_modules():
+    torch_model = randomized(TorchMLP())
+    x = np.random.default_rng(4).standard_normal((BATCH, SEQ, 16)).astype(np.float32)
+    flax = Function(lambda p, x: mlp_function.apply(p, x, approximate=True), mlp_function.init(16, 32))
+    report = compare_modules(torch_model, flax, (x,), weights=mlp_function.KEY_MAP)
+    assert not report.passed and not report["fc1.weight"].passed
+    assert report.first_divergence is None and report.isolation is None
+    assert "localisation needs modules" in str(report)

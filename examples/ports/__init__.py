@@ -9,6 +9,10 @@ embeddings kept as two variables. Each module's ``KEY_MAP`` (a
 * :mod:`.resnet`: ``ResNetForImageClassification`` (bottleneck blocks, BatchNorm statistics, NHWC);
 * :mod:`.vit`: ``ViTForImageClassification`` (patch embedding, erf GELU, fused q/k/v kernel).
 
+Two more show the other kinds of flax side: :mod:`.vit_linen`, the ViT in Linen
+(``flax_ln.parity.Linen``), and :mod:`.mlp_function`, a ``jax.numpy`` MLP over a dict of arrays
+(``flax_ln.parity.Function``).
+
 None of them imports torch or transformers; ``config_from_hf`` reads a transformers
 config's attributes only.
 """

@@ -15,7 +15,7 @@ from flax_ln.convert.hf import (
     read_hf_gpt2,
     save_hf_gpt2,
 )
-from flax_ln.convert.keymap import KeyMap, KeyPlan, Target, Tie, find_ties
+from flax_ln.convert.keymap import KeyMap, KeyPlan, LinenTree, PytreeTree, Target, Tie, fill_tree, find_ties
 from flax_ln.convert.rules import (
     RULES,
     ConversionError,
@@ -40,12 +40,15 @@ __all__ = [
     "KeyMap",
     "KeyPlan",
     "Leaf",
+    "LinenTree",
     "MissingRuleError",
     "ModuleRule",
     "Permute",
+    "PytreeTree",
     "RULES",
     "Target",
     "Tie",
+    "fill_tree",
     "find_ties",
     "gpt_config_from_hf",
     "hf_config_from_gpt",

@@ -47,7 +47,8 @@ full state dict also loads a checkpoint saved without an alias.
 its :class:`Target` variables (canonical dotted path, slice, layout), both directions of
 each layout, the ties (:class:`Tie`, from :func:`find_ties`) and the torch-named sum of
 flax gradients (:meth:`KeyPlan.torch_gradients`). Paths are resolved through a
-:class:`VariableTree`; :class:`NNXTree` is the one for ``nnx.Module``.
+:class:`VariableTree`: :class:`NNXTree` for an ``nnx.Module``, :class:`LinenTree` for a Linen
+module's variables and :class:`PytreeTree` for a pytree of arrays.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import einops
+import jax
+import jax.numpy as jnp
 import numpy as np
 from einops.parsing import ParsedExpression
 from flax import nnx
@@ -366,8 +369,8 @@ def _parse_rule(index: int, item: Any) -> Rule:
 
 
 # ---------------------------------------------------------------------------------------------
-# The flax side: dotted paths to variables. NNX here; a Linen variables dict or a pytree of
-# arrays implements the same small protocol.
+# The flax side: dotted paths to variables. An NNX module, a Linen variables dict and a pytree
+# of arrays implement the same small protocol.
 
 
 @runtime_checkable
@@ -446,6 +449,112 @@ class NNXTree:
         """See :meth:`VariableTree.write`."""
         for path, value in values.items():
             _assign(self._vars[path], value)
+
+
+def _step(key: Any) -> str:
+    """One entry of a JAX key path as a dotted path's step: a dict key, a sequence index, an attribute name."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+class PytreeTree:
+    """:class:`VariableTree` of a pytree of arrays (a ``Function``'s ``params``): paths are its dict keys,
+    sequence indices and attribute names, dotted (``layers.0.w``).
+
+    Writes go into a copy: the caller's pytree (its containers and arrays) is never modified, and
+    :meth:`tree` rebuilds the pytree with the written values. Every floating leaf is required
+    (a parameter); other leaves are filled only where a rule names them. Leaves may be
+    ``jax.ShapeDtypeStruct`` (``jax.eval_shape``): only their shapes and dtypes are read
+    until they are written.
+    """
+
+    def __init__(self, tree: Any):
+        flat, self._treedef = jax.tree_util.tree_flatten_with_path(tree)
+        self._steps = [tuple(_step(k) for k in path) for path, _ in flat]
+        self._names = [self.name_of(steps) for steps in self._steps]
+        if len(set(self._names)) != len(self._names):
+            twice = sorted({n for n in self._names if self._names.count(n) > 1})
+            raise ValueError(f"two leaves of the pytree have one dotted path: {twice[:4]}; rename their keys")
+        self._leaves: dict[str, Any] = dict(zip(self._names, (leaf for _, leaf in flat)))
+
+    def name_of(self, steps: tuple[str, ...]) -> str:
+        """The dotted path of the leaf at key path ``steps``."""
+        return ".".join(steps)
+
+    def required(self, steps: tuple[str, ...], dtype: np.dtype) -> bool:
+        """Whether the leaf at ``steps`` must be filled by loading: every floating leaf."""
+        return bool(np.issubdtype(dtype, np.floating))
+
+    def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
+        """See :meth:`VariableTree.variables`."""
+        out = {}
+        for steps, name in zip(self._steps, self._names):
+            shape, dtype = _shape_dtype(self._leaves[name])
+            out[name] = (shape, dtype, self.required(steps, dtype))
+        return out
+
+    def lookup(self, path: str) -> str:
+        """See :meth:`VariableTree.lookup`."""
+        if path in self._leaves:
+            return path
+        if any(name.startswith(path + ".") for name in self._names):
+            raise KeyError(f"{path!r} names a subtree, not an array")
+        close = difflib.get_close_matches(path, self._names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"the pytree has no leaf {path!r}{hint}")
+
+    def read(self, path: str) -> np.ndarray:
+        """See :meth:`VariableTree.read`."""
+        return np.asarray(self._leaves[path])
+
+    def write(self, values: Mapping[str, np.ndarray]) -> None:
+        """See :meth:`VariableTree.write`: an owned copy in the leaf's dtype (the caller's leaf is not touched)."""
+        for path, value in values.items():
+            _, dtype = _shape_dtype(self._leaves[path])
+            self._leaves[path] = jnp.asarray(np.array(value, dtype=dtype, copy=True))
+
+    def tree(self) -> Any:
+        """The pytree with every written value (a new pytree; the unwritten leaves are the caller's)."""
+        return jax.tree_util.tree_unflatten(self._treedef, [self._leaves[n] for n in self._names])
+
+    def names(self, tree: Any) -> dict[str, Any]:
+        """``{dotted path: leaf}`` of a pytree with this tree's structure (its gradients, its tangents)."""
+        return dict(zip(self._names, jax.tree_util.tree_leaves(tree)))
+
+
+class LinenTree(PytreeTree):
+    """:class:`VariableTree` of a Linen module's variables (``{"params": ..., "batch_stats": ...}``).
+
+    A ``params`` variable is named by its keys below the collection, dotted
+    (``encoder.layer_0.attention.query.kernel``); a variable of another collection by the
+    collection first (``batch_stats.stages.0.bn.mean``). ``params`` and ``batch_stats`` are
+    required; other collections are filled only where a rule names them. Writes go into a copy.
+    """
+
+    def name_of(self, steps: tuple[str, ...]) -> str:
+        """See :meth:`PytreeTree.name_of`."""
+        return ".".join(steps[1:] if steps[:1] == ("params",) else steps)
+
+    def required(self, steps: tuple[str, ...], dtype: np.dtype) -> bool:
+        """``params`` and ``batch_stats`` variables must be filled."""
+        return steps[:1] in (("params",), ("batch_stats",))
+
+    def scope(self, name: str) -> tuple[str, ...]:
+        """The scope path (module path) of the variable ``name``: its keys below the collection, less the last."""
+        return self._steps[self._names.index(name)][1:-1]
+
+    def collection(self, name: str) -> str:
+        """The collection of the variable ``name``."""
+        return self._steps[self._names.index(name)][0]
+
+
+def _shape_dtype(leaf: Any) -> tuple[Shape, np.dtype]:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return tuple(leaf.shape), np.dtype(leaf.dtype)
+    array = np.asarray(leaf)
+    return tuple(array.shape), array.dtype
 
 
 _MISSING = object()
@@ -788,10 +897,20 @@ def load_with_key_map(model: _M, state_dict: Mapping[str, Any], key_map: KeyMap,
     """:func:`~flax_ln.convert.rules.load_torch_state_dict` with ``weights=key_map``: check all, then write."""
     if not isinstance(key_map, KeyMap):
         raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")
-    tree = NNXTree(model)
+    fill_tree(NNXTree(model), state_dict, key_map, strict=strict)
+    return model
+
+
+def fill_tree(tree: VariableTree, state_dict: Mapping[str, Any], key_map: KeyMap, *, strict: bool = True) -> KeyPlan:
+    """Fill ``tree``'s variables from a torch state dict through ``key_map``: check all, then write.
+
+    Every problem (as :meth:`KeyMap.resolve` finds them, and double fills that are neither
+    aliases of one tensor nor equal in value) is listed in one ``ConversionError`` and
+    nothing is written. Returns the plan.
+    """
     arrays = {k: _as_numpy(v) for k, v in state_dict.items()}
     ties = find_ties(arrays)
-    plan, problems = _plan(key_map, tree, _specs(arrays), ties, strict=strict)
+    plan, problems = _plan(key_map, tree, _specs(arrays), ties, strict=strict, stacklevel=5)
     converted: dict[tuple[str, str, int | None], np.ndarray] = {}
 
     def value(t: Target) -> np.ndarray:
@@ -823,7 +942,7 @@ def load_with_key_map(model: _M, state_dict: Mapping[str, Any], key_map: KeyMap,
                     whole[i] = arr
                 values[path] = whole
     tree.write(values)
-    return model
+    return plan
 
 
 def export_with_key_map(model: nnx.Module, key_map: KeyMap, like: Mapping[str, Any] | None) -> dict[str, np.ndarray]:

@@ -1,7 +1,8 @@
 """Cross-framework parity: the one engine behind ``flax-ln parity``, the tests and user code.
 
 :func:`compare_modules` / :func:`assert_parity` compare any torch module with its NNX
-twin (outputs, and the gradients of every floating input and every parameter, keyed by
+twin, a Linen module (:class:`Linen`) or a function over a parameter pytree (:class:`Function`)
+(outputs, and the gradients of every floating input and every parameter, keyed by
 torch name) under the one tolerance policy :data:`TOLERANCES`, and name the first
 submodule that diverges, and the module whose own computation differs (isolated mode).
 Options: forward mode (``mode="jvp"``), float64 attribution (``attribute=True``) and
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # the lazily imported names, for type checkers and documentat
         relative_error,
         zero_gradient_names,
     )
+    from flax_ln.parity.flax_side import Function, Linen
     from flax_ln.parity.report import FirstDivergence, Isolation, ParityReport, TensorResult
 
 # Imported on first use (PEP 562), so that ``flax-ln plan``, which lives in the same command
@@ -57,6 +59,7 @@ _LAZY = {
         "flax_ln.parity.engine",
     ),
     **dict.fromkeys(["FirstDivergence", "Isolation", "ParityReport", "TensorResult"], "flax_ln.parity.report"),
+    **dict.fromkeys(["Function", "Linen"], "flax_ln.parity.flax_side"),
 }
 
 
@@ -71,9 +74,11 @@ def __getattr__(name: str):
 __all__ = [
     "Case",
     "FirstDivergence",
+    "Function",
     "HALF_PRECISION",
     "Isolation",
     "KeyMap",
+    "Linen",
     "ParityReport",
     "TOLERANCES",
     "TensorResult",

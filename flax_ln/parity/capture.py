@@ -2,6 +2,9 @@
 
 torch: forward hooks on the submodules of one model, removed when the call ends.
 
+Linen: :func:`capture_linen`, a method interceptor (``flax.linen.intercept_methods``) for
+the duration of one call, keyed by scope path.
+
 flax: nothing is patched. For the duration of one call, a profile function
 (:func:`sys.setprofile`, this thread only) watches for frames of the methods that the
 model's own module classes define, and records a frame only when its ``self`` is one of
@@ -152,4 +155,43 @@ def capture_flax(model: nnx.Module, call: Callable[[], Any]) -> Records:
         call()
     finally:
         sys.setprofile(previous)
+    return records
+
+
+def _scope_path(module) -> str:
+    """A bound Linen module's scope path, dotted (:data:`WHOLE_MODEL` for the root)."""
+    return ".".join(map(str, module.path)) or WHOLE_MODEL
+
+
+def capture_linen(call: Callable[[], Any]) -> Records:
+    """Run ``call`` (one or more Linen ``apply``, eagerly) with the (positional inputs, outputs) of every
+    submodule recorded by dotted scope path, through ``flax.linen.intercept_methods``.
+
+    As for NNX: dict order is execution order, the outermost call of any of a module's methods is
+    recorded (``setup`` aside), the first completed call with a floating output is kept, and a call
+    traced inside a transform (an ``nn.scan`` body) holds no values and is not recorded.
+    """
+    from flax import linen
+
+    records: Records = {}
+    active: set[str] = set()
+
+    def interceptor(next_fun, args, kwargs, context):
+        if context.method_name == "setup":
+            return next_fun(*args, **kwargs)
+        path = _scope_path(context.module)
+        if path in active:
+            return next_fun(*args, **kwargs)
+        active.add(path)
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            active.discard(path)
+        outputs = floating_leaves(out)
+        if outputs and path not in records:
+            records[path] = (floating_leaves(list(args)), outputs)
+        return out
+
+    with linen.intercept_methods(interceptor):
+        call()
     return records

@@ -10,13 +10,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import KeyMap
+from flax_ln.convert import KeyMap, LinenTree
 from flax_ln.parity.call import Call, as_inputs, merge_dropped
-from flax_ln.parity.flax_side import NNXSide
-from flax_ln.parity.localize import isolate, localize, pair_modules
+from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.flax_side import Function, Linen, NNXSide, TreeSide, check_flax_side, load_side
+from flax_ln.parity.localize import isolate, isolate_linen, localize, localize_linen, pair_modules
 from flax_ln.parity.policy import (
     HALF_PRECISION,
     TOLERANCES,
@@ -40,7 +42,7 @@ _TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
 
 
 def _judge(
-    side: TorchSide, flax: NNXSide, call: Call, tolerances: Mapping[str, Tolerance], mesh
+    side: TorchSide, flax: NNXSide | TreeSide, call: Call, tolerances: Mapping[str, Tolerance], mesh
 ) -> tuple[ParityReport, dict[str, np.ndarray]]:
     """Every tensor of ``side.expected`` against the flax side's value: the report, not yet localised,
     and the flax side's values."""
@@ -89,7 +91,9 @@ def _lm_metrics(report: ParityReport, side: TorchSide, actual: Mapping[str, np.n
     report.lm_metrics = lm_metrics(actual[lm_logits], side.expected[lm_logits], lm_logits)
 
 
-def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], flax: NNXSide, call) -> None:
+def _attribute(
+    report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], flax: NNXSide | TreeSide, call
+) -> None:
     """Each tensor's error against float64 truth (torch's float64 run), on both sides; and how far the
     flax float64 twin is from that truth (float64 rounding if the two compute the same math)."""
     assert side.truth is not None
@@ -116,7 +120,7 @@ def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.nd
 def _flax_half(side: TorchSide, flax_module, call: Call, flax_inputs, tolerances, lm_logits, mesh, weights=None):
     """Load and run the flax side against ``side`` (through ``weights``, a key map, when given), compare, add
     the ties, LM metrics and attribution."""
-    flax = NNXSide.load(flax_module, side, None if flax_inputs is None else as_inputs(flax_inputs), weights)
+    flax = load_side(flax_module, side, None if flax_inputs is None else as_inputs(flax_inputs), weights)
     report, actual = _judge(side, flax, call, tolerances, mesh)
     report.ties = {} if flax.plan is None else dict(flax.plan.ties)
     if lm_logits is not None:
@@ -126,10 +130,27 @@ def _flax_half(side: TorchSide, flax_module, call: Call, flax_inputs, tolerances
     return report, flax
 
 
+NEEDS_MODULES = (
+    "localisation needs modules: a Function has no submodules to pair with torch's, so no first divergence "
+    "or isolated mode; every output and gradient is compared above"
+)
+
+
 def _localise(
-    report: ParityReport, side: TorchSide, flax: NNXSide, call: Call, tolerance: Tolerance, modules=None
+    report: ParityReport,
+    side: TorchSide,
+    flax: NNXSide | TreeSide,
+    call: Call,
+    tolerance: Tolerance,
+    modules=None,
 ) -> None:
     """The first divergence and isolated mode, from the torch side's records (when it has them)."""
+    if isinstance(flax, TreeSide) and isinstance(flax.kind, Function):
+        report.localization_note = NEEDS_MODULES
+        return
+    if isinstance(flax, TreeSide):
+        _localise_linen(report, side, flax, call, tolerance, modules)
+        return
     pairs = pair_modules(
         flax.model, plan=flax.plan, torch_keys=list(side.state_dict), modules=modules, orders=flax.orders
     )
@@ -143,6 +164,26 @@ def _localise(
         report.isolation = isolate(
             side.records, side.calls, flax.model, tolerance, pairs=pairs, flax_records=flax_records
         )
+
+
+def _localise_linen(report: ParityReport, side: TorchSide, flax: TreeSide, call: Call, tolerance, modules) -> None:
+    """:func:`_localise` for a Linen module: its submodules recorded during one ``apply`` each."""
+    if side.records is None:
+        return
+    parts = flax.model.parts()
+
+    def forward():
+        run = parts.build(parts.params, parts.rest)
+        args = [jnp.asarray(x) for x in flax.inputs]
+        kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in side.kwargs.items()}
+        return call_forward(call.forward[1], run, args, kwargs)
+
+    assert isinstance(flax.model.tree, LinenTree)
+    report.module_errors, report.first_divergence, pairs = localize_linen(
+        side.records, forward, flax.model.tree, flax.plan, list(side.state_dict), tolerance, modules, flax.orders
+    )
+    report.module_skipped = dict(pairs.skipped)
+    report.isolation = isolate_linen(side.records, forward, tolerance, pairs=pairs)
 
 
 def _stamp(report: ParityReport, started: float, stored_dtype: str | None) -> ParityReport:
@@ -176,6 +217,11 @@ def compare_side(
     unsharded. ``stored_dtype`` is named in the report.
     """
     started = time.perf_counter()
+    if isinstance(flax_module, (Linen, Function)):
+        raise TypeError(
+            "compare_side (a stored reference file) takes an NNX module; Linen and Function flax sides are "
+            "compared live, with compare_modules(..., weights=KeyMap(...))"
+        )
     tolerances = TOLERANCES[side.dtype] if tolerances is None else tolerances
     call = side.call(forward, loss)
     with numerics(side.dtype):
@@ -187,7 +233,7 @@ def compare_side(
 
 def compare_modules(
     torch_module,
-    flax_module: nnx.Module,
+    flax_module: nnx.Module | Linen | Function,
     inputs,
     *,
     flax_inputs=None,
@@ -227,7 +273,12 @@ def compare_modules(
     Args:
       torch_module: a ``torch.nn.Module`` whose parameters are in ``dtype``.
       flax_module: its NNX twin, with the same module tree (a path names the same module
-        in both) and parameters in ``dtype``.
+        in both) and parameters in ``dtype``; or a :class:`~flax_ln.parity.flax_side.Linen` module
+        with its variables, or a :class:`~flax_ln.parity.flax_side.Function` over a parameter
+        pytree: both need ``weights``, are filled on copies, and ``forward``'s flax function
+        receives ``run`` (``run(*a, **k)`` applies the module or the function to the filled
+        variables). A ``Function`` has no modules to localise (``report.localization_note``
+        says so) and takes no ``mesh``.
       inputs: one NumPy array or a tuple of them, passed positionally to both forwards.
         Floating inputs are differentiated.
       flax_inputs: the flax side's inputs when their layout differs (NLC against NCL):
@@ -291,6 +342,7 @@ def compare_modules(
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
     """
     started = time.perf_counter()
+    check_flax_side(flax_module, weights, mesh)
     dtype = _resolve_dtype(torch_module, dtype)
     call = Call.make(inputs, input_names=input_names, kwargs=kwargs, forward=forward, loss=loss, mode=mode)
     tolerances = TOLERANCES[dtype] if tolerances is None else tolerances
@@ -300,12 +352,13 @@ def compare_modules(
         )
         report, flax = _flax_half(side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, weights)
         if capture_modules or (localize_failures and not report.passed):
-            record_torch_side(side, torch_module, call.forward[0])
+            if not (isinstance(flax_module, Function)):  # a Function has no modules to pair the records with
+                record_torch_side(side, torch_module, call.forward[0])
             _localise(report, side, flax, call, tolerances["output"], modules)
     return _stamp(report, started, stored_dtype)
 
 
-def assert_parity(torch_module, flax_module: nnx.Module, inputs, **options) -> ParityReport:
+def assert_parity(torch_module, flax_module: nnx.Module | Linen | Function, inputs, **options) -> ParityReport:
     """:func:`compare_modules` (same arguments, ``mesh`` included) for tests: raises ``AssertionError``
     with the readable report (the worst tensors and the localisation) unless everything is within
     tolerance. Returns the report when it passes."""

@@ -6,18 +6,28 @@ import dataclasses
 import inspect
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import KeyPlan, rules
+from flax_ln.convert import KeyPlan, LinenTree, rules
 from flax_ln.convert.keymap import ArrayLayout, _parse_layout
 from flax_ln.parity.call import call as call_forward
 from flax_ln.parity.call import is_float
-from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records, Unsupported, capture_flax, floating_leaves
+from flax_ln.parity.capture import (
+    WHOLE_MODEL,
+    Calls,
+    Records,
+    Unsupported,
+    _scope_path,
+    capture_flax,
+    capture_linen,
+    floating_leaves,
+)
 from flax_ln.parity.policy import Tolerance, compare_tensors
 from flax_ln.parity.report import FirstDivergence, Isolation, TensorResult
 
@@ -26,13 +36,13 @@ from flax_ln.parity.report import FirstDivergence, Isolation, TensorResult
 class Pairs:
     """Torch submodules paired with flax submodules, for localisation and isolated mode.
 
-    ``modules``: torch path -> flax module; ``flax_paths``: torch path -> dotted flax path
-    (the root is :data:`WHOLE_MODEL` on both sides); ``layouts``: torch path -> the pair's own
+    ``modules``: torch path -> flax module (NNX; for Linen, its dotted scope path); ``flax_paths``: torch
+    path -> dotted flax path (the root is :data:`WHOLE_MODEL` on both sides); ``layouts``: torch path -> the pair's own
     activation layout (torch -> flax), from ``modules=``; ``skipped``: torch path -> why a pair's
     activations could not be compared; ``key_map``: the pairs were found through a key map.
     """
 
-    modules: dict[str, nnx.Module]
+    modules: dict[str, Any]
     flax_paths: dict[str, str]
     layouts: dict[str, ArrayLayout] = dataclasses.field(default_factory=dict)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -65,15 +75,19 @@ def _whole(names: frozenset, sizes: Mapping[str, int]) -> frozenset:
     return frozenset(out)
 
 
-def _by_parameters(root: nnx.Module, plan: KeyPlan, torch_keys: Sequence[str], removed: set[str]) -> dict[str, str]:
-    """torch path -> flax path of the submodules whose parameters map exactly onto each other's (see
-    :func:`pair_modules`)."""
+def _filled_and_sizes(plan: KeyPlan) -> tuple[set[str], dict[str, int]]:
+    """The flax variables the plan fills, and the number of slices of each stacked one."""
     filled = {t.path for ts in plan.targets.values() for t in ts}
-    sizes = {t.path: t.index + 1 for ts in plan.targets.values() for t in ts if t.index is not None}
+    sizes: dict[str, int] = {}
     for targets in plan.targets.values():
         for target in targets:
             if target.index is not None:
-                sizes[target.path] = max(sizes[target.path], target.index + 1)
+                sizes[target.path] = max(sizes.get(target.path, 0), target.index + 1)
+    return filled, sizes
+
+
+def _nnx_groups(root: nnx.Module, filled: set[str]) -> dict[frozenset, list[tuple[str, ...]]]:
+    """The filled variables of each NNX submodule -> the submodules' paths."""
     canonical = _canonical_variables(root)
     flax_groups: dict[frozenset, list[tuple[str, ...]]] = {}
     for path, module in nnx.iter_modules(root):
@@ -84,9 +98,21 @@ def _by_parameters(root: nnx.Module, plan: KeyPlan, torch_keys: Sequence[str], r
         )
         if own:
             flax_groups.setdefault(own, []).append(tuple(map(str, path)))
+    return flax_groups
+
+
+def _by_parameters(
+    flax_groups: Mapping[frozenset, list[tuple[str, ...]]],
+    plan: KeyPlan,
+    torch_keys: Sequence[str],
+    removed: set[str],
+    sizes: Mapping[str, int],
+) -> dict[str, str]:
+    """torch path -> flax path of the submodules whose parameters map exactly onto each other's (see
+    :func:`pair_modules`); ``flax_groups``: each flax module's filled variables -> the modules' paths."""
     prefixes = {".".join(key.split(".")[:i]) for key in torch_keys for i in range(1, key.count(".") + 1)}
     torch_groups: dict[frozenset, list[str]] = {}
-    for prefix in prefixes - removed:
+    for prefix in sorted(prefixes - removed):
         names = _whole(plan.flax_names(k for k in torch_keys if k.startswith(prefix + ".")), sizes)
         if names:
             torch_groups.setdefault(names, []).append(prefix)
@@ -136,7 +162,20 @@ def pair_modules(
             flax_paths[torch_paths.get(path, path) or WHOLE_MODEL] = path or WHOLE_MODEL
     else:
         removed = {t for t, given in (modules or {}).items() if given is None}
-        flax_paths = _by_parameters(flax_module, plan, torch_keys, removed)
+        filled, sizes = _filled_and_sizes(plan)
+        flax_paths = _by_parameters(_nnx_groups(flax_module, filled), plan, torch_keys, removed, sizes)
+    return _given_pairs(flax_paths, by_flax_path, modules, orders, plan is not None, "as nnx.iter_modules")
+
+
+def _given_pairs(
+    flax_paths: dict[str, str],
+    by_flax_path: Mapping[str, Any],
+    modules: Mapping[str, Any] | None,
+    orders: Sequence[tuple[int, ...]],
+    key_map: bool,
+    named: str,
+) -> Pairs:
+    """The automatic pairs ``flax_paths`` (torch path -> flax path), the roots and ``modules=`` added."""
     flax_paths[WHOLE_MODEL] = WHOLE_MODEL
     layouts: dict[str, ArrayLayout] = {}
     for torch_path, given in (modules or {}).items():
@@ -147,14 +186,14 @@ def pair_modules(
         if path not in by_flax_path:
             raise ValueError(
                 f"modules={{{torch_path!r}: {path!r}}}: the flax model has no module at {path!r}; its modules: "
-                f"{sorted(p for p in by_flax_path if p != WHOLE_MODEL)[:12]} ... (dotted paths, as nnx.iter_modules)"
+                f"{sorted(p for p in by_flax_path if p != WHOLE_MODEL)[:12]} ... (dotted paths, {named})"
             )
         flax_paths[torch_path] = path
         if layout is not None:
             layouts[torch_path] = _parse_layout(layout)
     paired = {t: by_flax_path[f] for t, f in flax_paths.items() if f in by_flax_path}
     hints = [tuple(o) for o in orders if tuple(o) != tuple(range(len(o)))]
-    return Pairs(paired, flax_paths, layouts, {}, plan is not None, hints)
+    return Pairs(paired, flax_paths, layouts, {}, key_map, hints)
 
 
 def _permutation(source: tuple, target: tuple, hints: Sequence[tuple[int, ...]] = ()) -> tuple[int, ...] | str:
@@ -250,7 +289,13 @@ def localize(
     f_kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
     records = capture_flax(flax_module, lambda: call_forward(forward, flax_module, f_args, f_kwargs))
     flax_records = {t: records[f] for t, f in pairs.flax_paths.items() if f in records}
+    return (*_first_divergence(torch_records, flax_records, tolerance, pairs), flax_records)
 
+
+def _first_divergence(
+    torch_records: Records, flax_records: Records, tolerance: Tolerance, pairs: Pairs
+) -> tuple[list[TensorResult], FirstDivergence | None]:
+    """Every paired submodule's output error (``flax_records`` by torch path), and the first that diverges."""
     errors, divergence = [], None
     for path, (t_ins, t_outs) in torch_records.items():
         if path not in flax_records or path not in pairs.modules:
@@ -265,7 +310,7 @@ def localize(
         if divergence is None and not worst.passed:
             inputs = _compare_activations("input", module, f_ins, t_ins, tolerance, pairs, path)
             divergence = FirstDivergence(path, inputs, outputs, pairs.flax_paths[path], pairs.key_map)
-    return errors, divergence, flax_records
+    return errors, divergence
 
 
 def _positional_count(module) -> int | None:
@@ -370,6 +415,11 @@ def isolate(
                 results.append(dataclasses.replace(max(compared, key=lambda r: r.excess), name=path))
             else:
                 skipped[path] = pairs.skipped.get(path, "its outputs do not match torch's in number or shape")
+    return _isolation(results, skipped, pairs)
+
+
+def _isolation(results: list[TensorResult], skipped: dict[str, str], pairs: Pairs) -> Isolation:
+    """The culprits: the failing modules none of whose own submodules fails (see :func:`isolate`)."""
     failing = [r.name for r in results if not _within_tolerance(r)]
 
     def inside(child: str, parent: str) -> bool:
@@ -377,3 +427,127 @@ def isolate(
 
     culprits = [p for p in failing if not any(inside(q, p) for q in failing if q != p)]
     return Isolation(results, skipped, culprits, [pairs.flax_paths[p] for p in culprits])
+
+
+# ---------------------------------------------------------------------------------------------
+# Linen: submodules by scope path, recorded (and run on torch's inputs) during one apply
+
+
+def _linen_groups(tree: LinenTree, filled: set[str], recorded: Iterable[str]) -> dict[frozenset, list[tuple[str, ...]]]:
+    """The filled variables under each Linen scope path -> the scope paths (every prefix of a variable's
+    scope, and every module that ran)."""
+    scopes = {name: tree.scope(name) for name in filled}
+    paths = {scope[:i] for scope in scopes.values() for i in range(len(scope) + 1)}
+    paths |= {tuple(p.split(".")) if p != WHOLE_MODEL else () for p in recorded}
+    groups: dict[frozenset, list[tuple[str, ...]]] = {}
+    for path in sorted(paths):
+        own = frozenset(name for name, scope in scopes.items() if scope[: len(path)] == path)
+        if own:
+            groups.setdefault(own, []).append(path)
+    return groups
+
+
+def localize_linen(
+    torch_records: Records,
+    forward: Callable[[], Any],
+    tree: LinenTree,
+    plan: KeyPlan,
+    torch_keys: Sequence[str],
+    tolerance: Tolerance,
+    modules: Mapping[str, Any] | None = None,
+    orders: Sequence[tuple[int, ...]] = (),
+) -> tuple[list[TensorResult], FirstDivergence | None, Pairs]:
+    """:func:`localize` for a Linen module: ``forward()`` runs one ``apply`` eagerly, during which every
+    submodule's inputs and outputs are recorded by dotted scope path (:func:`capture_linen`); submodules pair
+    with torch's by their parameters, as with a key map (:func:`pair_modules`), ``modules=`` naming scope paths.
+
+    Returns:
+      the errors, the first divergence, and the pairs (for :func:`isolate_linen`).
+    """
+    records = capture_linen(forward)
+    filled, sizes = _filled_and_sizes(plan)
+    removed = {t for t, given in (modules or {}).items() if given is None}
+    groups = _linen_groups(tree, filled, records)
+    flax_paths = _by_parameters(groups, plan, torch_keys, removed, sizes)
+    known = {".".join(p) or WHOLE_MODEL for ps in groups.values() for p in ps} | set(records)
+    pairs = _given_pairs(flax_paths, {p: p for p in known}, modules, orders, True, "Linen scope paths")
+    flax_records = {t: records[f] for t, f in pairs.flax_paths.items() if f in records}
+    return (*_first_divergence(torch_records, flax_records, tolerance, pairs), pairs)
+
+
+def _substitute(pairs: Pairs, path: str, args: Sequence[Any], torch_inputs: list[np.ndarray]) -> tuple | str:
+    """The flax call's positional ``args`` with their floating arrays replaced, in order, by torch's recorded
+    floating inputs put into the flax layout (each onto the shape flax's own had); or why they cannot be."""
+    leaves, treedef = jax.tree_util.tree_flatten(list(args))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return "its call is traced (inside nn.scan, nn.remat or another transform): it cannot be run alone"
+    floats = [i for i, x in enumerate(leaves) if isinstance(x, (np.ndarray, jax.Array)) and is_float(x)]
+    if floats and not torch_inputs:
+        return "torch's call has no floating positional input to put in place of flax's"
+    for k, i in enumerate(floats[: len(torch_inputs)]):
+        moved = _to_flax(pairs, path, pairs.modules[path], torch_inputs[k], np.shape(leaves[i]))
+        if isinstance(moved, str):
+            return f"input {k}: {moved}"
+        leaves[i] = jnp.asarray(moved, leaves[i].dtype)
+    return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def isolate_linen(
+    torch_records: Records, forward: Callable[[], Any], tolerance: Tolerance, *, pairs: Pairs
+) -> Isolation:
+    """:func:`isolate` for a Linen module: the first call of each paired submodule is intercepted
+    (``flax.linen.intercept_methods``) and made on torch's recorded inputs instead of its own (floating
+    positional arrays, in order, in the flax layout; the other arguments as flax passed them), its own
+    submodules running as usual; its output is recorded and passed on. One eager ``apply``
+    (``forward()``) per nesting depth, so that no isolated module runs inside another. A submodule whose
+    call is traced (an ``nn.scan`` body), or whose inputs do not fit, is skipped with the reason.
+    """
+    from flax import linen
+
+    by_flax = {f: t for t, f in pairs.flax_paths.items() if t in pairs.modules and t in torch_records}
+    outputs: dict[str, list[np.ndarray]] = {}
+    skipped: dict[str, str] = {}
+
+    def depth(path: str) -> int:
+        return 0 if path == WHOLE_MODEL else path.count(".") + 1
+
+    for level in sorted({depth(f) for f in by_flax}):
+        done: set[str] = set()
+
+        def interceptor(next_fun, args, kwargs, context, level=level, done=done):
+            path = _scope_path(context.module) if context.method_name != "setup" else ""
+            torch_path = by_flax.get(path)
+            if torch_path is None or path in done or depth(path) != level:
+                return next_fun(*args, **kwargs)
+            done.add(path)
+            prepared = _substitute(pairs, torch_path, args, torch_records[torch_path][0])
+            if isinstance(prepared, str):
+                skipped[torch_path] = prepared
+                return next_fun(*args, **kwargs)
+            out = next_fun(*prepared, **kwargs)
+            outputs[torch_path] = floating_leaves(out)
+            return out
+
+        try:
+            with linen.intercept_methods(interceptor):
+                forward()
+        except Exception as err:  # noqa: BLE001 - any failure is reported as the reason these were not isolated
+            reason = f"the flax apply on torch's inputs raised {type(err).__name__}: {str(err)[:120]}"
+            skipped.update({t: reason for f, t in by_flax.items() if depth(f) == level and t not in outputs})
+    results = []
+    for torch_path, (_, t_outs) in torch_records.items():
+        if torch_path not in by_flax.values() or torch_path in skipped:
+            continue
+        if torch_path not in outputs:
+            skipped[torch_path] = "not called during the flax apply"
+            continue
+        module = pairs.modules[torch_path]
+        compared = _compare_activations("output", module, outputs[torch_path], t_outs, tolerance, pairs, torch_path)
+        if compared:
+            results.append(dataclasses.replace(max(compared, key=lambda r: r.excess), name=torch_path))
+        else:
+            skipped[torch_path] = pairs.skipped.get(torch_path, "its outputs do not match torch's in number or shape")
+    for torch_path in torch_records:
+        if torch_path not in pairs.modules:
+            skipped.setdefault(torch_path, "no flax module holds its parameters")
+    return _isolation(results, skipped, pairs)

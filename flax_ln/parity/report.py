@@ -110,6 +110,7 @@ class ParityReport:
     dropped_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # output leaves not compared: types
     ties: dict[str, Tie] = dataclasses.field(default_factory=dict)  # torch keys holding one tensor -> flax copies
     module_skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # pairs localisation could not compare
+    localization_note: str | None = None  # why localisation did not run (a Function has no modules)
 
     @property
     def passed(self) -> bool:
@@ -153,6 +154,7 @@ class ParityReport:
             "frozen": self.frozen,
             "dropped_outputs": self.dropped_outputs,
             "ties": {name: tie.to_json() for name, tie in self.ties.items()},
+            "localization_note": self.localization_note,
         }
 
     @property
@@ -314,6 +316,8 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
         lines.append("no submodule output diverges: the difference arises in the backward pass or the loss")
     if report.isolation is not None:
         lines.append(report.isolation.describe())
+    if report.localization_note is not None:
+        lines.append(report.localization_note)
     if quiet:
         kept = (
             "summary:",
@@ -324,6 +328,7 @@ def format_report(report: ParityReport, *, worst: int = 8, quiet: bool = False) 
             "LM metrics",
             "attribution:",
             "nothing compared",
+            "localisation needs",
         )
         lines = [line for line in lines if line.startswith(kept)]
         lines[0] = f"{report.title} {lines[0]}"
