@@ -64,21 +64,40 @@ def noam_adam(
     return optax.adam(noam_schedule(d_model, factor, warmup), b1=b1, b2=b2, eps=eps)
 
 
+def _squares_flattened(leaf: jax.Array) -> jax.Array:
+    """The sum of ``leaf``'s squares, as a 1-D reduction of its flattened copy (in at least float32)."""
+    flat = jax.lax.optimization_barrier(leaf.reshape(-1))  # (size,)
+    flat = flat.astype(jnp.promote_types(flat.dtype, jnp.float32))
+    return jnp.sum(flat * flat)
+
+
+def _squares_in_place(leaf: jax.Array) -> jax.Array:
+    """The sum of ``leaf``'s squares over its own shape (in at least float32): local under any sharding."""
+    leaf = jax.lax.optimization_barrier(leaf)
+    leaf = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
+    return jnp.sum(leaf * leaf)
+
+
 def global_norm(tree) -> jax.Array:
     """``sqrt(sum of every leaf's squared entries)``, the value of ``optax.global_norm``.
 
-    Each leaf is flattened behind an optimisation barrier before its squares are summed.
-    XLA:CPU lays some gradients out column-major (GPT-2's 768x50257 ``lm_head`` kernel,
-    produced by a transposed matmul) and rewrites a sum over such a 2-D array into a
-    padded 32x32 windowed reduction that runs single-threaded, a large share of a GPT-2 124M
-    training step (benchmarks/RESULTS.md). Flattened first (a copy only where the layout is not row-major), the
-    sum is an ordinary 1-D reduction. Accumulated in at least float32.
+    Each leaf's squares are summed behind an optimisation barrier, in at least float32; how
+    the leaf is read depends on the platform the step is compiled for (``lax.platform_dependent``):
+
+    * XLA:CPU: flattened first. XLA:CPU lays some gradients out column-major (GPT-2's
+      768x50257 ``lm_head`` kernel, produced by a transposed matmul) and rewrites a sum over
+      such a 2-D array into a padded 32x32 windowed reduction that runs single-threaded, a
+      large share of a GPT-2 124M training step (benchmarks/RESULTS.md). Flattened (a copy
+      only where the layout is not row-major), the sum is an ordinary 1-D reduction.
+    * Elsewhere (TPU, GPU): summed in place. Flattening an array split over ``fsdp`` along any
+      axis but its first is not a local operation: XLA gathers the whole gradient onto every
+      device for it. For GPT-2XL's scanned layers under FSDP that held every layer's float32
+      gradient on every chip, 9.4 GiB of temporaries per chip more than the in-place sum
+      (``docs/tpu.md``).
     """
 
     def squares(leaf):
-        flat = jax.lax.optimization_barrier(leaf.reshape(-1))  # (size,)
-        flat = flat.astype(jnp.promote_types(flat.dtype, jnp.float32))
-        return jnp.sum(flat * flat)
+        return jax.lax.platform_dependent(leaf, cpu=_squares_flattened, default=_squares_in_place)
 
     return jnp.sqrt(sum(squares(leaf) for leaf in jax.tree.leaves(tree)))
 
