@@ -255,7 +255,8 @@ def make_train_step(
         placed. ``None``: as the input arrays are placed (NumPy inputs: replicated). Given as a
         :class:`TrainState` of shardings, the parameters that it splits along an axis other than
         their largest are gathered whole where the loss uses them
-        (:func:`flax_ln.sharding.gather_uneven_parameters`).
+        (:func:`flax_ln.sharding.gather_uneven_parameters`), and each gradient is constrained
+        to its parameter's sharding.
       batch_sharding: sharding of the batch (a prefix of it, e.g. one ``NamedSharding``
         for every array); ``None``: as the input arrays are placed.
     """
@@ -270,6 +271,10 @@ def make_train_step(
             return loss, nnx.split(model, nnx.Param, ...)[2]  # type: ignore[misc]  # as in init_train_state
 
         (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        if isinstance(state_sharding, TrainState):
+            # each gradient split as its parameter is: left to propagation, XLA also chose other
+            # layouts for them, which held more per chip (GPT-2 124M on v5e:2x4, fsdp 8: 1.16 -> 1.01 GiB)
+            grads = jax.lax.with_sharding_constraint(grads, state_sharding.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), rest, opt_state), loss
 
