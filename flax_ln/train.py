@@ -20,12 +20,14 @@ step. It is generic over the loss and the optax transformation::
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -72,34 +74,54 @@ def _squares_flattened(leaf: jax.Array) -> jax.Array:
 
 
 def _squares_in_place(leaf: jax.Array) -> jax.Array:
-    """The sum of ``leaf``'s squares over its own shape (in at least float32): local under any sharding."""
+    """The sum of ``leaf``'s squares over its own shape (in at least float32): local however it is split."""
     leaf = jax.lax.optimization_barrier(leaf)
     leaf = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
     return jnp.sum(leaf * leaf)
 
 
-def global_norm(tree) -> jax.Array:
+# The shardings of the gradients being clipped, while make_train_step traces its step (a pytree like them).
+_GRADIENT_SHARDINGS: contextvars.ContextVar[Any] = contextvars.ContextVar("gradient_shardings", default=None)
+
+
+def _flattening_is_local(leaf: jax.Array, sharding: Any) -> bool:
+    """Whether ``leaf.reshape(-1)`` needs no communication: ``sharding`` splits at most its first axis."""
+    if not isinstance(sharding, jax.sharding.Sharding) or not np.ndim(leaf):
+        return True
+    return tuple(sharding.shard_shape(np.shape(leaf)))[1:] == tuple(np.shape(leaf))[1:]
+
+
+def global_norm(tree, shardings: Any = None) -> jax.Array:
     """``sqrt(sum of every leaf's squared entries)``, the value of ``optax.global_norm``.
 
-    Each leaf's squares are summed behind an optimisation barrier, in at least float32; how
-    the leaf is read depends on the platform the step is compiled for (``lax.platform_dependent``):
+    Each leaf's squares are summed behind an optimisation barrier, in at least float32, and
+    the leaf is flattened first wherever that is a local operation. XLA:CPU lays some
+    gradients out column-major (GPT-2's 768x50257 ``lm_head`` kernel, produced by a transposed
+    matmul) and rewrites a sum over such a 2-D array into a padded 32x32 windowed reduction that
+    runs single-threaded, a large share of a GPT-2 124M training step (benchmarks/RESULTS.md).
+    Flattened (a copy only where the layout is not row-major), the sum is an ordinary 1-D
+    reduction; on a TPU, too, the flattened sums hold less memory. But a leaf split along any
+    axis but its first cannot be flattened in place: XLA gathers it whole onto every device
+    for it. Such a leaf is summed in place. For GPT-2XL's scanned layers under FSDP, flattening
+    held every layer's float32 gradient on every chip (``docs/tpu.md``).
 
-    * XLA:CPU: flattened first. XLA:CPU lays some gradients out column-major (GPT-2's
-      768x50257 ``lm_head`` kernel, produced by a transposed matmul) and rewrites a sum over
-      such a 2-D array into a padded 32x32 windowed reduction that runs single-threaded, a
-      large share of a GPT-2 124M training step (benchmarks/RESULTS.md). Flattened (a copy
-      only where the layout is not row-major), the sum is an ordinary 1-D reduction.
-    * Elsewhere (TPU, GPU): summed in place. Flattening an array split over ``fsdp`` along any
-      axis but its first is not a local operation: XLA gathers the whole gradient onto every
-      device for it. For GPT-2XL's scanned layers under FSDP that held every layer's float32
-      gradient on every chip, 9.4 GiB of temporaries per chip more than the in-place sum
-      (``docs/tpu.md``).
+    Args:
+      tree: the arrays (traced or not).
+      shardings: their shardings, a pytree like ``tree``; ``None``: the shardings of the
+        gradients that :func:`make_train_step` is clipping, when it is tracing its step, else
+        every leaf is taken to be whole on each device.
     """
-
-    def squares(leaf):
-        return jax.lax.platform_dependent(leaf, cpu=_squares_flattened, default=_squares_in_place)
-
-    return jnp.sqrt(sum(squares(leaf) for leaf in jax.tree.leaves(tree)))
+    leaves = jax.tree.leaves(tree)
+    shardings = _GRADIENT_SHARDINGS.get() if shardings is None else shardings
+    placements = jax.tree.leaves(shardings) if shardings is not None else []
+    if len(placements) != len(leaves):  # not these arrays' shardings (another tree): take each as whole
+        placements = [None] * len(leaves)
+    return jnp.sqrt(
+        sum(
+            _squares_flattened(leaf) if _flattening_is_local(leaf, sharding) else _squares_in_place(leaf)
+            for leaf, sharding in zip(leaves, placements)
+        )
+    )
 
 
 def clip_by_global_norm_like_torch(max_norm: float, eps: float = 1e-6) -> optax.GradientTransformation:
@@ -255,8 +277,8 @@ def make_train_step(
         placed. ``None``: as the input arrays are placed (NumPy inputs: replicated). Given as a
         :class:`TrainState` of shardings, the parameters that it splits along an axis other than
         their largest are gathered whole where the loss uses them
-        (:func:`flax_ln.sharding.gather_uneven_parameters`), and each gradient is constrained
-        to its parameter's sharding.
+        (:func:`flax_ln.sharding.gather_uneven_parameters`), each gradient is constrained
+        to its parameter's sharding, and :func:`global_norm` is told those shardings.
       batch_sharding: sharding of the batch (a prefix of it, e.g. one ``NamedSharding``
         for every array); ``None``: as the input arrays are placed.
     """
@@ -275,7 +297,11 @@ def make_train_step(
             # each gradient split as its parameter is: left to propagation, XLA also chose other
             # layouts for them, which held more per chip (GPT-2 124M on v5e:2x4, fsdp 8: 1.16 -> 1.01 GiB)
             grads = jax.lax.with_sharding_constraint(grads, state_sharding.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        token = _GRADIENT_SHARDINGS.set(state_sharding.params if isinstance(state_sharding, TrainState) else None)
+        try:  # global_norm reads how the gradients are split
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        finally:
+            _GRADIENT_SHARDINGS.reset(token)
         return TrainState(optax.apply_updates(state.params, updates), rest, opt_state), loss
 
     donate_argnums = (1,) if donate else ()

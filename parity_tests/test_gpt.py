@@ -748,10 +748,9 @@ def test_bad_inputs_raise_before_compute():
         torch_ref.GPT(SMALL)(torch.zeros(1, 17, dtype=torch.long))
 
 
-def test_global_norm_flattens_on_cpu_only(x64):
-    """The two ways ``global_norm`` reads a leaf give the same sum, and each is lowered for its platform:
-    flattened for XLA:CPU, in place for TPU and GPU (flattening an array split over ``fsdp`` along
-    any axis but its first gathers it whole onto every device: GPT-2XL's scanned gradients, docs/tpu.md)."""
+def test_global_norm_sums_flattened_or_in_place_alike(x64):
+    """The two ways ``global_norm`` reads a leaf give the same sum; a leaf of unknown sharding is flattened
+    (which split leaves are summed in place instead: test_sharding.py, on 8 devices)."""
     from flax_ln.train import _squares_flattened, _squares_in_place, global_norm
 
     leaf = jnp.asarray(np.random.default_rng(1).normal(size=(3, 4, 5)))
@@ -759,9 +758,7 @@ def test_global_norm_flattens_on_cpu_only(x64):
     for squares in (_squares_flattened, _squares_in_place):
         # float64 sums of the same 60 numbers, in another order: a few float64 roundings
         np.testing.assert_allclose(float(jax.jit(squares)(leaf)), expected, rtol=1e-14)
-    for platform, flattened in (("cpu", True), ("tpu", False), ("cuda", False)):
-        text = jax.jit(global_norm).trace({"w": leaf}).lower(lowering_platforms=(platform,)).as_text()
-        assert ("stablehlo.reshape" in text) is flattened, platform
+    assert "stablehlo.reshape" in jax.jit(global_norm).lower({"w": leaf}).as_text()
 
 
 def test_global_norm_and_clip_match_torch(x64):

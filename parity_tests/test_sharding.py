@@ -92,7 +92,18 @@ AGREEMENT = textwrap.dedent("""
         sharded = recipes.sharded_step(recipes.gpt_setup(odd, batch=16, seq_len=64), make_mesh(fsdp))
         traced = sharded.step.trace(sharded.graphdef, sharded.abstract_state, sharded.abstract_batch)
         temps[fsdp] = traced.lower().compile().memory_analysis().temp_size_in_bytes
-    print("RESULT " + json.dumps({"runs": out, "temp_bytes": temps}))
+
+    # the gradient clip's norm flattens a leaf only where that is local: unsplit, or split along its first axis
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from flax_ln.train import global_norm
+    mesh8 = make_mesh(8)
+    leaf = jax.ShapeDtypeStruct((16, 24), np.float32)
+    flattened = {}
+    for name, spec in {"whole": None, "first axis": P("fsdp", None), "second axis": P(None, "fsdp")}.items():
+        shardings = None if spec is None else {"w": NamedSharding(mesh8, spec)}
+        lowered = jax.jit(lambda t: global_norm(t, shardings)).lower({"w": leaf})
+        flattened[name] = "stablehlo.reshape" in lowered.as_text()
+    print("RESULT " + json.dumps({"runs": out, "temp_bytes": temps, "flattened": flattened}))
 """)
 
 
@@ -121,6 +132,12 @@ def test_one_vs_eight_devices_same_losses(eight_devices):
     assert out["4x2"]["kernel_shard"] == [64, 128] and out["4x2"]["kernel_devices"] == 8
     assert out["8x1"]["kernel_spec"] == str(P()) and out["8x1"]["kernel_shard"] == [64, 256]
     print({name: r["losses"] for name, r in out.items()})
+
+
+@pytest.mark.slow
+def test_global_norm_flattens_only_where_that_is_local(eight_devices):
+    # flattening a leaf split along any axis but its first would gather it whole onto every device
+    assert eight_devices["flattened"] == {"whole": True, "first axis": True, "second axis": False}
 
 
 @pytest.mark.slow
