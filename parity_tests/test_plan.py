@@ -140,7 +140,7 @@ def test_fsdp_divides_the_arguments(tiny):
 def test_batch_over_data_and_fsdp_cuts_temporaries(tiny):
     # each chip's share is 2 sequences instead of all 8. At this size XLA's propagation already splits most
     # activations under the old rule (measured: 328 against 365 MB), so only the direction is asserted; at
-    # GPT-2 124M's size the old rule took 6.52 GiB at fsdp 8 against 1.61 now (benchmarks/RESULTS.md)
+    # GPT-2 124M's size the old rule took 6.44 GiB at fsdp 8 against 1.01 now (benchmarks/RESULTS.md)
     after, before = tiny["base"]["per_chip"]["temp_bytes"], tiny["data_only"]["per_chip"]["temp_bytes"]
     assert after < before, (after, before)
 
