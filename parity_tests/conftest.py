@@ -2,9 +2,6 @@ import importlib.util
 import json
 import os
 
-import pytest
-from hypothesis import HealthCheck, settings
-
 # With libtpu installed (jax[tpu], for the TPU planner), a JAX start would look for TPU chips and query the
 # TPU metadata server first: then the tests run on the CPU unless JAX_PLATFORMS says otherwise (flax_ln.plan's
 # child process compiles for TPU topologies all the same). Without libtpu (a GPU machine) nothing changes.
@@ -12,26 +9,9 @@ if importlib.util.find_spec("libtpu") is not None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
-
-def _pin_this_xdist_worker() -> None:
-    """Give each pytest-xdist worker its own share of the CPUs (``-n auto``: one core each).
-
-    XLA:CPU and torch size their thread pools to the CPUs a process may run on, so two
-    workers on two cores would otherwise run four compute threads that preempt each other.
-    Pinned before JAX or torch starts, each worker's pools have the threads of its own
-    share; the subprocesses a test starts inherit it. A serial run (``-n 0``) is not pinned.
-    """
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if not (worker and count and hasattr(os, "sched_setaffinity")):
-        return
-    cpus, index, count_ = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw")), int(count)
-    if count_ <= len(cpus):
-        os.sched_setaffinity(0, cpus[index::count_])
-
-
-_pin_this_xdist_worker()
-
-import jax  # noqa: E402 - after the environment above and the pinning
+import jax  # noqa: E402 - after the environment above
+import pytest
+from hypothesis import HealthCheck, settings
 
 # Parity is defined at full float32 matmul precision (XLA's GPU/TPU default is lower).
 jax.config.update("jax_default_matmul_precision", "highest")
