@@ -62,7 +62,9 @@ else
   "$PY" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" \
     || { echo "JAX does not see a GPU: refusing to call this a GPU parity run" >&2; exit 1; }
 fi
-timeout "${PARITY_TIMEOUT:-420}" "$PY" -m pytest "${PARITY[@]}" -q -x -p no:cacheprovider \
+# -n 0: one process. pyproject's -n auto would start a worker per core, and on a GPU machine each worker's JAX
+# would preallocate most of the one GPU's memory.
+timeout "${PARITY_TIMEOUT:-420}" "$PY" -m pytest "${PARITY[@]}" -q -x -n 0 -p no:cacheprovider \
   ${OUT_DIR:+--junitxml "$OUT_DIR/parity.xml"} || { echo "parity: FAILED or timed out (rc $?)"; status=1; }
 
 echo "== done (status $status)"

@@ -82,6 +82,7 @@ def test_gpu_script_dry_run(tmp_path):
     assert "GPT-2 124M bf16 training step (target mfu >= 0.5)" in out
     assert "| config | dropout | batch | seq_len | params | step_ms | tokens_per_s | mfu |" in out
     assert "passed" in out and "== done (status 0)" in out
+    assert "bringing up nodes" not in out  # the parity step runs in one process (-n 0), not one worker per core
     assert (tmp_path / "gpu_bench.json").exists() and (tmp_path / "parity.xml").exists()
 
 
