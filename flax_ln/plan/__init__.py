@@ -841,7 +841,3 @@ def main_args(args, prog: str = "flax-ln plan") -> int:
 def plan_or_exit(request: dict, json_path: str | None, prog: str) -> int:
     """For the examples' ``--compile-only``: run ``request`` and finish as ``flax-ln plan`` does."""
     return finish(run(request), json_path, prog)
-
-
-if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1], sys.argv[2]))
