@@ -168,6 +168,7 @@ def compile_only(args) -> int:
     import sys
 
     from flax_ln import plan
+    from flax_ln.cli.plan import plan_or_exit
     from flax_ln.convert.hf import gpt_config_from_hf
 
     if args.checkpoint is None:
@@ -196,7 +197,7 @@ def compile_only(args) -> int:
         return 2
     request["scan_layers"] = args.scan_layers
     request["devices"] = 1  # generate() runs on one device
-    return plan.plan_or_exit(request, args.plan_json, "generate_gpt2.py")
+    return plan_or_exit(request, args.plan_json, "generate_gpt2.py")
 
 
 def main(argv=None) -> list[list[int]] | int:

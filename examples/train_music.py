@@ -417,6 +417,7 @@ def train(args, mesh) -> None:
 def compile_only(args) -> int:
     """``--compile-only TOPOLOGY``: the plan of this script's own step for a TPU topology (``flax_ln.plan``)."""
     from flax_ln import plan
+    from flax_ln.cli.plan import plan_or_exit
 
     config = CONFIGS[args.config]
     try:
@@ -434,7 +435,7 @@ def compile_only(args) -> int:
         print(f"train_music.py: error: {str(e).replace('--topology', '--compile-only')}", file=sys.stderr)
         return 2
     request["scan_layers"] = args.scan_layers  # this script's own layout (the planner's default is scanned)
-    return plan.plan_or_exit(request, args.plan_json, "train_music.py")
+    return plan_or_exit(request, args.plan_json, "train_music.py")
 
 
 def main(argv=None) -> int:

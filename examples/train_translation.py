@@ -228,6 +228,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def compile_only(args, setup_kwargs: dict) -> int:
     """``--compile-only TOPOLOGY``: the plan of this script's own step for a TPU topology (``flax_ln.plan``)."""
     from flax_ln import plan
+    from flax_ln.cli.plan import plan_or_exit
 
     kwargs = {k: v for k, v in setup_kwargs.items() if k not in ("batch", "seed")}
     try:
@@ -243,7 +244,7 @@ def compile_only(args, setup_kwargs: dict) -> int:
     except plan.PlanError as e:
         print(f"train_translation.py: error: {str(e).replace('--topology', '--compile-only')}", file=sys.stderr)
         return 2
-    return plan.plan_or_exit(request, args.plan_json, "train_translation.py")
+    return plan_or_exit(request, args.plan_json, "train_translation.py")
 
 
 def main(argv=None) -> dict | int:

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compiler refuses it for lack of memory), 2 for a usage error (also: libtpu missing, an op that cannot "
         "run on TPU). The numbers are compiled-for-TPU figures, not measurements on a TPU.",
     )
-    from flax_ln.plan import add_arguments as add_plan_arguments  # torch-free; imports JAX only to compile
+    from flax_ln.cli.plan import add_arguments as add_plan_arguments  # torch-free; imports JAX only to compile
 
     add_plan_arguments(plan)
     return parser
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "plan":
-        from flax_ln.plan import main_args  # torch-free: never imports the parity engine
+        from flax_ln.cli.plan import main_args  # torch-free: never imports the parity engine
 
         return main_args(args)
     _validate(parser, args)

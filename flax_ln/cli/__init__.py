@@ -1,0 +1,1 @@
+"""The ``flax-ln`` command line."""
