@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from flax_ln import plan
+from flax_ln.plan import compiling
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = "v5e:2x2"
@@ -241,7 +242,7 @@ def test_plan_imports_neither_torch_nor_the_parity_engine():
 
 
 def test_missing_libtpu_is_a_usage_error_with_the_install_line(monkeypatch):
-    monkeypatch.setattr(plan, "libtpu_missing", lambda: "libtpu is not installed: pip install ...")
+    monkeypatch.setattr(compiling, "libtpu_missing", lambda: "libtpu is not installed: pip install ...")
     result = plan.run(plan.make_request("gpt2", TOPOLOGY))
     assert result["exit_code"] == 2 and "pip install" in result["error"] and PINNED <= set(result)
 
@@ -261,7 +262,7 @@ def test_the_install_line_names_the_installed_jax():
 
 def test_not_lowerable_float64_names_the_op_and_the_code(x64):
     jaxpr = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(np.ones(3, np.float64))
-    message = plan._find_not_lowerable(jaxpr)
+    message = plan.find_not_lowerable(jaxpr)
     assert message and "sin produces float64" in message and "test_plan.py" in message, message
 
 
@@ -269,9 +270,9 @@ def test_not_lowerable_host_callback_names_the_op():
     def f(x):
         return jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
-    message = plan._find_not_lowerable(jax.make_jaxpr(jax.jit(f))(np.ones(3, np.float32)))
+    message = plan.find_not_lowerable(jax.make_jaxpr(jax.jit(f))(np.ones(3, np.float32)))
     assert message and "host callback (pure_callback)" in message and "test_plan.py" in message, message
-    assert plan._find_not_lowerable(jax.make_jaxpr(jnp.sin)(np.ones(3, np.float32))) is None
+    assert plan.find_not_lowerable(jax.make_jaxpr(jnp.sin)(np.ones(3, np.float32))) is None
 
 
 @pytest.mark.slow
@@ -294,7 +295,7 @@ def test_cpu_only_custom_call_is_refused_naming_it(libtpu):
         capture_output=True,
         text=True,
         env=plan.child_env(),
-        preexec_fn=plan._raised_stack,
+        preexec_fn=plan.raised_stack,
     )
     assert "REFUSED cannot compile for TPU: the custom call 'my_cpu_only_kernel'" in proc.stdout, (
         proc.stdout + proc.stderr[-2000:]

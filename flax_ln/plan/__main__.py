@@ -1,7 +1,7 @@
-"""``python -m flax_ln.plan REQUEST_FILE RESULT_FILE``: the planner's child process (started by :func:`run_many`)."""
+"""``python -m flax_ln.plan REQUEST_FILE RESULT_FILE``: the child process that :func:`flax_ln.plan.run_many` starts."""
 
 import sys
 
-from flax_ln.plan import child_main
+from flax_ln.plan.search import child_main
 
 sys.exit(child_main(sys.argv[1], sys.argv[2]))
