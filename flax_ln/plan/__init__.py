@@ -8,11 +8,8 @@ with) on a mesh of those devices, with an abstract state (``jax.eval_shape``: no
 allocated), compiles it with the TPU compiler and reads the bytes per chip from
 ``memory_analysis()``. Nothing runs on a TPU; the numbers are compiled-for-TPU figures.
 
-The compile runs in a child process (``python -m flax_ln.plan``) whose stack limit is
-raised: libtpu's compiler threads take their stack size from the process's limit and
-overflow the usual 8 MiB on real models (a SIGSEGV). The child runs JAX with
-``JAX_PLATFORMS=cpu`` and ``TPU_SKIP_MDS_QUERY=1``: it never opens a real TPU and never
-waits on the TPU metadata server.
+The compile runs in a child process (``python -m flax_ln.plan``) whose stack limit is raised, with
+JAX on the CPU only (:mod:`flax_ln.plan.compiling` says why).
 
 The package, by concept: :mod:`flax_ln.plan.hardware` (the chips, FLOPs and the roofline),
 :mod:`flax_ln.plan.request` (a request as plain data, its validation, a failed plan's result),
