@@ -25,7 +25,9 @@ import numpy as np
 from flax import nnx
 
 from flax_ln._atomic import write_atomically
-from flax_ln.convert.rules import ConversionError, Permute, torch_leaves
+from flax_ln.convert.errors import ConversionError
+from flax_ln.convert.layouts import Permute
+from flax_ln.convert.rules import torch_leaves
 from flax_ln.models.gpt import GPT, GPTConfig, causal_mask_buffer
 from flax_ln.sharding import abstract_model
 
