@@ -246,22 +246,28 @@ def torch_activation(module: nnx.Module, array):
       module: the flax submodule that produced (or took) ``array``.
       array: a batched activation, ``(N, ...)``.
     """
-    layout = _activation_layout(module)
+    layout = activation_layout(module)
     return array if layout is None else array.transpose(layout.to_torch(np.ndim(array)))
 
 
 def flax_activation(module: nnx.Module, array):
     """The inverse of :func:`torch_activation`: a torch activation of ``module``'s twin in ``module``'s layout."""
-    layout = _activation_layout(module)
+    layout = activation_layout(module)
     return array if layout is None else array.transpose(layout.to_flax(np.ndim(array)))
 
 
-def _activation_layout(module: nnx.Module) -> Permute | None:
+def activation_layout(module: nnx.Module) -> Permute | None:
+    """How ``module``'s activations are laid out in torch against flax: its rule's :class:`Permute` (or the
+    one its rule's function gives for this instance); ``None`` when they agree or no rule covers it."""
     rule = rule_for(type(module))
     layout = None if rule is None else rule.activation_layout
     if layout is not None and not isinstance(layout, Permute):
         layout = layout(module)
     return layout
+
+
+# The old private name, which flax_ln.parity.localize still calls; it goes once localize calls activation_layout.
+_activation_layout = activation_layout
 
 
 @dataclasses.dataclass(frozen=True)
