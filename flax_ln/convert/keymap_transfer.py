@@ -1,7 +1,8 @@
 """Loading and exporting through a :class:`~flax_ln.convert.KeyMap`.
 
-:func:`fill_tree` fills any :class:`~flax_ln.convert.trees.VariableTree` and returns the
-:class:`~flax_ln.convert.KeyPlan` it filled by; :func:`load_with_key_map` and :func:`export_with_key_map` are
+:func:`fill_tree` fills any :class:`~flax_ln.convert.trees.VariableTree` (an ``nnx.Module``
+too) and returns the :class:`~flax_ln.convert.KeyPlan` it filled by, or fills by a plan
+given; :func:`load_with_key_map` and :func:`export_with_key_map` are
 :func:`~flax_ln.convert.load_torch_state_dict` and :func:`~flax_ln.convert.to_torch_state_dict`
 with ``weights=``. Without ``like=``, export writes torch's keys from each rule's regex
 (a literal with groups): the inversion below.
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert.assign import ModuleT, as_numpy
+from flax_ln.convert.assign import ModuleT, as_numpy, dtype_problem
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.keymap import KeyMap, KeyPlan, Target, array_specs, key_map_error, match_targets, target_labels
 from flax_ln.convert.layouts import NeedsTorchShape, Shape
@@ -62,16 +63,42 @@ def load_with_key_map(
     return model
 
 
-def fill_tree(tree: VariableTree, state_dict: Mapping[str, Any], key_map: KeyMap, *, strict: bool = True) -> KeyPlan:
+def fill_tree(
+    tree: nnx.Module | VariableTree,
+    state_dict: Mapping[str, Any],
+    key_map: KeyMap,
+    *,
+    strict: bool = True,
+    ties: Mapping[str, Sequence[str]] | None = None,
+    plan: KeyPlan | None = None,
+) -> KeyPlan:
     """Fill ``tree``'s variables from a torch state dict through ``key_map``: check all, then write.
 
     Every problem (as :meth:`KeyMap.resolve` finds them, and double fills that are neither
     aliases of one tensor nor equal in value) is listed in one ``ConversionError`` and
-    nothing is written. Returns the plan.
+    nothing is written. Returns the plan it filled by: the one :meth:`KeyMap.resolve`
+    gives for the same ``ties``, so a caller that keeps it needs no second resolution.
+
+    Args:
+      tree: a :class:`~flax_ln.convert.trees.VariableTree`, or an ``nnx.Module`` (filled in place).
+      state_dict: torch key -> tensor or array, in torch layout.
+      key_map: the port's key map.
+      strict: require every key matched and every required variable filled.
+      ties: ``{canonical: (canonical, *aliases)}``; by default :func:`~flax_ln.convert.find_ties`
+        of ``state_dict``.
+      plan: a plan ``key_map`` resolved for this tree's variables (or a copy's) and a state dict
+        of the same keys, shapes and dtypes (e.g. the weights whose tangents ``state_dict``
+        holds): filled by, not resolved again, and returned. The state dict is checked against
+        it (keys, shapes, dtype kinds), all problems in one ``ConversionError``.
     """
+    tree = NNXTree(tree) if isinstance(tree, nnx.Module) else tree
     arrays = {k: as_numpy(v) for k, v in state_dict.items()}
-    ties = find_ties(arrays)
-    plan, problems = match_targets(key_map, tree, array_specs(arrays), ties, strict=strict, stacklevel=5)
+    ties = find_ties(arrays) if ties is None else ties
+    if plan is None:
+        plan, problems = match_targets(key_map, tree, array_specs(arrays), ties, strict=strict, stacklevel=5)
+    else:
+        _check_fits(plan, tree, arrays, strict=strict)
+        problems = {}
     converted: dict[tuple[str, str, int | None], np.ndarray] = {}
 
     def value(t: Target) -> np.ndarray:
@@ -104,6 +131,36 @@ def fill_tree(tree: VariableTree, state_dict: Mapping[str, Any], key_map: KeyMap
                 values[path] = whole
     tree.write(values)
     return plan
+
+
+def _check_fits(plan: KeyPlan, tree: VariableTree, arrays: Mapping[str, np.ndarray], *, strict: bool) -> None:
+    """Raise a ``ConversionError`` unless ``arrays`` hold the keys, shapes and dtype kinds ``plan`` was resolved for."""
+    variables = tree.variables()
+    missing = plan.targets.keys() - arrays.keys()
+    unexpected = arrays.keys() - plan.targets.keys() if strict else set()
+    mismatched: list[tuple[str, str]] = []
+    unfilled: list[tuple[str, str]] = []
+    for key, targets in plan.targets.items():
+        for t in targets if key in arrays else ():
+            if t.path not in variables:
+                unfilled.append((t.path, "is not a variable of this tree; the plan was resolved for another model"))
+                continue
+            got = arrays[key]
+            problem = (
+                f"expected shape {t.torch_shape}, got {tuple(got.shape)}"
+                if tuple(got.shape) != t.torch_shape
+                else dtype_problem(got.dtype, variables[t.path][1])
+            )
+            if problem:
+                mismatched.append((key, problem))
+    if missing or unexpected or mismatched or unfilled:
+        raise ConversionError(
+            missing,
+            unexpected,
+            list(dict.fromkeys(mismatched)),
+            unfilled=unfilled,
+            header="the state dict does not fit the key plan it is filled by; nothing was loaded",
+        )
 
 
 def export_with_key_map(model: nnx.Module, key_map: KeyMap, like: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
