@@ -14,7 +14,7 @@ from flax import nnx
 import flax_ln
 import torch_ref.gpt as tg
 from flax_ln import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
-from flax_ln.convert import Tie, find_ties
+from flax_ln.convert import Tie, fill_tree, find_ties, keymap_transfer
 
 V, D, N, H = 11, 6, 2, 3  # vocabulary, width, heads, head size
 
@@ -299,6 +299,47 @@ def test_a_variable_shared_in_two_places_is_filled_once_and_its_gradient_counted
     np.testing.assert_array_equal(plan.torch_gradients(grads)["embed.weight"], grads["emb.embedding"])
     back = to_torch_state_dict(port, weights=km, like=t.state_dict())
     np.testing.assert_array_equal(back["head.weight"], t.embed.weight.detach().numpy())
+
+
+def test_fill_tree_returns_the_plan_resolve_gives_and_fills_by_a_given_plan_without_resolving(monkeypatch):
+    """One resolution per load: the plan a fill returns is resolve's (for the caller's ties), and a fill given
+    that plan (here of other values with the same keys, shapes and dtypes) matches no key again."""
+    t = TorchToy(tied=True)
+    km = KeyMap(RULES)
+    ties = {"head.weight": ("head.weight", "embed.weight")}  # the caller names the canonical key
+    port = Port()
+    plan = fill_tree(port, t.state_dict(), km, ties=ties)
+    assert plan == km.resolve(port, t.state_dict(), ties=ties)
+    assert plan.canonical("embed.weight") == "head.weight"
+    doubled = {k: 2 * v.detach() for k, v in t.state_dict().items()}
+    want = params(load_torch_state_dict(Port(), doubled, weights=km))
+    monkeypatch.setattr(keymap_transfer, "match_targets", lambda *args, **kwargs: pytest.fail("resolved again"))
+    again = Port(rngs=nnx.Rngs(1))
+    assert fill_tree(again, doubled, km, plan=plan) is plan
+    got = params(again)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_state_dict_that_does_not_fit_the_given_plan_is_refused_and_nothing_is_written():
+    t = TorchToy()
+    km = KeyMap(RULES)
+    plan = km.resolve(Port(), t.state_dict())
+    state = dict(t.state_dict())
+    del state["norm.bias"]
+    state["extra"] = torch.zeros(1)
+    state["q.weight"] = torch.zeros(2, 2)
+    state["norm.weight"] = torch.zeros(D, dtype=torch.int64)
+    port = Port()
+    before = params(port)
+    pattern = (
+        r"does not fit the key plan it is filled by; nothing was loaded \(4 problem\(s\)\):\n"
+        r"  missing key 'norm.bias'\n  unexpected key 'extra'\n"
+        r"  'norm.weight': dtype int64 is not floating.*\n  'q.weight': expected shape \(6, 6\), got \(2, 2\)$"
+    )
+    with pytest.raises(ConversionError, match=pattern):
+        fill_tree(port, state, km, plan=plan)
+    after = params(port)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
 
 
 def test_export_with_like_fixes_keys_order_dtypes_and_loads_strict():

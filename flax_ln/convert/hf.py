@@ -7,7 +7,8 @@ torch_ref's layout by the small table :data:`HF_GPT2_KEYS` and matched to the mo
 variables through the converter's rule table (:func:`flax_ln.convert.rules.torch_leaves`).
 :func:`load_hf_gpt2` then creates each parameter directly on its device (or its shards
 on a mesh), reading from the files only the block each device holds.
-:func:`save_hf_gpt2` writes the other way.
+:func:`save_hf_gpt2` writes the other way. The files are read through the generic lazy
+safetensors reader of :mod:`flax_ln.convert.tensor_files`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,18 @@ import numpy as np
 from flax import nnx
 
 from flax_ln._atomic import write_atomically
-from flax_ln.convert.rules import ConversionError, Permute, torch_leaves
+from flax_ln.convert.errors import ConversionError
+from flax_ln.convert.layouts import Permute
+from flax_ln.convert.rules import torch_leaves
+from flax_ln.convert.tensor_files import (
+    INDEX_FILE,
+    SAFETENSORS_FLOATS,
+    SAFETENSORS_OTHERS,
+    StoredTensor,
+    read_headers,
+    read_json_object,
+    shard_files,
+)
 from flax_ln.models.gpt import GPT, GPTConfig, causal_mask_buffer
 from flax_ln.sharding import abstract_model
 
@@ -57,24 +69,6 @@ HF_GPT2_FIXED: tuple[tuple[str, Any, tuple[Any, ...]], ...] = (
 
 # GPTConfig field -> its config.json name.
 HF_GPT2_SIZES = {"n_layer": "n_layer", "block_size": "n_positions", "vocab_size": "vocab_size", "n_embd": "n_embd"}
-
-# safetensors dtype codes parameters may have (float64/32/16, bfloat16), and NumPy names of the others.
-SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
-SAFETENSORS_OTHERS = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "U16": "uint16",
-    "I16": "int16",
-    "U32": "uint32",
-    "I32": "int32",
-    "U64": "uint64",
-    "I64": "int64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def gpt_config_from_hf(hf: Mapping[str, Any]) -> tuple[GPTConfig, bool]:
@@ -143,32 +137,7 @@ def hf_to_torch_key(hf_key: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------
-# Reading: files, JSON, safetensors headers
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """Where one torch_ref-layout tensor lies: ``name`` in ``file``, stored transposed if ``conv1d``."""
-
-    file: Path
-    name: str
-    shape: tuple[int, ...]  # in torch layout
-    conv1d: bool
-
-    def read(self, index: tuple[slice, ...] | None = None, *, transpose: bool = False) -> np.ndarray:
-        """The block ``index`` of the torch-layout tensor (of its last-two-axes transpose if ``transpose``).
-
-        Only that block is read (``safe_open(...).get_slice``); the file is mapped for
-        the duration of this call only, so no file page stays resident afterwards.
-        """
-        from safetensors import safe_open
-
-        swap = transpose != self.conv1d  # the stored array is the wanted one with its last two axes swapped
-        if index is not None and swap:
-            index = (*index[:-2], index[-1], index[-2])
-        with safe_open(str(self.file), framework="numpy") as f:
-            block = f.get_tensor(self.name) if index is None else f.get_slice(self.name)[index]
-        return np.swapaxes(block, -1, -2) if swap else block
+# Reading: the config, the headers renamed to torch_ref's keys, the checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,108 +146,42 @@ class _Checkpoint:
 
     config: GPTConfig
     tied: bool
-    tensors: dict[str, _Tensor]  # torch_ref key -> source; a tied lm_head.weight shares wte's
-    explicit_head: _Tensor | None  # a stored lm_head.weight that tied weights require to equal wte
-
-
-def _json_type(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number"
-    )
-
-
-def _read_json_object(file: Path, holds: str) -> dict[str, Any]:
-    """``file`` parsed as a JSON object; a ``ValueError`` naming the file for bad syntax or another JSON type."""
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{file}: not UTF-8 text ({err}); expected a JSON object holding {holds}") from err
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{file}: invalid JSON syntax at line {err.lineno}, column {err.colno} ({err.msg}); "
-            f"expected a JSON object holding {holds}"
-        ) from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object ({{...}}) holding {holds}, got a JSON {_json_type(data)}")
-    return data
+    tensors: dict[str, StoredTensor]  # torch_ref key -> source, in torch layout; a tied lm_head.weight shares wte's
+    explicit_head: StoredTensor | None  # a stored lm_head.weight that tied weights require to equal wte
 
 
 def _config_from_file(file: Path) -> tuple[GPTConfig, bool]:
-    hf = _read_json_object(file, "the Hugging Face GPT-2 settings (n_layer, n_head, n_embd, ...)")
+    hf = read_json_object(file, "the Hugging Face GPT-2 settings (n_layer, n_head, n_embd, ...)")
     try:
         return gpt_config_from_hf(hf)
     except ValueError as err:  # an unsupported setting, or a size GPTConfig refuses
         raise ValueError(f"{file}: {err}") from err
 
 
-def _shard_files(folder: Path, index_file: Path) -> list[Path]:
-    """The shard files ``index_file`` names, each checked to lie inside ``folder`` before anything is opened."""
-    index = _read_json_object(index_file, '{"weight_map": {tensor name: shard file name}}')
-    if "weight_map" not in index:
-        raise ValueError(
-            f'{index_file}: no "weight_map" entry; expected {{"weight_map": {{tensor name: shard file name}}}} '
-            "as save_pretrained writes it"
-        )
-    weight_map = index["weight_map"]
-    if not isinstance(weight_map, dict):
-        raise ValueError(
-            f'{index_file}: "weight_map" must be a JSON object mapping tensor names to shard file names, '
-            f"got a JSON {_json_type(weight_map)}"
-        )
-    root = folder.resolve()
-    files: dict[Path, None] = {}  # ordered set
-    for tensor, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard:
-            raise ValueError(f'{index_file}: "weight_map" entry {tensor!r}: expected a shard file name, got {shard!r}')
-        resolved = (root / shard).resolve()  # an absolute shard replaces root; symlinks are followed
-        if Path(shard).is_absolute() or not resolved.is_relative_to(root):
-            raise ValueError(
-                f'{index_file}: "weight_map" entry {tensor!r} -> {shard!r} leads outside the checkpoint folder '
-                f"{folder} (to {resolved}); shard files must lie inside it, named relative to it "
-                "(e.g. 'model-00001-of-00002.safetensors'). Nothing was opened; copy the shards into the folder "
-                "(cp -L resolves symlinks) and fix the index"
-            )
-        files[resolved] = None
-    return list(files)
-
-
-def _scan_headers(files: list[Path]) -> tuple[dict[str, _Tensor], _Tensor | None]:
+def _scan_headers(files: list[Path]) -> tuple[dict[str, StoredTensor], StoredTensor | None]:
     """Every tensor's name, shape and dtype from the safetensors headers (no data is read), renamed to torch_ref keys.
 
     Refuses non-floating tensors (a parameter stored as ``int8`` has lost its values),
     a key stored twice, and unreadable files. Returns the sources and the stored
     ``lm_head.weight`` (``None`` if absent).
     """
-    try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError as err:
-        raise ImportError(
-            "reading Hugging Face checkpoints needs the safetensors package: pip install safetensors"
-        ) from err
-    tensors: dict[str, _Tensor] = {}
+    tensors: dict[str, StoredTensor] = {}
     refused: list[str] = []
-    for file in files:
-        try:
-            with safe_open(str(file), framework="numpy") as f:
-                slices = [(name, f.get_slice(name)) for name in f.keys()]
-                header = [(name, tuple(s.get_shape()), s.get_dtype()) for name, s in slices]
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"{file}: not a readable safetensors file: {err}") from err
-        for hf_key, shape, code in header:
-            key, action = hf_to_torch_key(hf_key)
-            if action == "drop":
-                continue
-            if code not in SAFETENSORS_FLOATS:
-                refused.append(f"{hf_key!r} ({SAFETENSORS_OTHERS.get(code, code)}, in {file.name})")
-                continue
-            if key in tensors:
-                raise ValueError(
-                    f"{file}: {hf_key!r} is stored twice (also in {tensors[key].file} as "
-                    f"{tensors[key].name!r}); keep one copy"
-                )
-            conv1d = action == "transpose"
-            torch_shape = shape[:-2] + shape[-2:][::-1] if conv1d else shape
-            tensors[key] = _Tensor(file, hf_key, torch_shape, conv1d)
+    for file, hf_key, shape, code in read_headers(files):
+        key, action = hf_to_torch_key(hf_key)
+        if action == "drop":
+            continue
+        if code not in SAFETENSORS_FLOATS:
+            refused.append(f"{hf_key!r} ({SAFETENSORS_OTHERS.get(code, code)}, in {file.name})")
+            continue
+        if key in tensors:
+            raise ValueError(
+                f"{file}: {hf_key!r} is stored twice (also in {tensors[key].file} as "
+                f"{tensors[key].name!r}); keep one copy"
+            )
+        conv1d = action == "transpose"  # stored (in, out): torch_ref's layout is the transpose
+        torch_shape = shape[:-2] + shape[-2:][::-1] if conv1d else shape
+        tensors[key] = StoredTensor(file, hf_key, torch_shape, conv1d)
     if refused:
         shown = ", ".join(refused[:5]) + (f", ... ({len(refused)} in all)" if len(refused) > 5 else "")
         raise ValueError(
@@ -289,7 +192,7 @@ def _scan_headers(files: list[Path]) -> tuple[dict[str, _Tensor], _Tensor | None
     return tensors, tensors.get("lm_head.weight")
 
 
-def _check_sizes(config: GPTConfig, tensors: Mapping[str, _Tensor], origin: str) -> None:
+def _check_sizes(config: GPTConfig, tensors: Mapping[str, StoredTensor], origin: str) -> None:
     """Compare the config's sizes with the tensors' shapes, so nothing is allocated for a size the files lack."""
     hf = origin != "config="
     name = (lambda field: HF_GPT2_SIZES[field]) if hf else (lambda field: field)
@@ -337,7 +240,7 @@ def _open_checkpoint(path, config: GPTConfig | None) -> _Checkpoint:
         if (path / "model.safetensors").is_file():
             files = [path / "model.safetensors"]
         elif (path / INDEX_FILE).is_file():
-            files = _shard_files(path, path / INDEX_FILE)
+            files = shard_files(path, path / INDEX_FILE)
         else:
             raise FileNotFoundError(
                 f"{path}: no model.safetensors. Only safetensors are read (pickled .bin files can run code); "
@@ -370,7 +273,9 @@ def _is_transpose(key: str, layout: Permute | None, ndim: int) -> bool:
     )
 
 
-def _plan(model: nnx.Module, checkpoint: _Checkpoint) -> list[tuple[nnx.Variable, dict[int | None, _Tensor], bool]]:
+def _placements(
+    model: nnx.Module, checkpoint: _Checkpoint
+) -> list[tuple[nnx.Variable, dict[int | None, StoredTensor], bool]]:
     """``[(variable, {layer: source}, transpose)]``: where each of ``model``'s parameters is read from.
 
     Checks first, from the headers alone, that the checkpoint's keys are exactly the
@@ -380,7 +285,7 @@ def _plan(model: nnx.Module, checkpoint: _Checkpoint) -> list[tuple[nnx.Variable
     leaves = torch_leaves(model)
     sources = checkpoint.tensors
     mismatched = []
-    per_variable: dict[int, tuple[nnx.Variable, dict[int | None, _Tensor], bool]] = {}
+    per_variable: dict[int, tuple[nnx.Variable, dict[int | None, StoredTensor], bool]] = {}
     for key, (var, layer, layout) in leaves.items():
         if key not in sources:
             continue
@@ -416,12 +321,12 @@ def _check_tied_head(checkpoint: _Checkpoint) -> None:
 
 
 def _checked(path, config: GPTConfig | None, build: Callable[[GPTConfig], GPT]):
-    """``(checkpoint, model, plan)``: headers read and checked against ``build(config)``, an abstract model."""
+    """``(checkpoint, model, placements)``: headers read and checked against ``build(config)``, an abstract model."""
     checkpoint = _open_checkpoint(path, config)
     model = build(checkpoint.config)
-    plan = _plan(model, checkpoint)
+    placements = _placements(model, checkpoint)
     _check_tied_head(checkpoint)
-    return checkpoint, model, plan
+    return checkpoint, model, placements
 
 
 def read_hf_gpt2(path, *, config: GPTConfig | None = None) -> tuple[GPTConfig, dict[str, np.ndarray]]:
@@ -445,7 +350,7 @@ def read_hf_gpt2(path, *, config: GPTConfig | None = None) -> tuple[GPTConfig, d
 # Loading, saving
 
 
-def _place(var: nnx.Variable, layers: Mapping[int | None, _Tensor], transpose: bool) -> jax.Array:
+def _place(var: nnx.Variable, layers: Mapping[int | None, StoredTensor], transpose: bool) -> jax.Array:
     """``var``'s value read from ``layers``, created directly with the sharding its abstract value names.
 
     Shard by shard: each of this process's devices gets its block, read from the file
@@ -523,8 +428,8 @@ def load_hf_gpt2(
             lambda: GPT(c, scan_layers=scan_layers, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)), mesh
         )
 
-    _, model, plan = _checked(path, config, build)
-    for var, layers, transpose in plan:
+    _, model, placements = _checked(path, config, build)
+    for var, layers, transpose in placements:
         var.set_value(_place(var, layers, transpose))
     model.eval()
     return model
@@ -610,7 +515,7 @@ def _stale_shards(folder: Path) -> list[Path] | None:
     if not index_file.is_file():
         return None
     try:
-        _shard_files(folder, index_file)  # the names lie inside the folder and the index is well-formed
+        shard_files(folder, index_file)  # the names lie inside the folder and the index is well-formed
     except ValueError as err:
         raise ValueError(
             f"save_hf_gpt2: {folder} holds a stale {INDEX_FILE} from a sharded save that cannot be read ({err}); "

@@ -1,4 +1,4 @@
-"""Strict, bidirectional conversion between torch state dicts and NNX modules.
+"""The rule table: strict, bidirectional conversion for NNX models that mirror their torch twins.
 
 Everything is driven by :data:`RULES`, one table keyed by NNX module type. Each
 :class:`ModuleRule` lists the module's leaves and declares its layouts:
@@ -19,7 +19,9 @@ Everything is driven by :data:`RULES`, one table keyed by NNX module type. Each
 A torch key is the module's path in the NNX tree (each step renamed by its parent's
 rule), joined with dots, followed by the leaf's torch name, so the converter works for
 any model built from modules in the table. Users extend the table with
-:func:`register_rule` and :func:`register_rename`.
+:func:`register_rule` and :func:`register_rename`. :func:`load_with_rules` and
+:func:`export_with_rules` are what :func:`~flax_ln.convert.load_torch_state_dict` and
+:func:`~flax_ln.convert.to_torch_state_dict` do without a key map.
 """
 
 from __future__ import annotations
@@ -27,71 +29,17 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_ln.convert.assign import SAVED_KINDS, ModuleT, as_numpy, assign, dtype_problem
+from flax_ln.convert.errors import ConversionError, MissingRuleError
+from flax_ln.convert.layouts import Permute
 from flax_ln.models.encoder_decoder import PositionalEncoding
 from flax_ln.models.gpt import GPT, CausalSelfAttention, causal_mask_buffer
 from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm
-
-if TYPE_CHECKING:
-    from flax_ln.convert.keymap import KeyMap
-
-_M = TypeVar("_M", bound=nnx.Module)
-_SPATIAL = "..."
-
-
-@dataclasses.dataclass(frozen=True)
-class Permute:
-    """How one array's axes are ordered in torch and in flax, as space-separated axis names.
-
-    ``...`` stands for any number of axes kept in their order (a conv kernel's spatial
-    axes, an activation's length/height/width), so one entry covers every rank:
-    ``Permute("out in ...", "... in out")`` is the kernel of Conv1d, Conv2d and Conv3d alike.
-    With ``perm = p.to_flax(ndim)``, ``flax_array = torch_array.transpose(perm)``.
-
-    Args:
-      torch: the axis names in torch's order, e.g. ``"out in"``.
-      flax: the same names in flax's order, e.g. ``"in out"``.
-    """
-
-    torch: str
-    flax: str
-
-    def __post_init__(self):
-        t, f = self.torch.split(), self.flax.split()
-        if sorted(t) != sorted(f) or len(set(t)) != len(t) or t.count(_SPATIAL) > 1:
-            raise ValueError(
-                f"Permute({self.torch!r}, {self.flax!r}): both sides must list the same distinct axis "
-                f"names, with at most one {_SPATIAL!r}; e.g. Permute('out in ...', '... in out')"
-            )
-
-    def _names(self, spec: str, ndim: int) -> list[str]:
-        names = spec.split()
-        fixed = len(names) - (_SPATIAL in names)
-        if ndim < fixed or (_SPATIAL not in names and ndim != fixed):
-            raise ValueError(
-                f"Permute({self.torch!r}, {self.flax!r}) describes arrays of "
-                f"{'at least ' if _SPATIAL in names else ''}{fixed} axes, got an array of {ndim}"
-            )
-        if _SPATIAL in names:
-            at = names.index(_SPATIAL)
-            names[at : at + 1] = [f"{_SPATIAL}{i}" for i in range(ndim - fixed)]
-        return names
-
-    def to_flax(self, ndim: int) -> tuple[int, ...]:
-        """The permutation that takes a torch-layout array of ``ndim`` axes to flax layout."""
-        t = self._names(self.torch, ndim)
-        return tuple(t.index(name) for name in self._names(self.flax, ndim))
-
-    def to_torch(self, ndim: int) -> tuple[int, ...]:
-        """The permutation that takes a flax-layout array of ``ndim`` axes to torch layout."""
-        f = self._names(self.flax, ndim)
-        return tuple(f.index(name) for name in self._names(self.torch, ndim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,9 +153,6 @@ RULES: dict[type, ModuleRule] = {
     GPT: ModuleRule(stacked=_gpt_stacked_blocks),
 }
 
-# Variable kinds that torch saves (parameters and running statistics): each must be covered by a rule.
-_SAVED_KINDS = (nnx.Param, nnx.BatchStat)
-
 
 def rule_for(module_type: type) -> ModuleRule | None:
     """The rule of ``module_type`` or of its nearest base class in :data:`RULES`, else ``None``."""
@@ -301,17 +246,19 @@ def torch_activation(module: nnx.Module, array):
       module: the flax submodule that produced (or took) ``array``.
       array: a batched activation, ``(N, ...)``.
     """
-    layout = _activation_layout(module)
+    layout = activation_layout(module)
     return array if layout is None else array.transpose(layout.to_torch(np.ndim(array)))
 
 
 def flax_activation(module: nnx.Module, array):
     """The inverse of :func:`torch_activation`: a torch activation of ``module``'s twin in ``module``'s layout."""
-    layout = _activation_layout(module)
+    layout = activation_layout(module)
     return array if layout is None else array.transpose(layout.to_flax(np.ndim(array)))
 
 
-def _activation_layout(module: nnx.Module) -> Permute | None:
+def activation_layout(module: nnx.Module) -> Permute | None:
+    """How ``module``'s activations are laid out in torch against flax: its rule's :class:`Permute` (or the
+    one its rule's function gives for this instance); ``None`` when they agree or no rule covers it."""
     rule = rule_for(type(module))
     layout = None if rule is None else rule.activation_layout
     if layout is not None and not isinstance(layout, Permute):
@@ -319,50 +266,8 @@ def _activation_layout(module: nnx.Module) -> Permute | None:
     return layout
 
 
-class ConversionError(ValueError):
-    """A state dict does not fit the model. Lists every offending key; the model is unchanged.
-
-    Args:
-      missing: torch keys the model needs that the state dict lacks.
-      unexpected: torch keys the model has no place for.
-      mismatched: ``(torch key, why)`` pairs: a wrong shape or dtype, a layout that does not fit, ...
-      unfilled: ``(flax variable path, why)`` pairs, from a :class:`~flax_ln.convert.keymap.KeyMap`:
-        a variable no rule fills, or one filled twice with different values.
-      hint: how to fix it, printed after the list.
-      header: what failed, in place of "state dict does not fit the model".
-    """
-
-    def __init__(
-        self,
-        missing=(),
-        unexpected=(),
-        mismatched=(),
-        *,
-        unfilled=(),
-        hint: str | None = None,
-        header: str | None = None,
-    ):
-        self.missing = sorted(missing)
-        self.unexpected = sorted(unexpected)
-        self.mismatched = sorted(mismatched)
-        self.unfilled = sorted(unfilled)
-        lines = [f"missing key {k!r}" for k in self.missing]
-        lines += [f"unexpected key {k!r}" for k in self.unexpected]
-        lines += [f"{k!r}: {why}" for k, why in self.mismatched]
-        lines += [f"flax variable {p!r}: {why}" for p, why in self.unfilled]
-        super().__init__(
-            (
-                f"{header} ({len(lines)} problem(s)):\n  "
-                if header
-                else f"state dict does not fit the model ({len(lines)} problem(s)); nothing was loaded:\n  "
-            )
-            + "\n  ".join(lines)
-            + (f"\n{hint}" if hint else "")
-        )
-
-
-class MissingRuleError(NotImplementedError):
-    """The model holds parameters (or running statistics) that no rule in :data:`RULES` covers."""
+# The old private name, which flax_ln.parity.localize still calls; it goes once localize calls activation_layout.
+_activation_layout = activation_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,7 +376,7 @@ def _entries(model: nnx.Module) -> list[_Entry]:
                 entries.append(_Entry(f"{prefix}.{leaf.torch}" if prefix else leaf.torch, module, leaf, layer))
     uncovered: dict[tuple, list[str]] = {}
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, _SAVED_KINDS) and id(node) not in covered:
+        if isinstance(node, SAVED_KINDS) and id(node) not in covered:
             owner = tuple(path[:-1])
             while owner not in modules:  # a Variable inside a plain container: name its module
                 owner = owner[:-1]
@@ -508,65 +413,8 @@ def _torch_layout(entry: _Entry, host_values: dict[int, np.ndarray]) -> np.ndarr
     return np.array(value)
 
 
-def _as_numpy(value: Any) -> np.ndarray:
-    """A NumPy view of a torch tensor or array-like, without importing torch unless given one."""
-    if hasattr(value, "detach"):  # a torch.Tensor
-        import torch
-
-        tensor = value.detach().cpu()
-        if tensor.dtype == torch.bfloat16:
-            import ml_dtypes
-
-            return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return tensor.numpy()
-    return np.asarray(value)
-
-
-def _dtype_problem(got: np.dtype, want: np.dtype) -> str | None:
-    """Why a ``got`` value cannot replace a ``want`` variable: floats stay floating, integers stay integer."""
-    if jnp.issubdtype(want, jnp.floating) and not jnp.issubdtype(got, jnp.floating):
-        return (
-            f"dtype {got} is not floating, but the parameter is {want}; pass floating-point weights "
-            "(e.g. tensor.float()), an integer or bool tensor here is usually the wrong key"
-        )
-    if jnp.issubdtype(want, jnp.integer) and not jnp.issubdtype(got, jnp.integer):
-        return f"dtype {got} is not an integer dtype, but the buffer is {want}; pass an integer tensor"
-    return None
-
-
-def load_torch_state_dict(
-    model: _M, state_dict: Mapping[str, Any], *, strict: bool = True, weights: KeyMap | None = None
-) -> _M:
-    """Load a torch-style state dict into ``model`` in place and return it.
-
-    Values may be ``torch.Tensor`` or NumPy arrays; each is cast to the dtype of the
-    variable it replaces (floating parameters take only floating values, integer
-    buffers only integer ones). Every key is validated before anything is written:
-    missing and unexpected keys (only when ``strict``), wrong shapes and incompatible
-    dtypes are all listed in one :class:`ConversionError`, and a failed load leaves the
-    model as it was. Persistent buffers that flax recomputes (:class:`DerivedBuffer`)
-    must equal the recomputed value. A parameter that no rule covers raises
-    :class:`MissingRuleError` naming its module. Each value is placed with its variable's
-    sharding: a sharded model keeps its placement, and
-    ``flax_ln.sharding.abstract_model(make, mesh)`` gives a model to load onto a mesh
-    with training's FSDP shardings, never initialised.
-
-    With ``weights=`` a :class:`~flax_ln.convert.keymap.KeyMap` (the port's own table)
-    places the keys instead of the rule table, as strictly: every key matches one rule,
-    every ``nnx.Param`` and ``nnx.BatchStat`` is filled once, all problems in one error,
-    nothing loaded on error. ``strict=False`` then allows keys no rule matches and
-    variables no key fills.
-
-    Args:
-      model: the NNX model; its variables fix the expected shapes and dtypes.
-      state_dict: torch key -> tensor or array, in torch layout.
-      strict: require exactly the model's keys.
-      weights: the port's key map; ``None``: the rule table.
-    """
-    if weights is not None:
-        from flax_ln.convert.keymap import load_with_key_map
-
-        return load_with_key_map(model, state_dict, weights, strict=strict)
+def load_with_rules(model: ModuleT, state_dict: Mapping[str, Any], *, strict: bool = True) -> ModuleT:
+    """:func:`~flax_ln.convert.load_torch_state_dict` through the rule table: check all, then write."""
     entries = _entries(model)
     expected = {e.key for e in entries}
     missing = expected - state_dict.keys() if strict else set()
@@ -576,12 +424,12 @@ def load_torch_state_dict(
     for entry in entries:
         if entry.key not in state_dict:
             continue
-        got = _as_numpy(state_dict[entry.key])
+        got = as_numpy(state_dict[entry.key])
         want_shape, want_dtype = _expected_spec(entry)
         if got.shape != want_shape:
             mismatched.append((entry.key, f"expected shape {want_shape}, got {got.shape}"))
             continue
-        problem = _dtype_problem(got.dtype, want_dtype)
+        problem = dtype_problem(got.dtype, want_dtype)
         if problem:
             mismatched.append((entry.key, problem))
             continue
@@ -606,20 +454,8 @@ def load_torch_state_dict(
             new = np.array(var[...])
             for i, arr in layers.items():
                 new[i] = arr
-        _assign(var, new)
+        assign(var, new)
     return model
-
-
-def _assign(var: nnx.Variable, new: np.ndarray) -> None:
-    """Set ``var`` to an owned copy of ``new`` in its own dtype, placed with its sharding."""
-    old = var.get_value()  # also a ShapeDtypeStruct, for a model made by nnx.eval_shape
-    # An owned copy: torch's state_dict() shares memory with its parameters, and JAX
-    # on the CPU may alias a NumPy buffer, so a later in-place torch update (an
-    # optimizer step) would otherwise change the flax model behind its back.
-    # Placed with the variable's sharding: kept by a sharded model, named by an abstract
-    # one from flax_ln.sharding.abstract_model(make, mesh); None is the default device.
-    value = jax.device_put(np.array(new, dtype=old.dtype, copy=True), getattr(old, "sharding", None))
-    var.set_value(value)
 
 
 def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None, Permute | None]]:
@@ -636,33 +472,7 @@ def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None,
     }
 
 
-def to_torch_state_dict(
-    model: nnx.Module, *, weights: KeyMap | None = None, like: Mapping[str, Any] | None = None
-) -> dict[str, np.ndarray]:
-    """The model's weights as a dict of NumPy arrays with torch names and layouts.
-
-    Includes the persistent buffers torch saves (running statistics, ``num_batches_tracked``,
-    derived masks), so the result loads with ``strict=True`` into the torch twin (wrap
-    values with ``torch.from_numpy``). Stacked layers come out as per-layer keys.
-
-    With ``weights=`` a :class:`~flax_ln.convert.keymap.KeyMap` names the keys, each layout
-    inverted. ``like=`` (the torch model's ``state_dict()``) fixes the key set, order and
-    dtypes, gives the keys the map ignores, and the torch shapes that a layout with a
-    reshape needs to invert. Without it, keys are written from each rule's regex (a
-    literal with groups), ignored keys are left out with a warning, and a rule that needs
-    torch's shapes is an error naming it. A tie (torch keys sharing one tensor) whose
-    port copies differ raises :class:`ConversionError` naming it.
-
-    Args:
-      model: the NNX model.
-      weights: the port's key map; ``None``: the rule table.
-      like: a torch state dict to match; only with ``weights=``.
-    """
-    if weights is not None:
-        from flax_ln.convert.keymap import export_with_key_map
-
-        return export_with_key_map(model, weights, like)
-    if like is not None:
-        raise TypeError("to_torch_state_dict: like= goes with weights=KeyMap(...); the rule table fixes the keys")
+def export_with_rules(model: nnx.Module) -> dict[str, np.ndarray]:
+    """:func:`~flax_ln.convert.to_torch_state_dict` through the rule table."""
     host_values: dict[int, np.ndarray] = {}
     return {entry.key: _torch_layout(entry, host_values) for entry in _entries(model)}

@@ -32,7 +32,7 @@ from flax_ln.convert import (
     load_torch_state_dict,
     to_torch_state_dict,
 )
-from flax_ln.convert.keymap import _step
+from flax_ln.convert.trees import path_step as _step
 from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, with_floats
 from flax_ln.parity.call import call as call_forward
 from flax_ln.parity.policy import parameter_dtype

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from flax_ln.convert import KeyPlan, LinenTree, rules
-from flax_ln.convert.keymap import ArrayLayout, _parse_layout
+from flax_ln.convert.layouts import ArrayLayout
+from flax_ln.convert.layouts import parse_layout as _parse_layout
 from flax_ln.parity.call import call as call_forward
 from flax_ln.parity.call import is_float
 from flax_ln.parity.capture import (

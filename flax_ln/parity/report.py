@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_ln.convert.keymap import Tie
+from flax_ln.convert import Tie
 from flax_ln.parity.policy import TensorResult, _json_number
 
 

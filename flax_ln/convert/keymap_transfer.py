@@ -1,0 +1,343 @@
+"""Loading and exporting through a :class:`~flax_ln.convert.KeyMap`.
+
+:func:`fill_tree` fills any :class:`~flax_ln.convert.trees.VariableTree` (an ``nnx.Module``
+too) and returns the :class:`~flax_ln.convert.KeyPlan` it filled by, or fills by a plan
+given; :func:`load_with_key_map` and :func:`export_with_key_map` are
+:func:`~flax_ln.convert.load_torch_state_dict` and :func:`~flax_ln.convert.to_torch_state_dict`
+with ``weights=``. Without ``like=``, export writes torch's keys from each rule's regex
+(a literal with groups): the inversion below.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from flax_ln.convert.assign import ModuleT, as_numpy, dtype_problem
+from flax_ln.convert.errors import ConversionError
+from flax_ln.convert.keymap import KeyMap, KeyPlan, Target, array_specs, key_map_error, match_targets, target_labels
+from flax_ln.convert.layouts import NeedsTorchShape, Shape
+from flax_ln.convert.ties import find_ties
+from flax_ln.convert.trees import NNXTree, VariableTree
+
+_EXPORT = "the model does not export through its key map"
+
+
+def _double_fills(plan: KeyPlan, ties: Mapping[str, Sequence[str]], value: Callable[[Target], np.ndarray]) -> list:
+    """Variables (or slices) filled by several keys that are neither aliases of one tensor nor equal in value."""
+    alias_group = {k: name for name, keys in ties.items() for k in keys}
+    fills: dict[tuple[str, int | None], list[Target]] = {}
+    for ts in plan.targets.values():
+        for t in ts:
+            fills.setdefault((t.path, t.index), []).append(t)
+    problems = []
+    for filled in fills.values():
+        keys = {t.key for t in filled}
+        if len(filled) < 2 or len({alias_group.get(k, k) for k in keys}) == 1:
+            continue
+        first = value(filled[0])
+        if not all(np.array_equal(first, value(t)) for t in filled[1:]):
+            problems.append(
+                (
+                    filled[0].name,
+                    f"filled by {target_labels(filled)}, which are not aliases of one torch tensor "
+                    "and differ in value; "
+                    "map only one of them to this variable (or None the other)",
+                )
+            )
+    return problems
+
+
+def load_with_key_map(
+    model: ModuleT, state_dict: Mapping[str, Any], key_map: KeyMap, *, strict: bool = True
+) -> ModuleT:
+    """:func:`~flax_ln.convert.load_torch_state_dict` with ``weights=key_map``: check all, then write."""
+    if not isinstance(key_map, KeyMap):
+        raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")
+    fill_tree(NNXTree(model), state_dict, key_map, strict=strict)
+    return model
+
+
+def fill_tree(
+    tree: nnx.Module | VariableTree,
+    state_dict: Mapping[str, Any],
+    key_map: KeyMap,
+    *,
+    strict: bool = True,
+    ties: Mapping[str, Sequence[str]] | None = None,
+    plan: KeyPlan | None = None,
+) -> KeyPlan:
+    """Fill ``tree``'s variables from a torch state dict through ``key_map``: check all, then write.
+
+    Every problem (as :meth:`KeyMap.resolve` finds them, and double fills that are neither
+    aliases of one tensor nor equal in value) is listed in one ``ConversionError`` and
+    nothing is written. Returns the plan it filled by: the one :meth:`KeyMap.resolve`
+    gives for the same ``ties``, so a caller that keeps it needs no second resolution.
+
+    Args:
+      tree: a :class:`~flax_ln.convert.trees.VariableTree`, or an ``nnx.Module`` (filled in place).
+      state_dict: torch key -> tensor or array, in torch layout.
+      key_map: the port's key map.
+      strict: require every key matched and every required variable filled.
+      ties: ``{canonical: (canonical, *aliases)}``; by default :func:`~flax_ln.convert.find_ties`
+        of ``state_dict``.
+      plan: a plan ``key_map`` resolved for this tree's variables (or a copy's) and a state dict
+        of the same keys, shapes and dtypes (e.g. the weights whose tangents ``state_dict``
+        holds): filled by, not resolved again, and returned. The state dict is checked against
+        it (keys, shapes, dtype kinds), all problems in one ``ConversionError``.
+    """
+    tree = NNXTree(tree) if isinstance(tree, nnx.Module) else tree
+    arrays = {k: as_numpy(v) for k, v in state_dict.items()}
+    ties = find_ties(arrays) if ties is None else ties
+    if plan is None:
+        plan, problems = match_targets(key_map, tree, array_specs(arrays), ties, strict=strict, stacklevel=5)
+    else:
+        _check_fits(plan, tree, arrays, strict=strict)
+        problems = {}
+    converted: dict[tuple[str, str, int | None], np.ndarray] = {}
+
+    def value(t: Target) -> np.ndarray:
+        if (t.key, t.path, t.index) not in converted:
+            converted[(t.key, t.path, t.index)] = np.asarray(t.to_flax(arrays[t.key]))
+        return converted[(t.key, t.path, t.index)]
+
+    doubles = _double_fills(plan, ties, value)
+    if doubles:
+        problems["unfilled"] = problems.get("unfilled", []) + doubles
+    if problems:
+        raise key_map_error(problems)
+    variables = tree.variables()
+    new: dict[str, dict[int | None, np.ndarray]] = {}
+    for ts in plan.targets.values():
+        for t in ts:
+            new.setdefault(t.path, {})[t.index] = value(t)
+    values = {}
+    for path, slices in new.items():
+        if None in slices:
+            values[path] = slices[None]
+        else:
+            shape = variables[path][0]
+            if len(slices) == shape[0]:
+                values[path] = np.stack([slices[i] for i in range(shape[0])])  # (layers, ...)
+            else:  # strict=False with slices absent: the rest keep their values
+                whole = np.array(tree.read(path))
+                for i, arr in slices.items():
+                    whole[i] = arr
+                values[path] = whole
+    tree.write(values)
+    return plan
+
+
+def _check_fits(plan: KeyPlan, tree: VariableTree, arrays: Mapping[str, np.ndarray], *, strict: bool) -> None:
+    """Raise a ``ConversionError`` unless ``arrays`` hold the keys, shapes and dtype kinds ``plan`` was resolved for."""
+    variables = tree.variables()
+    missing = plan.targets.keys() - arrays.keys()
+    unexpected = arrays.keys() - plan.targets.keys() if strict else set()
+    mismatched: list[tuple[str, str]] = []
+    unfilled: list[tuple[str, str]] = []
+    for key, targets in plan.targets.items():
+        for t in targets if key in arrays else ():
+            if t.path not in variables:
+                unfilled.append((t.path, "is not a variable of this tree; the plan was resolved for another model"))
+                continue
+            got = arrays[key]
+            problem = (
+                f"expected shape {t.torch_shape}, got {tuple(got.shape)}"
+                if tuple(got.shape) != t.torch_shape
+                else dtype_problem(got.dtype, variables[t.path][1])
+            )
+            if problem:
+                mismatched.append((key, problem))
+    if missing or unexpected or mismatched or unfilled:
+        raise ConversionError(
+            missing,
+            unexpected,
+            list(dict.fromkeys(mismatched)),
+            unfilled=unfilled,
+            header="the state dict does not fit the key plan it is filled by; nothing was loaded",
+        )
+
+
+def export_with_key_map(model: nnx.Module, key_map: KeyMap, like: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """:func:`~flax_ln.convert.to_torch_state_dict` with ``weights=key_map`` (and ``like=``)."""
+    if not isinstance(key_map, KeyMap):
+        raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")
+    tree = NNXTree(model)
+    if like is not None:
+        like_arrays = {k: as_numpy(v) for k, v in like.items()}
+        ties = find_ties(like_arrays)
+        plan, problems = match_targets(key_map, tree, array_specs(like_arrays), ties)
+        dtypes = {k: a.dtype for k, a in like_arrays.items()}
+    else:
+        like_arrays, ties = {}, {}
+        specs, problems = _invert(key_map, tree)
+        if not problems:
+            plan, problems = match_targets(key_map, tree, specs, ties, warn_unmatched=False)
+        dtypes = {k: d for k, (_, d) in specs.items()}
+        ignoring = [r.label for r in key_map.rules if not r.templates]
+        if ignoring:
+            warnings.warn(
+                "to_torch_state_dict without like=: the torch keys these rules ignore are left out: "
+                + ", ".join(ignoring)
+                + "; pass like=torch_model.state_dict() to include them",
+                stacklevel=3,
+            )
+    if problems:
+        raise key_map_error(problems, _EXPORT)
+    host: dict[str, np.ndarray] = {}
+
+    def torch_value(t: Target) -> np.ndarray:
+        if t.path not in host:
+            host[t.path] = tree.read(t.path)
+        return np.asarray(t.to_torch(t.take(host[t.path])))
+
+    out: dict[str, np.ndarray] = {}
+    differ: list[tuple[str, str]] = []
+    for key, ts in plan.targets.items():
+        if not ts:
+            continue
+        copies = [torch_value(t) for t in ts]
+        if not all(np.array_equal(copies[0], c) for c in copies[1:]):
+            differ.append((key, f"is tied across {', '.join(t.name for t in ts)}, whose values differ"))
+        out[key] = copies[0]
+    for name, keys in ties.items():
+        mapped = [k for k in keys if k in out]
+        if not mapped:
+            continue
+        if not all(np.array_equal(out[mapped[0]], out[k]) for k in mapped[1:]):
+            paths = ", ".join(t.name for k in mapped for t in plan.targets[k])
+            differ.append(
+                (
+                    name,
+                    f"torch ties {', '.join(map(repr, keys))} (one tensor), but the port's copies "
+                    f"{paths} differ; make them equal before exporting",
+                )
+            )
+        for k in keys:  # an alias the map ignores takes the tied value
+            if k in plan.targets and k not in out:
+                out[k] = out[mapped[0]]
+    if differ:
+        raise ConversionError(mismatched=differ, header=_EXPORT)
+    order = list(like_arrays) if like is not None else list(out)
+    return {
+        k: np.array(out[k], dtype=dtypes[k], copy=True) if k in out else np.array(like_arrays[k], copy=True)
+        for k in order
+    }
+
+
+def _template_regex(template: str) -> re.Pattern:
+    """A regex that matches the flax names ``template`` expands to, its references as named groups."""
+    parts, at, seen = [], 0, set()
+    for ref in re.finditer(r"\\(\d+)|\\g<(\w+)>", template):
+        parts.append(re.escape(template[at : ref.start()]))
+        name = ref.group(1) or ref.group(2)
+        group = f"g_{name}"
+        parts.append(f"(?P={group})" if group in seen else f"(?P<{group}>.+?)")
+        seen.add(group)
+        at = ref.end()
+    parts.append(re.escape(template[at:]))
+    return re.compile("".join(parts))
+
+
+def _literal_key(pattern: str, values: Mapping[str, str]) -> str | None:
+    """The one key ``pattern`` matches when each capturing group takes ``values[number or name]``; else None.
+
+    Outside groups the regex must be literal (escaped punctuation allowed, ``^`` and ``$``
+    anchors dropped); a group whose value is not given must itself be literal.
+    """
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1]
+    out, i, number = [], 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 >= len(pattern) or pattern[i + 1].isalnum():
+                return None
+            out.append(pattern[i + 1])
+            i += 2
+        elif c == "(":
+            depth, j = 0, i
+            while j < len(pattern):
+                if pattern[j] == "\\":
+                    j += 2
+                    continue
+                depth += {"(": 1, ")": -1}.get(pattern[j], 0)
+                if depth == 0:
+                    break
+                j += 1
+            body = pattern[i + 1 : j]
+            name = None
+            if body.startswith("?P<"):
+                name, body = body[3:].split(">", 1)
+            elif body.startswith("?"):
+                return None
+            number += 1
+            inner = sum(1 for k, ch in enumerate(body) if ch == "(" and (k == 0 or body[k - 1] != "\\"))
+            value = values.get(str(number), values.get(name or "", None))
+            if value is None:
+                value = _literal_key(body, {})
+                if value is None:
+                    return None
+            out.append(value)
+            number += inner
+            i = j + 1
+        elif c in ".^$*+?{}[]|)":
+            return None
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _invert(key_map: KeyMap, tree: VariableTree) -> tuple[dict[str, tuple[Shape, np.dtype]], dict[str, list]]:
+    """Torch keys, shapes and dtypes the map writes for ``tree``'s variables, found without ``like=``."""
+    specs: dict[str, tuple[Shape, np.dtype]] = {}
+    need_like: list[tuple[str, str]] = []
+    unwritable: dict[str, list[str]] = {}
+    produced: set[str] = set()
+    variables = tree.variables()
+    for rule in key_map.rules:
+        for template, layout in zip(rule.templates, rule.layouts):
+            stacked = template.endswith("]")
+            regex = _template_regex(template)
+            for path, (shape, dtype, _) in variables.items():
+                names = (
+                    [(f"{path}[{i}]", shape[1:]) for i in range(shape[0] if shape else 0)]
+                    if stacked
+                    else [(path, shape)]
+                )
+                for name, flax_shape in names:
+                    m = regex.fullmatch(name)
+                    if m is None:
+                        continue
+                    key = _literal_key(rule.pattern, {g[2:]: v for g, v in m.groupdict().items()})
+                    if key is None:  # a regex that is not a literal with groups: its keys cannot be written
+                        unwritable.setdefault(name, []).append(rule.label)
+                        continue
+                    check = rule.regex.fullmatch(key)
+                    if not check or check.expand(template) != name:
+                        continue  # the template matches, but the regex does not: another rule's variable
+                    produced.add(name)
+                    try:
+                        torch_shape = layout.torch_shape(flax_shape)
+                    except NeedsTorchShape:
+                        need_like.append(
+                            (name, f"{rule.label}: layout {layout} needs torch's shapes to invert; pass like=")
+                        )
+                        continue
+                    specs.setdefault(key, (torch_shape, dtype))
+    for name, labels in unwritable.items():
+        if name not in produced:
+            for label in labels:
+                need_like.append(
+                    (name, f"{label} cannot write its torch key: the regex is not a literal with groups; pass like=")
+                )
+    need_like = list(dict.fromkeys(need_like))
+    return specs, ({"unfilled": need_like} if need_like else {})

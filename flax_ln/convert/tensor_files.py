@@ -1,0 +1,141 @@
+"""A lazy reader of safetensors files: the headers first, then only the blocks asked for.
+
+Nothing here knows a model: :func:`read_headers` lists every tensor's name, shape and dtype
+code without reading data, :func:`shard_files` the files a sharded save's index names,
+and a :class:`StoredTensor` reads its tensor (or one block of it) when asked, mapping the
+file only for that read. :mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# safetensors dtype codes parameters may have (float64/32/16, bfloat16), and NumPy names of the others.
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
+SAFETENSORS_OTHERS = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+# The index of a sharded save, as save_pretrained names it: {"weight_map": {tensor name: shard file name}}.
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies: ``name`` in the safetensors ``file``.
+
+    ``shape`` is the tensor's as its reader wants it: the stored shape, with the last two
+    axes swapped if ``swapped`` (a matrix the file holds transposed).
+    """
+
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+    swapped: bool
+
+    def read(self, index: tuple[slice, ...] | None = None, *, transpose: bool = False) -> np.ndarray:
+        """The block ``index`` of the tensor (of its last-two-axes transpose if ``transpose``).
+
+        Only that block is read (``safe_open(...).get_slice``); the file is mapped for
+        the duration of this call only, so no file page stays resident afterwards.
+        """
+        from safetensors import safe_open
+
+        swap = transpose != self.swapped  # the stored array is the wanted one with its last two axes swapped
+        if index is not None and swap:
+            index = (*index[:-2], index[-1], index[-2])
+        with safe_open(str(self.file), framework="numpy") as f:
+            block = f.get_tensor(self.name) if index is None else f.get_slice(self.name)[index]
+        return np.swapaxes(block, -1, -2) if swap else block
+
+
+def read_headers(files: Iterable[Path]) -> Iterator[tuple[Path, str, tuple[int, ...], str]]:
+    """``(file, tensor name, stored shape, safetensors dtype code)`` of every tensor in ``files``; no data is read.
+
+    Each file's header is read whole before its tensors are given; a file that cannot be
+    read as safetensors raises ``ValueError`` naming it.
+    """
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError as err:
+        raise ImportError(
+            "reading Hugging Face checkpoints needs the safetensors package: pip install safetensors"
+        ) from err
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                slices = [(name, f.get_slice(name)) for name in f.keys()]
+                header = [(name, tuple(s.get_shape()), s.get_dtype()) for name, s in slices]
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{file}: not a readable safetensors file: {err}") from err
+        for name, shape, code in header:
+            yield file, name, shape, code
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
+
+
+def read_json_object(file: Path, holds: str) -> dict[str, Any]:
+    """``file`` parsed as a JSON object; a ``ValueError`` naming the file for bad syntax or another JSON type."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file}: not UTF-8 text ({err}); expected a JSON object holding {holds}") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{file}: invalid JSON syntax at line {err.lineno}, column {err.colno} ({err.msg}); "
+            f"expected a JSON object holding {holds}"
+        ) from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object ({{...}}) holding {holds}, got a JSON {_json_type(data)}")
+    return data
+
+
+def shard_files(folder: Path, index_file: Path) -> list[Path]:
+    """The shard files ``index_file`` names, each checked to lie inside ``folder`` before anything is opened."""
+    index = read_json_object(index_file, '{"weight_map": {tensor name: shard file name}}')
+    if "weight_map" not in index:
+        raise ValueError(
+            f'{index_file}: no "weight_map" entry; expected {{"weight_map": {{tensor name: shard file name}}}} '
+            "as save_pretrained writes it"
+        )
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            f'{index_file}: "weight_map" must be a JSON object mapping tensor names to shard file names, '
+            f"got a JSON {_json_type(weight_map)}"
+        )
+    root = folder.resolve()
+    files: dict[Path, None] = {}  # ordered set
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise ValueError(f'{index_file}: "weight_map" entry {tensor!r}: expected a shard file name, got {shard!r}')
+        resolved = (root / shard).resolve()  # an absolute shard replaces root; symlinks are followed
+        if Path(shard).is_absolute() or not resolved.is_relative_to(root):
+            raise ValueError(
+                f'{index_file}: "weight_map" entry {tensor!r} -> {shard!r} leads outside the checkpoint folder '
+                f"{folder} (to {resolved}); shard files must lie inside it, named relative to it "
+                "(e.g. 'model-00001-of-00002.safetensors'). Nothing was opened; copy the shards into the folder "
+                "(cp -L resolves symlinks) and fix the index"
+            )
+        files[resolved] = None
+    return list(files)

@@ -1,0 +1,222 @@
+"""The flax side as a key map sees it: dotted paths to variables, their shapes, reads and writes.
+
+:class:`VariableTree` is the protocol; :class:`NNXTree` implements it for an ``nnx.Module``,
+:class:`PytreeTree` for a pytree of arrays and :class:`LinenTree` for a Linen module's variables.
+A new kind of flax side needs one more class here, if it holds its variables another way.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flax_ln.convert.assign import SAVED_KINDS, assign
+from flax_ln.convert.layouts import Shape
+
+
+@runtime_checkable
+class VariableTree(Protocol):
+    """The flax side as the key map sees it: dotted variable paths, their shapes, reads and writes."""
+
+    def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
+        """``{canonical dotted path: (shape, dtype, required)}``; required ones must be filled by loading."""
+        ...
+
+    def lookup(self, path: str) -> str:
+        """The canonical path of the variable at dotted ``path``; ``KeyError`` (with the reason) if none."""
+        ...
+
+    def read(self, path: str) -> np.ndarray:
+        """The value of the variable at canonical ``path``, on the host."""
+        ...
+
+    def write(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set each canonical path's variable to its value (cast to the variable's dtype)."""
+        ...
+
+
+class NNXTree:
+    """:class:`VariableTree` of an ``nnx.Module``: paths are attribute names and sequence indices, dotted.
+
+    A variable shared at several paths is one variable; its canonical path is the one
+    ``nnx.state`` uses. ``nnx.Param`` and ``nnx.BatchStat`` are required; other variables
+    (RNG state, caches) are filled only where a rule names them.
+    """
+
+    def __init__(self, model: nnx.Module):
+        self.model = model
+        self._vars: dict[str, nnx.Variable] = {}
+        self._canonical: dict[int, str] = {}
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Variable) and id(node) not in self._canonical:
+                name = ".".join(map(str, path))
+                self._vars[name] = node
+                self._canonical[id(node)] = name
+
+    def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
+        """See :meth:`VariableTree.variables`."""
+        return {
+            p: (tuple(v.shape), v.dtype, isinstance(v, SAVED_KINDS))
+            for p, v in self._vars.items()
+            if hasattr(v, "shape")
+        }
+
+    def lookup(self, path: str) -> str:
+        """See :meth:`VariableTree.lookup`."""
+        node: Any = self.model
+        walked: list[str] = []
+        for step in path.split("."):
+            if isinstance(node, nnx.Variable):
+                raise KeyError(f"{'.'.join(walked)!r} is already a variable; the path cannot go on")
+            child = _child(node, step)
+            if child is _MISSING:
+                where = ".".join(walked) or "the model"
+                close = difflib.get_close_matches(path, list(self._vars), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise KeyError(f"{where} ({type(node).__name__}) has no {step!r}{hint}")
+            node = child
+            walked.append(step)
+        if not isinstance(node, nnx.Variable):
+            raise KeyError(f"it names a {type(node).__name__}, not a variable")
+        if id(node) not in self._canonical:
+            raise KeyError("the variable there is not part of the model's graph")
+        return self._canonical[id(node)]
+
+    def read(self, path: str) -> np.ndarray:
+        """See :meth:`VariableTree.read`."""
+        return np.asarray(self._vars[path][...])
+
+    def write(self, values: Mapping[str, np.ndarray]) -> None:
+        """See :meth:`VariableTree.write`."""
+        for path, value in values.items():
+            assign(self._vars[path], value)
+
+
+def path_step(key: Any) -> str:
+    """One entry of a JAX key path as a dotted path's step: a dict key, a sequence index, an attribute name."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+class PytreeTree:
+    """:class:`VariableTree` of a pytree of arrays (a ``Function``'s ``params``): paths are its dict keys,
+    sequence indices and attribute names, dotted (``layers.0.w``).
+
+    Writes go into a copy: the caller's pytree (its containers and arrays) is never modified, and
+    :meth:`tree` rebuilds the pytree with the written values. Every floating leaf is required
+    (a parameter); other leaves are filled only where a rule names them. Leaves may be
+    ``jax.ShapeDtypeStruct`` (``jax.eval_shape``): only their shapes and dtypes are read
+    until they are written.
+    """
+
+    def __init__(self, tree: Any):
+        flat, self._treedef = jax.tree_util.tree_flatten_with_path(tree)
+        self._steps = [tuple(path_step(k) for k in path) for path, _ in flat]
+        self._names = [self.name_of(steps) for steps in self._steps]
+        if len(set(self._names)) != len(self._names):
+            twice = sorted({n for n in self._names if self._names.count(n) > 1})
+            raise ValueError(f"two leaves of the pytree have one dotted path: {twice[:4]}; rename their keys")
+        self._leaves: dict[str, Any] = dict(zip(self._names, (leaf for _, leaf in flat)))
+
+    def name_of(self, steps: tuple[str, ...]) -> str:
+        """The dotted path of the leaf at key path ``steps``."""
+        return ".".join(steps)
+
+    def required(self, steps: tuple[str, ...], dtype: np.dtype) -> bool:
+        """Whether the leaf at ``steps`` must be filled by loading: every floating leaf."""
+        return bool(np.issubdtype(dtype, np.floating))
+
+    def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
+        """See :meth:`VariableTree.variables`."""
+        out = {}
+        for steps, name in zip(self._steps, self._names):
+            shape, dtype = _shape_dtype(self._leaves[name])
+            out[name] = (shape, dtype, self.required(steps, dtype))
+        return out
+
+    def lookup(self, path: str) -> str:
+        """See :meth:`VariableTree.lookup`."""
+        if path in self._leaves:
+            return path
+        if any(name.startswith(path + ".") for name in self._names):
+            raise KeyError(f"{path!r} names a subtree, not an array")
+        close = difflib.get_close_matches(path, self._names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"the pytree has no leaf {path!r}{hint}")
+
+    def read(self, path: str) -> np.ndarray:
+        """See :meth:`VariableTree.read`."""
+        return np.asarray(self._leaves[path])
+
+    def write(self, values: Mapping[str, np.ndarray]) -> None:
+        """See :meth:`VariableTree.write`: an owned copy in the leaf's dtype (the caller's leaf is not touched)."""
+        for path, value in values.items():
+            _, dtype = _shape_dtype(self._leaves[path])
+            self._leaves[path] = jnp.asarray(np.array(value, dtype=dtype, copy=True))
+
+    def tree(self) -> Any:
+        """The pytree with every written value (a new pytree; the unwritten leaves are the caller's)."""
+        return jax.tree_util.tree_unflatten(self._treedef, [self._leaves[n] for n in self._names])
+
+    def names(self, tree: Any) -> dict[str, Any]:
+        """``{dotted path: leaf}`` of a pytree with this tree's structure (its gradients, its tangents)."""
+        return dict(zip(self._names, jax.tree_util.tree_leaves(tree)))
+
+
+class LinenTree(PytreeTree):
+    """:class:`VariableTree` of a Linen module's variables (``{"params": ..., "batch_stats": ...}``).
+
+    A ``params`` variable is named by its keys below the collection, dotted
+    (``encoder.layer_0.attention.query.kernel``); a variable of another collection by the
+    collection first (``batch_stats.stages.0.bn.mean``). ``params`` and ``batch_stats`` are
+    required; other collections are filled only where a rule names them. Writes go into a copy.
+    """
+
+    def name_of(self, steps: tuple[str, ...]) -> str:
+        """See :meth:`PytreeTree.name_of`."""
+        return ".".join(steps[1:] if steps[:1] == ("params",) else steps)
+
+    def required(self, steps: tuple[str, ...], dtype: np.dtype) -> bool:
+        """``params`` and ``batch_stats`` variables must be filled."""
+        return steps[:1] in (("params",), ("batch_stats",))
+
+    def scope(self, name: str) -> tuple[str, ...]:
+        """The scope path (module path) of the variable ``name``: its keys below the collection, less the last."""
+        return self._steps[self._names.index(name)][1:-1]
+
+    def collection(self, name: str) -> str:
+        """The collection of the variable ``name``."""
+        return self._steps[self._names.index(name)][0]
+
+
+def _shape_dtype(leaf: Any) -> tuple[Shape, np.dtype]:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return tuple(leaf.shape), np.dtype(leaf.dtype)
+    array = np.asarray(leaf)
+    return tuple(array.shape), array.dtype
+
+
+_MISSING = object()
+
+
+def _child(node: Any, step: str) -> Any:
+    """``node``'s child ``step``: an attribute, a mapping key or (for a digit string) a sequence index."""
+    if step.isdigit() and not isinstance(node, Mapping):
+        try:
+            return node[int(step)]
+        except (TypeError, IndexError, KeyError):
+            pass
+    if isinstance(node, Mapping):
+        return node.get(step, _MISSING)
+    try:
+        return getattr(node, step)
+    except AttributeError:
+        return _MISSING
