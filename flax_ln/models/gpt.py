@@ -516,13 +516,11 @@ class GPT(nnx.Module):
         return t.ln_f(x), cache
 
 
-__getattr__ = module_getattr(  # deprecated aliases of names that moved, see CHANGELOG.md
+__getattr__ = module_getattr(  # deprecated aliases of names this module had in 0.1.0, see CHANGELOG.md
     __name__,
     {
         "checkpoint": "flax_ln.models.remat.remat_in_backward",
-        "remat_in_backward": "flax_ln.models.remat.remat_in_backward",
         "generate": "flax_ln.models.sampling.generate",
-        "decode_step": "flax_ln.models.sampling.decode_step",
     },
     globals(),
 )
