@@ -1,4 +1,4 @@
-"""GPT benchmarks of issue 6: the training step against PyTorch, compile time, and rematerialisation memory.
+"""GPT benchmarks: the training step against PyTorch, compile time, and rematerialisation memory.
 
 Rows (float32, this CPU; ``--quick`` shrinks every model to a 64-wide toy):
 
@@ -99,7 +99,7 @@ class FlaxStep:
 
 @contextlib.contextmanager
 def nnx_dropout_masks():
-    """Build GPTs with plain ``nnx.Dropout`` (the code before issue 6): a side-by-side before/after column.
+    """Build GPTs with plain ``nnx.Dropout`` instead of flax_ln's: a side-by-side before/after column.
 
     Same masks (``flax_ln.models.dropout`` is bit-identical), only JAX's own mask kernel.
     """
