@@ -7,9 +7,10 @@ does: ``transformer.wte``, ``transformer.h.{i}.attn.c_attn``, ``lm_head``, ...
 :class:`GPTConfig` is torch-free; a config from ``torch_ref`` (or any object with the same
 field names) is accepted as plain data through :meth:`GPTConfig.from_any`.
 
-The loss is computed by :mod:`flax_ln.models.losses`, remat and the scan over layers by
-:mod:`flax_ln.models.remat` (both imported here); sampling, :func:`flax_ln.generate`, is in
-:mod:`flax_ln.models.sampling`, which imports this module.
+The loss is computed by :mod:`flax_ln.models.losses` (its three functions are importable from
+here too), remat and the scan over layers by :mod:`flax_ln.models.remat`, which needs of a block
+only what :class:`~flax_ln.models.remat.RematBlock` describes; sampling, :func:`flax_ln.generate`,
+is in :mod:`flax_ln.models.sampling`, which imports this module.
 """
 
 from __future__ import annotations
