@@ -654,7 +654,7 @@ def gpt_remat(cfg: Config) -> list[Table]:
     notes = [
         (
             f"{model}, B={batch}, T={seq_len}, float32, dropout 0.1 on, clip + Adam; remat=True wraps each block in "
-            "jax.checkpoint(policy=nothing_saveable) (flax_ln.models.gpt.checkpoint)"
+            "jax.checkpoint(policy=nothing_saveable) (flax_ln.models.remat.remat_in_backward when unrolled)"
         ),
         (
             "memory ratios are 'off / remat': XLA temp = compiled.memory_analysis().temp_size_in_bytes (the target's "
