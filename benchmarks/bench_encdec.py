@@ -1,4 +1,4 @@
-"""Chapter 10's encoder-decoder training step against PyTorch (issue 15).
+"""Chapter 10's encoder-decoder training step against PyTorch.
 
 Row ``encdec-train-step`` (float32, this CPU; ``--quick`` shrinks the model to a toy):
 the book's chapter-10 model, ``make_model(src_vocab=11055, tgt_vocab=11239, N=6,

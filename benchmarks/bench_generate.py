@@ -1,4 +1,4 @@
-"""Generation benchmark of issue 15: ``flax_ln.generate`` against transformers' ``generate`` and torch_ref's loop.
+"""Generation benchmark: ``flax_ln.generate`` against transformers' ``generate`` and torch_ref's loop.
 
 Row ``gpt2-generate`` (float32, this CPU; ``--quick`` shrinks to a 2-layer, 64-wide toy
 with prompt 4, 8 new tokens, B=1 and B=2):

@@ -1,4 +1,4 @@
-"""GPT benchmarks of issue 6: the training step against PyTorch, compile time, and rematerialisation memory.
+"""GPT benchmarks: the training step against PyTorch, compile time, and rematerialisation memory.
 
 Rows (float32, this CPU; ``--quick`` shrinks every model to a 64-wide toy):
 
@@ -99,7 +99,7 @@ class FlaxStep:
 
 @contextlib.contextmanager
 def nnx_dropout_masks():
-    """Build GPTs with plain ``nnx.Dropout`` (the code before issue 6): a side-by-side before/after column.
+    """Build GPTs with plain ``nnx.Dropout`` instead of flax_ln's: a side-by-side before/after column.
 
     Same masks (``flax_ln.models.dropout`` is bit-identical), only JAX's own mask kernel.
     """
@@ -654,7 +654,7 @@ def gpt_remat(cfg: Config) -> list[Table]:
     notes = [
         (
             f"{model}, B={batch}, T={seq_len}, float32, dropout 0.1 on, clip + Adam; remat=True wraps each block in "
-            "jax.checkpoint(policy=nothing_saveable) (flax_ln.models.gpt.checkpoint)"
+            "jax.checkpoint(policy=nothing_saveable) (flax_ln.models.remat.remat_in_backward when unrolled)"
         ),
         (
             "memory ratios are 'off / remat': XLA temp = compiled.memory_analysis().temp_size_in_bytes (the target's "

@@ -1,6 +1,6 @@
 """LayerNorm forward and forward+backward, flax_ln under jit against PyTorch, flax and a copy.
 
-Issue 6 rows (float32, 8192x1024 by default):
+Rows (float32, 8192x1024 by default):
 
 * forward: flax_ln.LayerNorm under ``jax.jit`` vs the best of ``F.layer_norm``,
   ``torch_ref.LayerNorm`` eager and ``torch.compile(torch_ref.LayerNorm)``;

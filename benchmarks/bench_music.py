@@ -1,4 +1,4 @@
-"""Chapter 14's music Transformer: training throughput against the book's own loop (issue 15).
+"""Chapter 14's music Transformer: training throughput against the book's own loop.
 
 Row ``music-throughput`` (float32, this CPU; ``--quick`` shrinks the model to a toy):
 ``GPTConfig.music()``, the book's 6 layers, 8 heads, width 512, vocabulary 390, block

@@ -1,4 +1,4 @@
-"""Accelerator measurements for issue 6, run by benchmarks/gpu.sh on a lent H200.
+"""Accelerator measurements, run by benchmarks/gpu.sh on a lent H200.
 
 Usage: python benchmarks/gpu_bench.py [--dry-run] [--json PATH]
 

@@ -1,4 +1,4 @@
-"""Print issue 6's benchmark ratios, all measured in this one run.
+"""Print the benchmark ratios, all measured in this one run.
 
 Usage: python benchmarks/run.py [--quick] [--only NAME ...] [--no-torch-compile] [--repeats N]
                                 [--quiet-load L] [--max-wait S]

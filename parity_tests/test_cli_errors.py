@@ -49,7 +49,7 @@ def save(path, state):
     return path
 
 
-# ---- item 1: integer, bool and half-precision weights ------------------------------------
+# ---- integer, bool and half-precision weights --------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool])
@@ -139,7 +139,7 @@ def test_state_dict_of_a_model_too_large_to_build_is_a_clear_error(tmp_path, cap
     assert "too large" in err and "block_size=1000000" in err
 
 
-# ---- item 6: incomplete or odd state dicts -----------------------------------------------
+# ---- incomplete or odd state dicts -------------------------------------------------------
 
 
 def enc_dec_state():
@@ -183,7 +183,7 @@ def test_incomplete_state_dict_lists_what_is_missing_or_malformed(tmp_path, caps
         assert text in err, err
 
 
-# ---- item 7: --seq-len against each model's limit ----------------------------------------
+# ---- --seq-len against each model's limit ------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -208,7 +208,7 @@ def test_seq_len_beyond_a_checkpoints_block_size_is_refused(tmp_path, capsys):
     assert "--seq-len 9 is too long" in err and "at most 8 positions" in err
 
 
-# ---- item 8: output paths and tolerances --------------------------------------------------
+# ---- output paths and tolerances ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("where", ["missing-folder", "proc", "directory"])
@@ -252,7 +252,7 @@ def test_usage_error_is_2_and_parity_fail_is_1(capsys):
     )
 
 
-# ---- issue 14 item 3: mesh arguments -----------------------------------------------------
+# ---- mesh arguments ----------------------------------------------------------------------
 
 
 def test_more_devices_than_jax_has_says_how_to_get_them(capsys):

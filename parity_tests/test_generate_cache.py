@@ -1,5 +1,5 @@
 """The KV cache of :func:`flax_ln.generate` and :meth:`GPT.decode`: same tokens as recomputing every step,
-short caches, and no copy of the whole cache per layer in the compiled loop (issue 15)."""
+short caches, and no copy of the whole cache per layer in the compiled loop."""
 
 import re
 

@@ -686,7 +686,7 @@ def test_sampling():
 
 
 def test_presets_and_shared_config():
-    assert torch_ref.GPTConfig is not flax_ln.GPTConfig  # the reference keeps its own (issue 10)
+    assert torch_ref.GPTConfig is not flax_ln.GPTConfig  # the reference keeps its own: it imports no flax_ln
     for preset, args in (("gpt2", ()), ("gpt2_xl", ()), ("chapter12", (10000,)), ("music", ())):
         ours, reference = getattr(GPTConfig, preset)(*args), getattr(torch_ref.GPTConfig, preset)(*args)
         assert dataclasses.asdict(ours) == dataclasses.asdict(reference), preset

@@ -78,7 +78,7 @@ def rewrite(folder: Path, change) -> Path:
 
 
 # ---------------------------------------------------------------------------------------
-# dtypes (issue 11, item 1)
+# dtypes: half precision loads, integers and bools are refused
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int32", "bool"])
@@ -113,7 +113,7 @@ def test_half_precision_folders_load_in_param_dtype(tmp_path, dtype):
 
 
 # ---------------------------------------------------------------------------------------
-# shard paths (issue 11, item 2)
+# shard paths stay inside the folder
 
 
 def sharded_folder(folder: Path, model, names: list[str]) -> Path:
@@ -168,7 +168,7 @@ def test_shard_paths_leaving_the_folder_are_refused_unopened(tmp_path, monkeypat
 
 
 # ---------------------------------------------------------------------------------------
-# sizes from small files (issue 11, item 3)
+# sizes from small files: a config is checked against the tensors, and no buffer grows with its sizes
 
 
 @pytest.mark.parametrize(
@@ -254,7 +254,7 @@ def test_a_long_block_loads_without_a_block_squared_buffer(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# malformed JSON (issue 11, item 5)
+# malformed JSON names the file and the problem
 
 
 @pytest.mark.parametrize(
@@ -298,7 +298,7 @@ def test_malformed_json_names_the_file(tmp_path, file, text, fragment):
 
 
 # ---------------------------------------------------------------------------------------
-# export (issue 14, item 2)
+# export
 
 
 def noisy_flax_gpt(config=SMALL, *, scan_layers=False, tied=False, seed=0) -> flax_ln.GPT:
@@ -332,7 +332,7 @@ def test_save_hf_gpt2_opens_in_transformers(tmp_path, tied, scan_layers):
 
 
 # ---------------------------------------------------------------------------------------
-# loading onto a mesh, exporting a sharded model (issue 14, items 1 and 2), on 8 CPU devices
+# loading onto a mesh, exporting a sharded model, on 8 CPU devices
 
 MESH = textwrap.dedent("""
     import json, sys

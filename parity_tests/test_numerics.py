@@ -1,7 +1,7 @@
 """Numerics of the norms and models: accuracy against float64 truth, every JAX transformation
 through every module, inputs past the float32 range, and the norms' constructor checks.
 
-Accuracy (issue 12): per row, against float64 NumPy truth on the same (rounded) input,
+Accuracy: per row, against float64 NumPy truth on the same (rounded) input,
 ``flax error <= max(torch error, floor)``, where torch's error is measured on that very
 input. The floor is 2e-7 for float32 (a few float32 roundings, where either framework
 may win by summation order) and the same number of roundings of the half type for
@@ -149,7 +149,7 @@ def unit_affine_errors(kind, x, error):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("offset", [1e2, 1e4, 1e6])
 def test_offset_rows_beat_torch(kind, offset):
-    """The issue's table: width 1024, spread 1e-2 of the offset's ulp scale, flax well below torch.
+    """Rows far from zero: width 1024, spread 1e-2 of the offset's ulp scale, flax well below torch.
 
     Spread 1e-2 at 1e2 and 1e4; at 1e6 float32 spaces numbers 0.0625 apart, so spread 1.
     """
@@ -172,7 +172,7 @@ def test_rows_with_outlying_first_elements_stay_as_accurate_as_torch(kind, lead_
     assert (flax_err <= np.maximum(torch_err, F32_FLOOR)).all(), (flax_err.max(), torch_err.max())
 
 
-# ---- large inputs (issue 11 item 9, revised by the performance issue) --------------------------
+# ---- large inputs: float64 answers while squared deviations fit float32, the offset beyond -----
 
 
 def huge_rows(magnitude, seed=13):

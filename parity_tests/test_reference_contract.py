@@ -187,7 +187,7 @@ def _models(value):
 
 # (case id, which reference, edit(meta, tensors), words the error must contain)
 CASES = [
-    # false PASS (the item 1)
+    # false PASS: forged files that would otherwise pass with too little, or the wrong thing, compared
     ("no expected and kinds, a weight x3", "layernorm", _remove_expected_and_kinds, ["expected", "kinds"]),
     ("expected and kinds empty", "layernorm", _empty_expected, ["models[0].side.expected", "no output"]),
     ("outputs only, no gradient", "layernorm", _outputs_only, ["no input grad or param grad"]),

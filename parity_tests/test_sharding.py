@@ -15,7 +15,7 @@ from flax_ln.sharding import FSDP, fsdp_spec, make_mesh
 
 # Per-step losses on 8 devices vs 1 device: the sharded run sums the loss and gradients over
 # shards in a different order, so float32 rounding (~1e-7 relative per reduction) differs and
-# a few Adam steps amplify it; 1e-4 relative is the bound and far above that noise,
+# a few Adam steps amplify it; 1e-4 relative is far above that noise,
 # while any real sharding bug (a dropped shard, a wrong reduction) changes the loss by > 1e-3.
 RTOL_DEVICES = 1e-4
 

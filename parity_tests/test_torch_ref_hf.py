@@ -1,4 +1,4 @@
-"""The reference stands alone (issue 10) and its own Hugging Face GPT-2 reader is safe (issue 11).
+"""The reference stands alone and its own Hugging Face GPT-2 reader is safe.
 
 * ``torch_ref`` imports nothing from ``flax_ln``, JAX or flax (a subprocess with them
   blocked, and a static scan of its imports); configs cross as plain data.
@@ -278,7 +278,7 @@ def test_an_untied_folder_keeps_its_own_lm_head(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# issue 11 item 1: half precision loads, integers and bools are refused
+# half precision loads, integers and bools are refused
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -326,7 +326,7 @@ def test_a_whole_int8_folder_is_refused_key_by_key(tmp_path, hf_model):
 
 
 # ---------------------------------------------------------------------------------------
-# issue 11 item 2: shard names resolve inside the folder
+# shard names resolve inside the folder
 
 
 def sharded_folder(tmp_path, hf_model):
@@ -371,7 +371,7 @@ def test_an_index_that_misplaces_a_tensor_is_refused(tmp_path, hf_model):
 
 
 # ---------------------------------------------------------------------------------------
-# issue 11 item 3: declared sizes are checked against the tensors before anything is built
+# declared sizes are checked against the tensors before anything is built
 
 
 @pytest.mark.parametrize(
@@ -437,7 +437,7 @@ def test_consistent_but_huge_positions_fail_before_the_mask_buffers(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# issue 11 item 5: malformed JSON names the file and the problem
+# malformed JSON names the file and the problem
 
 
 @pytest.mark.parametrize(
@@ -473,7 +473,7 @@ def test_bad_values_in_config_json_are_named(tmp_path, hf_model):
 
 
 # ---------------------------------------------------------------------------------------
-# issue 11 item 6: incomplete or malformed weight sets list what is wrong
+# incomplete or malformed weight sets list what is wrong
 
 
 def write_tensors(folder, tensors, config):

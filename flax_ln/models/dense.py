@@ -42,8 +42,8 @@ def _linear_product_jvp(precision, preferred_element_type, primals, tangents):
     becomes ``xᵀ @ g``, a plain row-major product on ``g`` as it is, which XLA:CPU runs
     as a YNNPACK matmul. ``xᵀ`` is kept for the backward pass instead of ``x``: the same
     size. On XLA:CPU the GPT-2 124M and chapter-10 encoder-decoder training steps take
-    less time than with plain ``lax.dot_general`` (``benchmarks/RESULTS.md``, "Issue 15,
-    fourth pass"). Inside a ``scan`` over layers XLA:CPU keeps the blocks' kernel gradients
+    less time than with plain ``lax.dot_general`` (``benchmarks/RESULTS.md``, "the kernel
+    gradient's form"). Inside a ``scan`` over layers XLA:CPU keeps the blocks' kernel gradients
     as Eigen dots all the same, so there only the head gains, and a model with a small
     head (a narrow vocabulary) pays the copies of ``xᵀ`` for nothing. Other backends also
     pay that one copy of each layer's input.

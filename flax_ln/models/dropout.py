@@ -11,7 +11,7 @@ Written element-wise, though, the hash reads no array (only the key and an iota)
 XLA:CPU counts it free to duplicate and recomputes it inside every fusion that uses the
 mask: the forward select, the backward select and the transposed copies made for
 weight gradients, about four times per mask in a training step (benchmarks/RESULTS.md,
-"Issue 15, second pass"). The mask is therefore packed 32 samples to a ``uint32`` word by
+"the dropout mask hashed once"). The mask is therefore packed 32 samples to a ``uint32`` word by
 a reduction, which XLA computes once; its users unpack a bit with a shift, and the
 packed mask (one bit per element) is all that stays alive for the backward pass.
 """

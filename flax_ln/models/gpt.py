@@ -7,9 +7,10 @@ does: ``transformer.wte``, ``transformer.h.{i}.attn.c_attn``, ``lm_head``, ...
 :class:`GPTConfig` is torch-free; a config from ``torch_ref`` (or any object with the same
 field names) is accepted as plain data through :meth:`GPTConfig.from_any`.
 
-The loss is computed by :mod:`flax_ln.models.losses`, remat and the scan over layers by
-:mod:`flax_ln.models.remat` (both imported here); sampling, :func:`flax_ln.generate`, is in
-:mod:`flax_ln.models.sampling`, which imports this module.
+The loss is computed by :mod:`flax_ln.models.losses` (its three functions are importable from
+here too), remat and the scan over layers by :mod:`flax_ln.models.remat`, which needs of a block
+only what :class:`~flax_ln.models.remat.RematBlock` describes; sampling, :func:`flax_ln.generate`,
+is in :mod:`flax_ln.models.sampling`, which imports this module.
 """
 
 from __future__ import annotations
@@ -516,13 +517,11 @@ class GPT(nnx.Module):
         return t.ln_f(x), cache
 
 
-__getattr__ = module_getattr(  # deprecated aliases of names that moved, see CHANGELOG.md
+__getattr__ = module_getattr(  # deprecated aliases of names this module had in 0.1.0, see CHANGELOG.md
     __name__,
     {
         "checkpoint": "flax_ln.models.remat.remat_in_backward",
-        "remat_in_backward": "flax_ln.models.remat.remat_in_backward",
         "generate": "flax_ln.models.sampling.generate",
-        "decode_step": "flax_ln.models.sampling.decode_step",
     },
     globals(),
 )

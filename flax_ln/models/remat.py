@@ -7,20 +7,29 @@ a ``jax.checkpoint`` whose recomputation stays in the backward pass on XLA:CPU t
 rematerialised with plain ``jax.checkpoint``. Both write the advanced dropout RNG state
 back into the blocks only when some dropout is active.
 
-The blocks are duck-typed: anything with ``attend(x, cache, pos, layer)`` returning
-``(x, cache)`` (:meth:`flax_ln.models.gpt.Block.attend`).
+What they need of a block is :class:`RematBlock`, so this module imports no model.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-if TYPE_CHECKING:
-    from flax_ln.models.gpt import Block
+
+class RematBlock(Protocol):
+    """What :func:`remat_block` and :func:`scan_blocks` need of a block: an ``nnx.Module`` with ``attend``.
+
+    The block is split and merged with ``nnx.split``/``nnx.merge`` and searched for active
+    ``nnx.Dropout`` modules; :class:`flax_ln.models.gpt.Block` is one.
+    """
+
+    def attend(self, x: jax.Array, cache: Any, pos: Any, layer: Any = 0) -> tuple[jax.Array, Any]:
+        """``(x, cache)``: the block's output for ``x`` (B, T, C), whose first token is at absolute position ``pos``,
+        and the all-layer KV cache ``cache`` with this block's ``layer`` written (``None`` stays ``None``)."""
+        ...
 
 
 def remat_policy(remat):
@@ -42,8 +51,8 @@ def remat_policy(remat):
     )
 
 
-def _dropout_active(module: nnx.Module) -> bool:
-    return any(isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0 for _, m in nnx.iter_modules(module))
+def _dropout_active(node: object) -> bool:
+    return any(isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0 for _, m in nnx.iter_graph(node))
 
 
 def remat_in_backward(fun, policy):
@@ -101,14 +110,14 @@ def _pure_block(graphdef, pos, policy, remat=remat_in_backward):
     """
 
     def run(block_state, x, cache, layer=0):
-        block = nnx.merge(graphdef, block_state)
+        block: RematBlock = nnx.merge(graphdef, block_state)
         x, cache = block.attend(x, cache, pos, layer)
         return x, cache, nnx.state(block, nnx.RngState)
 
     return run if policy is None else remat(run, policy)
 
 
-def remat_block(block: Block, x, pos, policy):
+def remat_block(block: RematBlock, x, pos, policy):
     """``block(x)`` rematerialised with :func:`remat_in_backward` and ``policy``; dropout RNG counters written back.
 
     ``pos`` is the absolute position of ``x``'s first token; no KV cache (decoding takes no gradients).
@@ -126,7 +135,7 @@ def scan_blocks(h: nnx.Module, x, cache, pos, policy=None):
     The KV cache (all layers) rides in the carry and each step writes its own layer in
     place; scanning over per-layer cache slices instead would rebuild the whole cache as
     the stacked output at every call. Each step merges one layer's slice into a fresh
-    :class:`~flax_ln.models.gpt.Block`, rematerialised with
+    block (a :class:`RematBlock`), rematerialised with
     plain ``jax.checkpoint`` and ``policy`` unless it is ``None`` (inside the backward
     loop XLA cannot move the recomputation into the forward pass, and forward-mode
     autodiff works through it). Only when some dropout is active is the advanced
