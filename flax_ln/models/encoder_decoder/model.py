@@ -198,15 +198,21 @@ def make_model(
     """The book's encoder-decoder, the twin of ``torch_ref.make_model``.
 
     ``Transformer.from_config(EncoderDecoderConfig(src_vocab, tgt_vocab, N, d_model, d_ff,
-    h, dropout, ffn_activation))`` (see :meth:`Transformer.from_config`), with the book's
-    signature. Every parameter with more than one dimension is Xavier-uniform initialised,
-    as in the book; biases keep torch's default uniform(±1/sqrt(fan_in)), the norms ones and
-    zeros. Chapter 10 uses ``N=6, d_model=256, d_ff=1024, h=8``
-    (:meth:`~flax_ln.EncoderDecoderConfig.chapter10`).
+    h, dropout, ffn_activation))`` (see :meth:`Transformer.from_config`) with the book's
+    signature; the config checks the sizes. Every parameter with more than one dimension
+    is Xavier-uniform initialised, as in the book; biases keep torch's default
+    uniform(±1/sqrt(fan_in)), the norms ones and zeros. Chapter 10 uses ``N=6,
+    d_model=256, d_ff=1024, h=8`` (:meth:`~flax_ln.EncoderDecoderConfig.chapter10`).
 
     Args:
-      src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, ffn_activation: as
-        :class:`~flax_ln.EncoderDecoderConfig`, which checks them.
+      src_vocab: source vocabulary size.
+      tgt_vocab: target vocabulary size.
+      N: layers in the encoder and in the decoder.
+      d_model: model width.
+      d_ff: feed-forward hidden width.
+      h: attention heads; must divide ``d_model``.
+      dropout: dropout rate everywhere, in ``[0, 1)``.
+      ffn_activation: ``None`` (the book, no activation) or ``"relu"`` (the Annotated Transformer).
       dtype: compute dtype; ``None`` follows the parameters.
       param_dtype: parameter dtype.
       precision: matmul precision.
