@@ -185,7 +185,7 @@ def plain_linear_products():
     """Build models whose ``nnx.Linear`` layers use plain ``lax.dot_general`` (the code before
     :func:`flax_ln.models.dense.linear_dot_general`): a side-by-side before/after column.
     Same values; only the kernel gradient's form in reverse mode differs."""
-    import flax_ln.models.encoder_decoder as encoder_decoder
+    import flax_ln.models.encoder_decoder.layers as encoder_decoder
     import flax_ln.models.gpt as gpt
 
     modules = (gpt, encoder_decoder)

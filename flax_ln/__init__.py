@@ -13,6 +13,7 @@ from flax_ln.convert import (
     to_torch_state_dict,
 )
 from flax_ln.models.encoder_decoder import (
+    EncoderDecoderConfig,
     Transformer,
     greedy_decode,
     make_model,
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConversionError",
     "encoder_decoder_loss",
+    "EncoderDecoderConfig",
     "generate",
     "greedy_decode",
     "head_cross_entropy",

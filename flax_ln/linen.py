@@ -15,9 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
 
-from flax_ln.models import encoder_decoder as _ed
+from flax_ln.models import encoder_decoder
 from flax_ln.models import gpt as _gpt
 from flax_ln.models import layernorm as _nnx
+from flax_ln.models.encoder_decoder import EncoderDecoderConfig
 from flax_ln.models.gpt import GPTConfig
 
 
@@ -50,8 +51,8 @@ def _build(factory, *args, deterministic: bool, **kwargs):
         module.eval()
     elif "dropout" not in rngs and any(isinstance(m, nnx.Dropout) and m.rate > 0 for _, m in nnx.iter_modules(module)):
         raise ValueError(
-            f"{getattr(factory, '__name__', factory)}: dropout is active (deterministic=False) but no 'dropout' PRNG "
-            "stream was given; pass rngs={'params': key, 'dropout': key2} to init and rngs={'dropout': key} to "
+            f"{getattr(factory, '__qualname__', factory)}: dropout is active (deterministic=False) but no 'dropout' "
+            "PRNG stream was given; pass rngs={'params': key, 'dropout': key2} to init and rngs={'dropout': key} to "
             "apply, or build the Linen module with deterministic=True for inference."
         )
     return module
@@ -93,6 +94,42 @@ def GPT(
     )
 
 
+def Transformer(
+    config: EncoderDecoderConfig,
+    *,
+    deterministic: bool = False,
+    dtype=None,
+    param_dtype=jnp.float32,
+    precision=None,
+    name=None,
+):
+    """Linen encoder-decoder: :meth:`flax_ln.Transformer.from_config` as a ``flax.linen.Module``.
+
+    ``init(rngs, src, tgt, src_mask, tgt_mask)`` creates ``params`` under the NNX
+    attribute names (``encoder/layers/0/self_attn/linears/0/kernel``, ...) plus the
+    positional tables ``src_embed/1/pe`` and ``tgt_embed/1/pe`` in the non-trainable
+    ``Buffer`` collection; pass every collection back to ``apply``. ``apply(variables, src, tgt,
+    src_mask, tgt_mask)`` returns the decoder output (B, T, d_model); the other entry
+    points are ``nnx_method="encode"`` / ``"decode"``, and the log-probabilities are
+    ``apply(variables, x, nnx_method=lambda m, x: m.generator(x))``.
+
+    Args:
+      config: the :class:`~flax_ln.EncoderDecoderConfig`, or anything its ``from_any`` reads.
+      dtype, param_dtype, precision: as :meth:`flax_ln.Transformer.from_config`.
+      deterministic: dropout off (inference). Otherwise dropout is on and ``init``/``apply``
+        need a ``'dropout'`` PRNG stream.
+      name: the Linen module name.
+    """
+    return bridge.to_linen(
+        functools.partial(_build, encoder_decoder.Transformer.from_config, deterministic=deterministic),
+        EncoderDecoderConfig.from_any(config),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        name=name,
+    )
+
+
 def make_model(
     src_vocab: int,
     tgt_vocab: int,
@@ -111,13 +148,8 @@ def make_model(
 ):
     """Linen encoder-decoder: the book's ``make_model`` (see :func:`flax_ln.make_model`) as a ``flax.linen.Module``.
 
-    ``init(rngs, src, tgt, src_mask, tgt_mask)`` creates ``params`` under the NNX
-    attribute names (``encoder/layers/0/self_attn/linears/0/kernel``, ...) plus the
-    positional tables ``src_embed/1/pe`` and ``tgt_embed/1/pe`` in the non-trainable
-    ``Buffer`` collection; pass every collection back to ``apply``. ``apply(variables, src, tgt,
-    src_mask, tgt_mask)`` returns the decoder output (B, T, d_model); the other entry
-    points are ``nnx_method="encode"`` / ``"decode"``, and the log-probabilities are
-    ``apply(variables, x, nnx_method=lambda m, x: m.generator(x))``.
+    :func:`Transformer` of ``EncoderDecoderConfig(src_vocab, tgt_vocab, N, d_model, d_ff, h,
+    dropout, ffn_activation)``; ``init`` and ``apply`` are described there.
 
     Args:
       src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, ffn_activation, dtype, param_dtype,
@@ -126,16 +158,9 @@ def make_model(
         need a ``'dropout'`` PRNG stream.
       name: the Linen module name.
     """
-    return bridge.to_linen(
-        functools.partial(_build, _ed.make_model, deterministic=deterministic),
-        src_vocab,
-        tgt_vocab,
-        N,
-        d_model,
-        d_ff,
-        h,
-        dropout,
-        ffn_activation,
+    return Transformer(
+        EncoderDecoderConfig(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, ffn_activation),
+        deterministic=deterministic,
         dtype=dtype,
         param_dtype=param_dtype,
         precision=precision,

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from flax_ln.models.encoder_decoder import make_model as make_encoder_decoder
+from flax_ln.models.encoder_decoder import EncoderDecoderConfig, Transformer
 from flax_ln.models.gpt import GPT, GPTConfig
 from flax_ln.sharding import DATA, FSDP, batch_shardings, state_shardings
 from flax_ln.train import (
@@ -104,6 +104,13 @@ def gpt_setup(
     )
 
 
+def encoder_decoder_model(config: EncoderDecoderConfig, *, seed: int = 0, dtype: str = "float32") -> Transformer:
+    """The encoder-decoder of ``config`` for training: ``dtype`` compute (float32 parameters), dropout on."""
+    model = Transformer.from_config(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+    model.train()
+    return model
+
+
 def encoder_decoder_setup(
     src_vocab: int,
     tgt_vocab: int,
@@ -125,31 +132,27 @@ def encoder_decoder_setup(
 ) -> TrainingSetup:
     """Chapter 10's step: the encoder-decoder under Noam Adam with label smoothing (``examples/train_translation.py``).
 
-    ``tgt_len`` counts the target with its ``<s>``: the decoder reads ``tgt_len - 1`` ids
-    (:func:`~flax_ln.make_batch`). Defaults are chapter 10's sizes.
+    The model is :func:`encoder_decoder_model` of ``EncoderDecoderConfig(src_vocab, tgt_vocab,
+    N=layers, d_model, d_ff, h=heads, dropout, ffn_activation)``, whose checks apply; the
+    sizes' defaults are :meth:`~flax_ln.EncoderDecoderConfig.chapter10`'s. The keywords are the
+    examples' command-line names, which ``flax-ln plan`` requests carry. ``tgt_len`` counts the
+    target with its ``<s>``: the decoder reads ``tgt_len - 1`` ids (:func:`~flax_ln.make_batch`).
     """
-
-    def make() -> nnx.Module:
-        model = make_encoder_decoder(
-            src_vocab,
-            tgt_vocab,
-            N=layers,
-            d_model=d_model,
-            d_ff=d_ff,
-            h=heads,
-            dropout=dropout,
-            ffn_activation=ffn_activation,
-            dtype=DTYPES[dtype],
-            rngs=nnx.Rngs(params=seed, dropout=seed + 1),
-        )
-        model.train()
-        return model
-
+    config = EncoderDecoderConfig(
+        src_vocab,
+        tgt_vocab,
+        N=layers,
+        d_model=d_model,
+        d_ff=d_ff,
+        h=heads,
+        dropout=dropout,
+        ffn_activation=ffn_activation,
+    )
     src = jax.ShapeDtypeStruct((batch, src_len), jnp.int32)  # (B, S)
     tgt = jax.ShapeDtypeStruct((batch, tgt_len), jnp.int32)  # (B, T + 1)
     return TrainingSetup(
-        make,
-        noam_adam(d_model, factor=factor, warmup=warmup),
+        lambda: encoder_decoder_model(config, seed=seed, dtype=dtype),
+        noam_adam(config.d_model, factor=factor, warmup=warmup),
         encoder_decoder_loss(padding_idx=PAD, smoothing=smoothing),
         jax.eval_shape(lambda s, t: make_batch(s, t, PAD), src, tgt),
     )

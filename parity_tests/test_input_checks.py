@@ -14,6 +14,7 @@ from jax.experimental import checkify
 
 import flax_ln
 import flax_ln.models.encoder_decoder as fe
+import flax_ln.models.encoder_decoder.decoding as fd
 import flax_ln.models.sampling as fg
 from flax_ln import GPT, GPTConfig
 
@@ -53,7 +54,7 @@ def no_seq2seq_compute(monkeypatch):
         raise AssertionError("compute started before the ids were validated")
 
     monkeypatch.setattr(fe.Embeddings, "__call__", boom)
-    monkeypatch.setattr(fe, "_greedy_decode", boom)
+    monkeypatch.setattr(fd, "_greedy_decode", boom)
 
 
 # ---- eager calls: ValueError naming the argument, the bad values, their positions and the range ----

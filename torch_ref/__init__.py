@@ -5,6 +5,7 @@ never hide in a piece the two share. Configs cross between the packages as plain
 """
 
 from torch_ref.encoder_decoder import (
+    EncoderDecoderConfig,
     LabelSmoothing,
     Transformer,
     make_model,
@@ -17,6 +18,7 @@ from torch_ref.hf_gpt2 import HFCheckpointError, load_hf_gpt2, read_hf_gpt2
 from torch_ref.layernorm import LayerNorm
 
 __all__ = [
+    "EncoderDecoderConfig",
     "LabelSmoothing",
     "LayerNorm",
     "GPT",

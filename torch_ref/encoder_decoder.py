@@ -4,12 +4,19 @@ Module tree and ``state_dict`` keys are the book's (``encoder.layers.0.sublayer.
 ``src_embed.0.lut.weight``, ``src_embed.1.pe``, ``generator.proj.weight``, ...), so a
 checkpoint of the book's model loads here with ``strict=True``. Also the book's
 chapter-10 training pieces: :class:`LabelSmoothing` and :func:`noam_rate`.
+
+:class:`EncoderDecoderConfig` is this package's own plain-data config (``flax_ln`` reads it,
+field by field, with its ``EncoderDecoderConfig.from_any``); nothing here imports the port.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +24,75 @@ from torch import nn
 from torch_ref.layernorm import LayerNorm
 
 MASK_VALUE = -1e9  # the book fills masked attention scores with -1e9, not -inf
+ACTIVATIONS = (None, "relu")  # the feed-forward activations: none (the book) or ReLU (the Annotated Transformer)
+_SIZES = ("src_vocab", "tgt_vocab", "N", "d_model", "d_ff", "h", "max_len")
+_REQUIRED_FIELDS = ("src_vocab", "tgt_vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderDecoderConfig:
+    """Sizes and options of the book's encoder-decoder, torch- and JAX-free plain data.
+
+    The fields are ``make_model``'s arguments plus ``max_len``, the positional table's
+    length; :meth:`Transformer.from_config` builds the model. The reference defines its own
+    config so that it never imports the port; ``flax_ln.EncoderDecoderConfig`` has the same fields.
+
+    Args:
+      src_vocab, tgt_vocab: vocabulary sizes.
+      N: layers in the encoder and in the decoder.
+      d_model: model width.
+      d_ff: feed-forward hidden width.
+      h: attention heads; must divide ``d_model``.
+      dropout: dropout rate everywhere, in ``[0, 1)``.
+      ffn_activation: ``None`` (the book) or ``"relu"`` (the Annotated Transformer).
+      max_len: longest sequence the positional tables cover, 5000 as in the book.
+    """
+
+    src_vocab: int
+    tgt_vocab: int
+    N: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8
+    dropout: float = 0.1
+    ffn_activation: str | None = None
+    max_len: int = 5000
+
+    def __post_init__(self):
+        for name in _SIZES:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EncoderDecoderConfig: {name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.d_model % self.h:
+            raise ValueError(f"EncoderDecoderConfig: d_model={self.d_model} is not divisible by h={self.h}")
+        dropout = self.dropout
+        if not isinstance(dropout, numbers.Real) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"EncoderDecoderConfig: dropout must be a float in [0, 1), got {dropout!r}")
+        if self.ffn_activation not in ACTIVATIONS:
+            raise ValueError(
+                f"EncoderDecoderConfig: ffn_activation must be one of {list(ACTIVATIONS)}, got {self.ffn_activation!r}"
+            )
+
+    @classmethod
+    def from_any(cls, config: Any) -> EncoderDecoderConfig:
+        """``config`` as an :class:`EncoderDecoderConfig`: itself, or read field by field from attributes or keys.
+
+        The two vocabularies are required; the other fields take this class's defaults when absent.
+        """
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, Mapping):
+            has, get = (lambda name: name in config), config.__getitem__
+        else:
+            has, get = (lambda name: hasattr(config, name)), (lambda name: getattr(config, name))
+        missing = [name for name in _REQUIRED_FIELDS if not has(name)]
+        if missing:
+            raise TypeError(
+                f"encoder-decoder config {type(config).__name__} lacks {missing}: expected an object or mapping "
+                f"with make_model's fields (e.g. torch_ref.EncoderDecoderConfig or flax_ln.EncoderDecoderConfig)"
+            )
+        return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls) if has(f.name)})
 
 
 def _clones(module: nn.Module, n: int) -> nn.ModuleList:
@@ -64,7 +140,7 @@ class PositionwiseFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1, activation: str | None = None):
         super().__init__()
-        if activation not in (None, "relu"):
+        if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be None (the book) or 'relu', got {activation!r}")
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
@@ -210,6 +286,30 @@ class Transformer(nn.Module):
         self.tgt_embed = tgt_embed
         self.generator = generator
 
+    @classmethod
+    def from_config(cls, config: Any) -> Transformer:
+        """The book's model of ``config``'s sizes (anything :meth:`EncoderDecoderConfig.from_any` reads).
+
+        Every parameter with more than one dimension is re-initialised Xavier-uniform, as in the book.
+        """
+        c = EncoderDecoderConfig.from_any(config)
+        attn = MultiHeadedAttention(c.h, c.d_model, c.dropout)
+        ff = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.ffn_activation)
+        position = PositionalEncoding(c.d_model, c.dropout, c.max_len)
+        model = cls(
+            Encoder(EncoderLayer(c.d_model, copy.deepcopy(attn), copy.deepcopy(ff), c.dropout), c.N),
+            Decoder(
+                DecoderLayer(c.d_model, copy.deepcopy(attn), copy.deepcopy(attn), copy.deepcopy(ff), c.dropout), c.N
+            ),
+            nn.Sequential(Embeddings(c.d_model, c.src_vocab), copy.deepcopy(position)),
+            nn.Sequential(Embeddings(c.d_model, c.tgt_vocab), copy.deepcopy(position)),
+            Generator(c.d_model, c.tgt_vocab),
+        )
+        for p in model.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+        return model
+
     def encode(self, src, src_mask):
         return self.encoder(self.src_embed(src), src_mask)
 
@@ -230,21 +330,10 @@ def make_model(
     dropout: float = 0.1,
     ffn_activation: str | None = None,
 ) -> Transformer:
-    """The book's model; every parameter with more than one dimension is re-initialised Xavier-uniform."""
-    attn = MultiHeadedAttention(h, d_model, dropout)
-    ff = PositionwiseFeedForward(d_model, d_ff, dropout, ffn_activation)
-    position = PositionalEncoding(d_model, dropout)
-    model = Transformer(
-        Encoder(EncoderLayer(d_model, copy.deepcopy(attn), copy.deepcopy(ff), dropout), N),
-        Decoder(DecoderLayer(d_model, copy.deepcopy(attn), copy.deepcopy(attn), copy.deepcopy(ff), dropout), N),
-        nn.Sequential(Embeddings(d_model, src_vocab), copy.deepcopy(position)),
-        nn.Sequential(Embeddings(d_model, tgt_vocab), copy.deepcopy(position)),
-        Generator(d_model, tgt_vocab),
+    """The book's model: :meth:`Transformer.from_config` of :class:`EncoderDecoderConfig` with these fields."""
+    return Transformer.from_config(
+        EncoderDecoderConfig(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, ffn_activation)
     )
-    for p in model.parameters():
-        if p.dim() > 1:
-            nn.init.xavier_uniform_(p)
-    return model
 
 
 def subsequent_mask(size: int) -> torch.Tensor:

@@ -1,25 +1,10 @@
-"""The book's chapter-9/10 encoder-decoder Transformer in Flax NNX, a twin of :mod:`torch_ref.encoder_decoder`.
+"""The encoder-decoder's building blocks, each the twin of the :mod:`torch_ref.encoder_decoder` module of its name.
 
-Every module has the attribute names of its torch twin (``encoder.layers[0].sublayer[1].norm``,
-``src_embed[0].lut``, ``src_embed[1].pe``, ``generator.proj``, ...), so its NNX path is the
-torch ``state_dict`` prefix and :mod:`flax_ln.convert` maps weights both ways.
-
-How it differs from its look-alikes: the feed-forward network has no activation by
-default (the book; the Annotated Transformer applies ReLU, ``ffn_activation="relu"``),
-the norms are the book's :class:`~flax_ln.models.layernorm.LayerNorm` (unbiased variance, eps
-inside the root), masked attention scores are filled with -1e9 (not -inf), and every
-sublayer is pre-norm.
-
-Mixed precision: ``dtype`` is the compute dtype of the linear layers and embeddings,
-``param_dtype`` the storage dtype. Norm statistics, attention scores, the softmax and
-the generator's log-softmax are computed in at least float32.
-
-Inputs are validated on their static shapes and dtypes before any compute, also under
-``jax.jit``: token ids must be integers, masks must broadcast to the attention shape,
-and sequences may not be longer than the positional table. The :class:`Transformer`'s
-entry points (``__call__``, ``encode``, ``decode``, :func:`greedy_decode`) also check that
-concrete token ids lie in ``[0, vocab)``, and traced ones with ``debug_checks=True``
-(see :mod:`flax_ln.models.checks`); they validate once and call unchecked internals.
+Attention, the feed-forward network, the pre-norm residual, the encoder and decoder layers
+and stacks, the embeddings, the positional table and the generator; :class:`Transformer`
+(in :mod:`flax_ln.models.encoder_decoder.model`) puts them together. Also the input checks
+the modules and the Transformer share: :func:`check_hidden` and :func:`check_mask`, on
+static shapes and dtypes only, so they also run while tracing under ``jax.jit``.
 
 A module stores only what its own forward reads; the sizes and options a constructor
 passes on to the submodules it builds live in those submodules.
@@ -27,7 +12,6 @@ passes on to the submodules it builds live in those submodules.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +23,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
-from flax_ln.models.checks import check_scalar_id, check_token_ids
+from flax_ln.models.checks import check_token_ids
 from flax_ln.models.dense import linear_dot_general
 from flax_ln.models.dropout import Dropout
 from flax_ln.models.layernorm import LayerNorm
@@ -83,8 +67,11 @@ def _describe(x) -> str:
     return f"got shape {tuple(x.shape)} dtype {x.dtype}"
 
 
-def _check_hidden(name: str, x, shape: tuple[int | None, ...]) -> None:
-    """A floating array of rank len(shape) whose dims equal ``shape`` where it is not None."""
+def check_hidden(name: str, x, shape: tuple[int | None, ...]) -> None:
+    """Check that ``x`` is a floating array of rank ``len(shape)`` whose dims equal ``shape`` where it is not None.
+
+    Raises a ``ValueError`` that names the argument ``name``, the expected and the given shape.
+    """
     if (
         not jnp.issubdtype(x.dtype, jnp.floating)
         or x.ndim != len(shape)
@@ -94,8 +81,11 @@ def _check_hidden(name: str, x, shape: tuple[int | None, ...]) -> None:
         raise ValueError(f"{name}: expected a floating-point array of shape ({want}), {_describe(x)}.")
 
 
-def _check_mask(name: str, mask, batch: int, q_len: int, k_len: int) -> jax.Array:
-    """A boolean (or 0/1 integer) mask broadcastable to (batch, q_len, k_len); returns it as bool."""
+def check_mask(name: str, mask, batch: int, q_len: int, k_len: int) -> jax.Array:
+    """``mask`` as bool, after checking it is a boolean (or 0/1 integer) mask of shape (batch or 1, q_len or 1, k_len).
+
+    Raises a ``ValueError`` that names the argument ``name`` and says how the book's masks are made.
+    """
     if (
         not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer))
         or mask.ndim != 3
@@ -182,12 +172,12 @@ class MultiHeadedAttention(nnx.Module):
         value: Float[Array, "B Tk d_model"],
         mask: Bool[Array, "#B #Tq Tk"] | None = None,
     ) -> Float[Array, "B Tq d_model"]:
-        _check_hidden("query", query, (None, None, self.d_model))
+        check_hidden("query", query, (None, None, self.d_model))
         batch, q_len, _ = query.shape
-        _check_hidden("key", key, (batch, None, self.d_model))
-        _check_hidden("value", value, key.shape)
+        check_hidden("key", key, (batch, None, self.d_model))
+        check_hidden("value", value, key.shape)
         if mask is not None:
-            mask = _check_mask("mask", mask, batch, q_len, key.shape[1])[:, None]  # (B, 1, Tq, Tk)
+            mask = check_mask("mask", mask, batch, q_len, key.shape[1])[:, None]  # (B, 1, Tq, Tk)
         q, k, v = (split_heads(lin(x), self.h) for lin, x in zip(self.linears, (query, key, value)))  # (B, h, T, d_k)
         x = scaled_dot_product_attention(
             q, k, v, mask, mask_value=MASK_VALUE, dropout=self.dropout, precision=self.precision
@@ -507,7 +497,7 @@ class PositionalEncoding(nnx.Module):
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: Float[Array, "B T d_model"]) -> Float[Array, "B T d_model"]:
-        _check_hidden("x", x, (None, None, self.d_model))
+        check_hidden("x", x, (None, None, self.d_model))
         if x.shape[1] > self.max_len:
             raise ValueError(
                 f"x: expected at most max_len={self.max_len} positions, {_describe(x)}. "
@@ -539,240 +529,3 @@ class Generator(nnx.Module):
     def __call__(self, x: Float[Array, "*B d_model"]) -> Float[Array, "*B vocab"]:
         logits = self.proj(x)
         return jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
-
-
-class Transformer(nnx.Module):
-    """The encoder-decoder: ``decode(encode(src, src_mask), src_mask, tgt, tgt_mask)``.
-
-    ``src_embed`` and ``tgt_embed`` are ``Sequential(Embeddings, PositionalEncoding)``.
-    Calling the model returns the decoder output (B, T, d_model), as the book's;
-    ``model.generator`` maps it to log-probabilities. ``model.eval()`` / ``model.train()``
-    switch every dropout off / on, like torch.
-
-    ``src`` ids must lie in ``[0, src_vocab)`` and ``tgt`` ids in ``[0, tgt_vocab)``. Each entry
-    point checks every argument once, before any compute; concrete ids are checked by value
-    (``ValueError``), traced ones (under ``jit``) only with ``debug_checks=True``, through
-    ``checkify``; otherwise a negative id wraps around and an id >= vocab gives NaN
-    (:mod:`flax_ln.models.checks`).
-
-    Args:
-      encoder: an :class:`Encoder`.
-      decoder: a :class:`Decoder`.
-      src_embed: source embedding, ``Sequential(Embeddings, PositionalEncoding)``.
-      tgt_embed: target embedding, the same.
-      generator: a :class:`Generator`.
-      debug_checks: also check the values of traced token ids, with ``jax.experimental.checkify``
-        (wrap the jitted function in ``checkify.checkify``).
-    """
-
-    def __init__(
-        self,
-        encoder: Encoder,
-        decoder: Decoder,
-        src_embed: Sequential,
-        tgt_embed: Sequential,
-        generator: Generator,
-        *,
-        debug_checks: bool = False,
-    ):
-        self.encoder = encoder
-        self.decoder = decoder
-        self.src_embed = src_embed
-        self.tgt_embed = tgt_embed
-        self.generator = generator
-        self.debug_checks = debug_checks
-
-    def _check_encode(self, src, src_mask, owner: str) -> jax.Array:
-        """``src`` as a JAX array, after checking it (shape, dtype, ids in ``[0, src_vocab)``) and ``src_mask``."""
-        src = check_token_ids(
-            src,
-            "src",
-            owner=owner,
-            vocab=self.src_embed[0].vocab,
-            max_len=self.src_embed[1].max_len,
-            debug=self.debug_checks,
-        )
-        batch, src_len = src.shape
-        _check_mask("src_mask", src_mask, batch, src_len, src_len)
-        return src
-
-    def _check_decode(self, memory_shape: tuple[int, ...], src_mask, tgt, tgt_mask, owner: str) -> jax.Array:
-        """``tgt`` as a JAX array, after checking it against the memory's shape, and both masks."""
-        batch, src_len, _ = memory_shape
-        tgt = check_token_ids(
-            tgt,
-            "tgt",
-            owner=owner,
-            vocab=self.tgt_embed[0].vocab,
-            max_len=self.tgt_embed[1].max_len,
-            batch=batch,
-            debug=self.debug_checks,
-        )
-        tgt_len = tgt.shape[1]
-        _check_mask("src_mask", src_mask, batch, tgt_len, src_len)
-        _check_mask("tgt_mask", tgt_mask, batch, tgt_len, tgt_len)
-        return tgt
-
-    def encode(self, src: Int[Array, "B S"], src_mask: Bool[Array, "#B #S S"]) -> Float[Array, "B S d_model"]:
-        return self._encode(self._check_encode(src, src_mask, "Transformer.encode"), src_mask)
-
-    def _encode(self, src, src_mask):
-        return self.encoder(self.src_embed(src), src_mask)
-
-    def decode(
-        self,
-        memory: Float[Array, "B S d_model"],
-        src_mask: Bool[Array, "#B #T S"],
-        tgt: Int[Array, "B T"],
-        tgt_mask: Bool[Array, "#B #T T"],
-    ) -> Float[Array, "B T d_model"]:
-        _check_hidden("memory", memory, (None, None, self.decoder.size))
-        tgt = self._check_decode(memory.shape, src_mask, tgt, tgt_mask, "Transformer.decode")
-        return self._decode(memory, src_mask, tgt, tgt_mask)
-
-    def _decode(self, memory, src_mask, tgt, tgt_mask):
-        return self.decoder(self.tgt_embed(tgt), memory, src_mask, tgt_mask)
-
-    def __call__(
-        self,
-        src: Int[Array, "B S"],
-        tgt: Int[Array, "B T"],
-        src_mask: Bool[Array, "#B 1 S"],
-        tgt_mask: Bool[Array, "#B #T T"],
-    ) -> Float[Array, "B T d_model"]:
-        src = self._check_encode(src, src_mask, "Transformer")  # every argument checked once, before any compute
-        tgt = self._check_decode((*src.shape, self.decoder.size), src_mask, tgt, tgt_mask, "Transformer")
-        return self._decode(self._encode(src, src_mask), src_mask, tgt, tgt_mask)
-
-
-def make_model(
-    src_vocab: int,
-    tgt_vocab: int,
-    N: int = 6,
-    d_model: int = 512,
-    d_ff: int = 2048,
-    h: int = 8,
-    dropout: float = 0.1,
-    ffn_activation: str | None = None,
-    *,
-    dtype=None,
-    param_dtype=jnp.float32,
-    precision=None,
-    debug_checks: bool = False,
-    rngs: nnx.Rngs,
-) -> Transformer:
-    """The book's encoder-decoder, the twin of ``torch_ref.make_model``.
-
-    Every parameter with more than one dimension is Xavier-uniform initialised, as in the
-    book; biases keep torch's default uniform(±1/sqrt(fan_in)), the norms ones and zeros.
-    Chapter 10 uses ``N=6, d_model=256, d_ff=1024, h=8``.
-
-    Args:
-      src_vocab: source vocabulary size.
-      tgt_vocab: target vocabulary size.
-      N: layers in the encoder and in the decoder.
-      d_model: model width.
-      d_ff: feed-forward hidden width.
-      h: attention heads.
-      dropout: dropout rate everywhere.
-      ffn_activation: ``None`` (the book, no activation) or ``"relu"`` (the Annotated Transformer).
-      dtype: compute dtype; ``None`` follows the parameters.
-      param_dtype: parameter dtype.
-      precision: matmul precision.
-      debug_checks: also check traced token ids (see :class:`Transformer`).
-      rngs: parameter initialisation and dropout keys.
-    """
-    kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-    layer_kw = dict(dropout=dropout, ffn_activation=ffn_activation, **kw)
-
-    def embed(vocab: int) -> Sequential:
-        return Sequential(
-            [
-                Embeddings(d_model, vocab, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
-                PositionalEncoding(d_model, dropout=dropout, param_dtype=param_dtype, rngs=rngs),
-            ]
-        )
-
-    return Transformer(
-        Encoder(d_model, h, d_ff, N, **layer_kw),
-        Decoder(d_model, h, d_ff, N, **layer_kw),
-        embed(src_vocab),
-        embed(tgt_vocab),
-        Generator(d_model, tgt_vocab, **kw),
-        debug_checks=debug_checks,
-    )
-
-
-def subsequent_mask(size: int) -> Bool[Array, "1 size size"]:
-    """(1, size, size) boolean mask, True on and below the diagonal: position i may attend to j <= i."""
-    return jnp.tril(jnp.ones((1, size, size), jnp.bool_))
-
-
-def make_std_mask(tgt: Int[Array, "B T"], pad: int) -> Bool[Array, "B T T"]:
-    """The target mask of the book's batches: not padding AND causal, shape (B, T, T)."""
-    return (tgt != pad)[:, None, :] & subsequent_mask(tgt.shape[-1])  # (B, T, T)
-
-
-def make_src_mask(src: Int[Array, "B S"], pad: int) -> Bool[Array, "B 1 S"]:
-    """The source mask of the book's batches: ``(src != pad)[:, None, :]``, shape (B, 1, S)."""
-    return (src != pad)[:, None, :]  # (B, 1, S)
-
-
-def greedy_decode(
-    model: Transformer, src: Int[Array, "B S"], src_mask: Bool[Array, "#B 1 S"], max_len: int, start_symbol: int
-) -> Int[Array, "B max_len"]:
-    """Greedy decoding, the book's ``greedy_decode``: ``max_len`` tokens, starting with ``start_symbol``.
-
-    ``memory = model.encode(src, src_mask)`` once, then for ``i = 0 .. max_len - 2`` the
-    token at ``i + 1`` is ``argmax model.generator(model.decode(memory, src_mask, ys,
-    causal)[:, i])``. Unlike the book's loop, which grows ``ys`` by one column per step,
-    ``ys`` is a fixed (B, max_len) buffer decoded under the causal mask, so the whole loop
-    is one ``jax.jit`` with a ``lax.fori_loop`` (compiled once per model structure, batch
-    shape and ``max_len``); positions after ``i`` are masked with -1e9 and get exactly
-    zero attention weight, so each step sees what the book's would. Decoding does not
-    stop at an end-of-sequence token: cut each row at the first one. Dropout is off,
-    whatever the model's mode; ``model`` is not modified.
-
-    Args:
-      model: a :class:`Transformer` (e.g. from :func:`make_model`).
-      src: source token ids in ``[0, src_vocab)``, (B, S).
-      src_mask: source mask, e.g. :func:`make_src_mask` (B, 1, S).
-      max_len: length of the output, start symbol included (>= 1).
-      start_symbol: the first target token, an int in ``[0, tgt_vocab)`` (the book's 1; a begin-of-sequence id).
-
-    Returns:
-      (B, max_len) token ids in ``src``'s dtype; column 0 is ``start_symbol``.
-    """
-    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
-        raise ValueError(f"greedy_decode: max_len must be an int >= 1, got {max_len!r}")
-    src_mask = jnp.asarray(src_mask)
-    src = model._check_encode(src, src_mask, "greedy_decode")  # clear errors before tracing
-    start_symbol = check_scalar_id(start_symbol, "start_symbol", owner="greedy_decode", vocab=model.tgt_embed[0].vocab)
-    if max_len > model.tgt_embed[1].max_len:
-        raise ValueError(
-            f"greedy_decode: max_len={max_len} exceeds the positional table ({model.tgt_embed[1].max_len} positions)"
-        )
-    graphdef, state = nnx.split(model)
-    return _greedy_decode(graphdef, state, src, src_mask, jnp.asarray(start_symbol, src.dtype), max_len=max_len)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def _greedy_decode(graphdef, state, src, src_mask, start_symbol, *, max_len):
-    def model(state):  # merged afresh inside each traced scope; the loop gets `state` through its carry
-        m = nnx.merge(graphdef, state)
-        m.eval()
-        return m
-
-    memory = model(state)._encode(src, src_mask)  # (B, S, d_model); greedy_decode checked the inputs
-    ys = jnp.full((src.shape[0], max_len), start_symbol, src.dtype)  # (B, max_len)
-    tgt_mask = subsequent_mask(max_len)  # (1, max_len, max_len)
-
-    def step(i, carry):
-        ys, state = carry
-        m = model(state)
-        out = m._decode(memory, src_mask, ys, tgt_mask)  # (B, max_len, d_model)
-        h = jax.lax.dynamic_index_in_dim(out, i, axis=1, keepdims=False)  # (B, d_model)
-        token = jnp.argmax(m.generator(h), axis=-1).astype(ys.dtype)  # (B,)
-        return jax.lax.dynamic_update_index_in_dim(ys, token, i + 1, axis=1), state
-
-    return jax.lax.fori_loop(0, max_len - 1, step, (ys, state))[0]
