@@ -306,7 +306,7 @@ def _tolerances(args: argparse.Namespace, dtype: str) -> dict:
 
 def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> int:
     """The overall line, --json and --plot; the exit code."""
-    from flax_ln.parity import report as parity_report
+    from flax_ln.parity import render
 
     passed = all(r.passed for r in reports)
     print(
@@ -321,7 +321,7 @@ def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> i
                 indent=1,
             )
     if args.plot:
-        parity_report.plot_errors(reports, args.plot)
+        render.plot_errors(reports, args.plot)
     return 0 if passed else 1
 
 
@@ -340,7 +340,7 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
     error and exit code 2.
     """
     from flax_ln.parity import engine as parity
-    from flax_ln.parity import reference
+    from flax_ln.parity import reference, render
     from flax_ln.parity import report as parity_report
 
     notes: list[str] = []
@@ -382,7 +382,7 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
     reports = []
     with parity.numerics(dtype):
         env = parity_report.environment()
-        print(parity_report.format_environment(env) + f" | dtype {dtype} | reference {args.reference}", flush=True)
+        print(render.format_environment(env) + f" | dtype {dtype} | reference {args.reference}", flush=True)
         for index, model in enumerate(models, 1):
             print(
                 f"[{index}/{len(models)}] {model.side.name}: building, compiling and comparing ...",
@@ -405,7 +405,7 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
                     args, f"--reference {args.reference!r}: model {index} ({model.side.name!r}) compared nothing"
                 )
             reports.append(report)
-            print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
+            print(render.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
     return _finish(args, env, dtype, reports)
 
 
@@ -417,6 +417,7 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
     from flax_ln.parity import cases as parity_cases
     from flax_ln.parity import engine as parity
     from flax_ln.parity import reference as parity_reference
+    from flax_ln.parity import render
     from flax_ln.parity import report as parity_report
 
     names = _model_names(args)
@@ -424,7 +425,7 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
     reports, saved = [], []
     with parity.numerics(args.dtype):
         env = parity_report.environment()
-        print(parity_report.format_environment(env) + f" | dtype {args.dtype} | x64 {env['x64']}", flush=True)
+        print(render.format_environment(env) + f" | dtype {args.dtype} | x64 {env['x64']}", flush=True)
         for index, name in enumerate(names, 1):
             start = time.perf_counter()
             print(f"[{index}/{len(names)}] {name}: building, compiling and comparing ...", file=progress, flush=True)
@@ -477,7 +478,7 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
                 report.train_steps = parity.check_training(case, args.train_steps, tolerances)
             report.seconds = time.perf_counter() - start
             reports.append(report)
-            print(parity_report.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
+            print(render.format_report(report, worst=args.worst, quiet=args.quiet), flush=True)
     if args.save_reference:
         settings = {
             key: getattr(args, key) for key in ("model", "checkpoint", "dtype", "batch", "seq_len", "seed", "attribute")
