@@ -66,7 +66,7 @@ def test_non_floating_gpt_checkpoint_is_refused_never_passed(tmp_path, capsys, d
 
 
 def test_integer_buffer_stays_allowed():
-    from flax_ln.parity.cases import check_dtypes
+    from flax_ln.book.torch_checkpoint import check_dtypes
 
     bn = torch.nn.BatchNorm1d(4)  # num_batches_tracked: int64 in torch too
     check_dtypes(bn.state_dict(), bn.state_dict(), "bn.safetensors")

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # every test here starts a subprocess or runs an 
 SHARDED_CASES = textwrap.dedent("""
     import json
     import jax
-    from flax_ln.parity import cases, engine
+    from flax_ln.book import cases
+    from flax_ln.parity import engine
     from flax_ln.sharding import make_mesh
 
     assert jax.device_count() == 8, jax.devices()

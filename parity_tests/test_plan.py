@@ -231,7 +231,7 @@ def test_plan_imports_neither_torch_nor_the_parity_engine():
         import sys
         from flax_ln.parity.cli import main
         code = main(["plan", "--model", "gpt3", "--topology", "v5e:2x2"])
-        loaded = [m for m in ("torch", "flax_ln.parity.engine", "flax_ln.parity.cases") if m in sys.modules]
+        loaded = [m for m in ("torch", "flax_ln.parity.engine", "flax_ln.book.cases") if m in sys.modules]
         print("CODE", code, "LOADED", loaded)
     """)
     proc = subprocess.run(

@@ -10,8 +10,7 @@ import sys
 import time
 
 import flax_ln
-
-MODEL_CHOICES = ["layernorm", "torch-layernorm", "encoder-decoder", "gpt", "gpt2-xl-block", "music"]
+from flax_ln.book.catalog import GPT_PRESETS, MODEL_NAMES, check_seq_len
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parity.add_argument(
         "--model",
-        choices=[*MODEL_CHOICES, "all"],
+        choices=[*MODEL_NAMES, "all"],
         default="all",
         help="which model to check (default: all, on small configs; gpt2-xl-block is full width)",
     )
@@ -105,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ckpt.add_argument(
         "--preset",
-        choices=["gpt2", "gpt2-xl", "chapter12", "music"],
+        choices=list(GPT_PRESETS),
         help="GPT preset for what tensor shapes cannot tell (head count, ignore_index)",
     )
     ckpt.add_argument("--n-head", type=int, help="attention heads (not visible in the weights)")
@@ -235,11 +234,9 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             parser.error(f"--plot {args.plot!r} has {what}; matplotlib saves {', '.join('.' + f for f in formats)}")
         _check_output_file(parser, "--plot", args.plot)
     if args.seq_len is not None and not args.checkpoint:  # a checkpoint's limit is its block_size, checked on reading
-        from flax_ln.parity import cases as parity_cases
-
         for name in _model_names(args):
             try:
-                parity_cases.check_seq_len(name, args.seq_len)
+                check_seq_len(name, args.seq_len)
             except ValueError as err:
                 parser.error(str(err))
     if (args.devices or args.fsdp) and args.train_steps:
@@ -247,7 +244,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
 
 
 def _model_names(args: argparse.Namespace) -> list[str]:
-    return [args.checkpoint] if args.checkpoint else MODEL_CHOICES if args.model == "all" else [args.model]
+    return [args.checkpoint] if args.checkpoint else MODEL_NAMES if args.model == "all" else [args.model]
 
 
 def _make_mesh(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -339,8 +336,9 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
     (its digest); every other error, from reading the file to the verdict, is a one-line
     error and exit code 2.
     """
+    from flax_ln.book import reference
     from flax_ln.parity import engine as parity
-    from flax_ln.parity import reference, render
+    from flax_ln.parity import render
     from flax_ln.parity import report as parity_report
 
     notes: list[str] = []
@@ -414,9 +412,10 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
     if args.reference:
         return run_reference(args, mesh)
 
-    from flax_ln.parity import cases as parity_cases
+    from flax_ln.book import reference as parity_reference
+    from flax_ln.book.cases import BUILDERS
+    from flax_ln.book.torch_checkpoint import torch_checkpoint_case
     from flax_ln.parity import engine as parity
-    from flax_ln.parity import reference as parity_reference
     from flax_ln.parity import render
     from flax_ln.parity import report as parity_report
 
@@ -431,7 +430,7 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
             print(f"[{index}/{len(names)}] {name}: building, compiling and comparing ...", file=progress, flush=True)
             try:
                 if args.checkpoint:
-                    case = parity_cases.checkpoint_case(
+                    case = torch_checkpoint_case(
                         args.checkpoint,
                         args.dtype,
                         args.batch,
@@ -442,13 +441,13 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
                         ffn_activation=None if args.ffn_activation == "none" else "relu",
                     )
                 else:
-                    case = parity_cases.BUILDERS[name](args.dtype, args.batch, args.seq_len, args.seed)
+                    case = BUILDERS[name](args.dtype, args.batch, args.seq_len, args.seed)
             except ValueError as err:  # TorchCheckpointError, or sizes the model cannot take
                 print(f"flax-ln parity: error: {err}", file=sys.stderr)
                 return 2
             tolerances = _tolerances(args, args.dtype)
             if args.save_reference:
-                if case.spec is None:  # every case cases.py builds carries the spec that rebuilds its flax side
+                if case.spec is None:  # every case flax_ln.book builds carries the spec that rebuilds its flax side
                     raise RuntimeError(f"{case.name}: no spec to rebuild its flax side from a reference file")
                 side = parity.torch_side_of_case(case, attribute=args.attribute, record=True)
                 saved.append(
