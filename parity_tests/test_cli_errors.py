@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import flax_ln
 import torch_ref
-from flax_ln.parity.cli import main
+from flax_ln.cli import main
 
 TINY_GPT = dict(n_layer=1, n_head=2, n_embd=8, vocab_size=12, block_size=8)
 TINY_SIZES = dict(src_vocab=7, tgt_vocab=9, N=1, d_model=8, d_ff=16, h=2)

@@ -12,13 +12,14 @@ import pytest
 import torch
 from flax import nnx
 
+from flax_ln import parity
 from flax_ln.book import cases as parity_cases
 from flax_ln.book.catalog import MODEL_NAMES
 from flax_ln.book.torch_checkpoint import torch_checkpoint_case
+from flax_ln.cli import main
 from flax_ln.parity import Tolerance, assert_parity, compare_modules, compare_tensors
-from flax_ln.parity import engine as parity
 from flax_ln.parity.capture import WHOLE_MODEL, capture_flax
-from flax_ln.parity.cli import main
+from flax_ln.parity.torch_side import run_torch_side
 
 JSON_TENSOR_KEYS = {
     "name",
@@ -453,7 +454,7 @@ def test_forward_mode_matches_torch_jvp_and_central_differences():
     assert [r.name for r in report.results if r.kind == "tangent"] == ["tangent hidden", "tangent logits"]
     assert report["tangent logits"].tolerance == parity.TOLERANCES["float64"]["grad"]
     # the torch tangent the engine compared with equals float64 central differences along the same tangents
-    side = parity.run_torch_side(
+    side = run_torch_side(
         torch_model,
         (ids, features),
         input_names=["input 0", "input 1"],
