@@ -2,6 +2,6 @@
 
 import sys
 
-from flax_ln.parity.cli import main
+from flax_ln.cli import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import flax_ln
 import torch_ref
-from flax_ln.parity.cli import main
+from flax_ln.cli import main
 
 TINY_GPT = dict(n_layer=1, n_head=2, n_embd=8, vocab_size=12, block_size=8)
 TINY_SIZES = dict(src_vocab=7, tgt_vocab=9, N=1, d_model=8, d_ff=16, h=2)
@@ -66,7 +66,7 @@ def test_non_floating_gpt_checkpoint_is_refused_never_passed(tmp_path, capsys, d
 
 
 def test_integer_buffer_stays_allowed():
-    from flax_ln.parity.cases import check_dtypes
+    from flax_ln.book.torch_checkpoint import check_dtypes
 
     bn = torch.nn.BatchNorm1d(4)  # num_batches_tracked: int64 in torch too
     check_dtypes(bn.state_dict(), bn.state_dict(), "bn.safetensors")

@@ -12,11 +12,14 @@ import pytest
 import torch
 from flax import nnx
 
+from flax_ln import parity
+from flax_ln.book import cases as parity_cases
+from flax_ln.book.catalog import MODEL_NAMES
+from flax_ln.book.torch_checkpoint import torch_checkpoint_case
+from flax_ln.cli import main
 from flax_ln.parity import Tolerance, assert_parity, compare_modules, compare_tensors
-from flax_ln.parity import cases as parity_cases
-from flax_ln.parity import engine as parity
 from flax_ln.parity.capture import WHOLE_MODEL, capture_flax
-from flax_ln.parity.cli import MODEL_CHOICES, main
+from flax_ln.parity.torch_side import run_torch_side
 
 JSON_TENSOR_KEYS = {
     "name",
@@ -375,7 +378,7 @@ def test_checkpoint_music_preset(tmp_path):
 
     path = tmp_path / "music.safetensors"
     save_book_gpt(path, flax_ln.GPTConfig.music(n_layer=1, block_size=32))
-    case = parity_cases.checkpoint_case(str(path), "float32", 2, 8, 0, preset="music")
+    case = torch_checkpoint_case(str(path), "float32", 2, 8, 0, preset="music")
     assert case.flax_model.config.ignore_index == 389 and case.flax_model.config.n_head == 8
     assert (case.inputs[1] == 389).any()  # padded targets exercise ignore_index
     assert parity.check_case(case).passed
@@ -451,7 +454,7 @@ def test_forward_mode_matches_torch_jvp_and_central_differences():
     assert [r.name for r in report.results if r.kind == "tangent"] == ["tangent hidden", "tangent logits"]
     assert report["tangent logits"].tolerance == parity.TOLERANCES["float64"]["grad"]
     # the torch tangent the engine compared with equals float64 central differences along the same tangents
-    side = parity.run_torch_side(
+    side = run_torch_side(
         torch_model,
         (ids, features),
         input_names=["input 0", "input 1"],
@@ -577,7 +580,7 @@ def run_without_torch(*args):
 def test_reference_file_checks_flax_without_torch(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from flax_ln.parity.reference import DIGEST_KEY, METADATA_KEY, digest
+    from flax_ln.book.reference import DIGEST_KEY, METADATA_KEY, digest
 
     ref = tmp_path / "ref.safetensors"
     assert (
@@ -630,14 +633,14 @@ def test_reference_file_checks_flax_without_torch(tmp_path):
 
 def test_reference_with_all_models_in_one_file(tmp_path):
     ref = tmp_path / "all.safetensors"
-    from flax_ln.parity.reference import load_reference
+    from flax_ln.book.reference import load_reference
 
     assert (
         main(["parity", "--model", "all", "--seq-len", "4", "--batch", "1", "--save-reference", str(ref), "--quiet"])
         == 0
     )
     settings, models = load_reference(str(ref))
-    assert [m.side.name for m in models] == MODEL_CHOICES
+    assert [m.side.name for m in models] == MODEL_NAMES
     assert settings["model"] == "all" and settings["seq_len"] == 4
     assert all(m.side.records and m.side.calls for m in models)  # per-submodule records travel with the file
 

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # every test here starts a subprocess or runs an 
 SHARDED_CASES = textwrap.dedent("""
     import json
     import jax
-    from flax_ln.parity import cases, engine
+    from flax_ln import parity
+    from flax_ln.book import cases
     from flax_ln.sharding import make_mesh
 
     assert jax.device_count() == 8, jax.devices()
@@ -26,7 +27,7 @@ SHARDED_CASES = textwrap.dedent("""
     out = {}
     for name, build, seq_len in (("gpt", cases.gpt, 8), ("encoder-decoder", cases.encoder_decoder, 6)):
         case = build("float32", 2, seq_len, 0)
-        report = engine.check_case(case, engine.TOLERANCES["float32"], mesh=mesh)
+        report = parity.check_case(case, parity.TOLERANCES["float32"], mesh=mesh)
         failed = [(r.name, r.relative_error) for r in report.results if not r.passed]
         out[name] = {"passed": report.passed, "failed": failed, "sharding": report.sharding, "title": report.title}
     print(json.dumps(out))

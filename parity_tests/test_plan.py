@@ -62,7 +62,7 @@ def libtpu():
 def cli(*args, env=None, timeout=900):
     """``flax-ln plan ARGS`` in a subprocess: (exit code, stdout, stderr)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flax_ln.parity.cli", "plan", *map(str, args)],
+        [sys.executable, "-m", "flax_ln", "plan", *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -230,9 +230,9 @@ def test_usage_errors_before_any_compile(tmp_path):
 def test_plan_imports_neither_torch_nor_the_parity_engine():
     script = textwrap.dedent("""
         import sys
-        from flax_ln.parity.cli import main
+        from flax_ln.cli import main
         code = main(["plan", "--model", "gpt3", "--topology", "v5e:2x2"])
-        loaded = [m for m in ("torch", "flax_ln.parity.engine", "flax_ln.parity.cases") if m in sys.modules]
+        loaded = [m for m in ("torch", "flax_ln.parity", "flax_ln.book.cases") if m in sys.modules]
         print("CODE", code, "LOADED", loaded)
     """)
     proc = subprocess.run(

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from test_cli_errors import run  # flax-ln parity in this process: (exit code, stdout, stderr)
 
-from flax_ln.parity.cli import main
-from flax_ln.parity.reference import DIGEST_KEY, METADATA_KEY, digest
+from flax_ln.book.reference import DIGEST_KEY, METADATA_KEY, digest
+from flax_ln.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -6,70 +6,42 @@ twin, a Linen module (:class:`Linen`) or a function over a parameter pytree (:cl
 torch name) under the one tolerance policy :data:`TOLERANCES`, and name the first
 submodule that diverges, and the module whose own computation differs (isolated mode).
 Options: forward mode (``mode="jvp"``), float64 attribution (``attribute=True``) and
-language-model metrics (``lm_logits=``); :mod:`~flax_ln.parity.reference` stores the torch
-side in a file and checks the flax side against it without torch. :mod:`~flax_ln.parity.cases` builds the
-book's models on it;
-:mod:`~flax_ln.parity.cli` is the ``flax-ln`` command. torch is imported lazily, only
-when a comparison runs.
+language-model metrics (``lm_logits=``).
+
+The engine, by concern:
+
+* :mod:`.policy`: the metrics and the tolerance policy (``relative_error``, ``Tolerance``,
+  ``TOLERANCES``, ``compare_tensors``, ``TensorResult``, ``numerics``, ``lm_metrics``);
+* :mod:`.call`: what both sides run (``Call``: inputs, names, kwargs, each side's forward,
+  the loss) and the outputs as named leaves, the same on both sides;
+* :mod:`.torch_side`: the torch run, into a ``TorchSide`` (made live, or read from a reference
+  file); :mod:`.flax_side`: the flax run; :mod:`.localize`: the first divergence and isolated mode;
+* :mod:`.compare`: ``compare_modules``, ``assert_parity`` and ``compare_side`` (the flax side
+  against a ``TorchSide``);
+* :mod:`.case`: a model with its inputs and training step (``Case``, ``check_case``, ``check_training``);
+* :mod:`.report`: what a comparison found; :mod:`.render`: the report as text and as a chart.
+
+The book's models, torch checkpoints and reference files are run on this engine from
+:mod:`flax_ln.book`, which the engine does not import; the ``flax-ln`` command is
+:mod:`flax_ln.cli`. torch is imported only when a comparison runs: importing this package
+does not import it.
 """
 
-import importlib
-from typing import TYPE_CHECKING
-
 from flax_ln.convert import KeyMap
-
-if TYPE_CHECKING:  # the lazily imported names, for type checkers and documentation tools
-    from flax_ln.parity.engine import (
-        HALF_PRECISION,
-        TOLERANCES,
-        Case,
-        Tolerance,
-        TrainSpec,
-        assert_parity,
-        check_case,
-        check_training,
-        compare_modules,
-        compare_tensors,
-        lm_metrics,
-        relative_error,
-        zero_gradient_names,
-    )
-    from flax_ln.parity.flax_side import Function, Linen
-    from flax_ln.parity.report import FirstDivergence, Isolation, ParityReport, TensorResult
-
-# Imported on first use (PEP 562), so that ``flax-ln plan``, which lives in the same command
-# line, starts without the engine: the names are those of the engine and the report.
-_LAZY = {
-    **dict.fromkeys(
-        [
-            "HALF_PRECISION",
-            "TOLERANCES",
-            "Case",
-            "Tolerance",
-            "TrainSpec",
-            "assert_parity",
-            "check_case",
-            "check_training",
-            "compare_modules",
-            "compare_tensors",
-            "lm_metrics",
-            "relative_error",
-            "zero_gradient_names",
-        ],
-        "flax_ln.parity.engine",
-    ),
-    **dict.fromkeys(["FirstDivergence", "Isolation", "ParityReport", "TensorResult"], "flax_ln.parity.report"),
-    **dict.fromkeys(["Function", "Linen"], "flax_ln.parity.flax_side"),
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from flax_ln.parity.case import Case, TrainSpec, check_case, check_training
+from flax_ln.parity.compare import assert_parity, compare_modules
+from flax_ln.parity.flax_side import Function, Linen
+from flax_ln.parity.policy import (
+    HALF_PRECISION,
+    TOLERANCES,
+    TensorResult,
+    Tolerance,
+    compare_tensors,
+    lm_metrics,
+    relative_error,
+    zero_gradient_names,
+)
+from flax_ln.parity.report import FirstDivergence, Isolation, ParityReport
 
 __all__ = [
     "Case",

@@ -1,7 +1,7 @@
 """Reference files: the torch side of a parity run in one safetensors file, checked later without torch.
 
 ``flax-ln parity --save-reference FILE`` writes, for every selected model, what the
-comparison takes from torch (:class:`flax_ln.parity.engine.TorchSide`): inputs, weights,
+comparison takes from torch (:class:`flax_ln.parity.torch_side.TorchSide`): inputs, weights,
 cotangents (or tangents), outputs, gradients, every submodule's recorded first call (so
 the first divergence and isolated mode work from the file) and, with ``--attribute``,
 the float64 values. Arrays are tensors named ``<model index>/<field>/...``; everything
@@ -28,10 +28,11 @@ from flax import nnx
 
 import flax_ln
 from flax_ln._atomic import write_atomically
-from flax_ln._deprecated import module_getattr
-from flax_ln.parity import reference_schema
+from flax_ln.book import reference_schema
 from flax_ln.parity.capture import Unsupported
-from flax_ln.parity.policy import parameter_dtype
+from flax_ln.parity.compare import compare_side
+from flax_ln.parity.policy import numerics, parameter_dtype
+from flax_ln.parity.torch_side import TorchSide
 
 METADATA_KEY = "flax_ln_reference"
 DIGEST_KEY = "flax_ln_reference_sha256"
@@ -170,7 +171,7 @@ def _unpack(packed: Any, tensors: Mapping[str, np.ndarray]) -> Any:
 class ReferenceModel:
     """One model of a reference file: the stored torch side and how to run the flax side."""
 
-    side: Any  # flax_ln.parity.engine.TorchSide
+    side: TorchSide
     spec: dict[str, Any]
     forward: str
     lm_logits: str | None
@@ -208,7 +209,7 @@ def save_reference(path: str, models: Sequence[ReferenceModel], settings: Mappin
 def load_reference(path: str, notes: list[str] | None = None) -> tuple[dict[str, Any], list[ReferenceModel]]:
     """The settings and models of a reference file written by :func:`save_reference`.
 
-    The metadata is checked against the schema (:func:`flax_ln.parity.reference_schema.validate`)
+    The metadata is checked against the schema (:func:`flax_ln.book.reference_schema.validate`)
     before anything is unpacked or built, then the digest written with the file. A file
     without a digest (written by flax-ln before digests) is read, and a line saying so is
     appended to ``notes``.
@@ -221,8 +222,6 @@ def load_reference(path: str, notes: list[str] | None = None) -> tuple[dict[str,
     import os
 
     from safetensors import SafetensorError, safe_open
-
-    from flax_ln.parity.engine import TorchSide
 
     if not os.path.isfile(path):
         raise ReferenceFileError(f"--reference {path!r}: no such file")
@@ -281,10 +280,8 @@ def check_reference(model: ReferenceModel, tolerances=None, *, capture_modules: 
 
     Same report as a live run (first divergence, isolated mode and attribution from the
     stored records and float64 values; on ``mesh``, sharded as in
-    :func:`flax_ln.parity.engine.compare_modules`); no torch is imported.
+    :func:`flax_ln.parity.compare_modules`); no torch is imported.
     """
-    from flax_ln.parity.engine import compare_side, numerics
-
     with numerics(model.side.dtype):
         flax_model = build_flax_model(model.spec, model.side.dtype)
     report = compare_side(
@@ -298,8 +295,3 @@ def check_reference(model: ReferenceModel, tolerances=None, *, capture_modules: 
     )
     report.stored_dtype = model.stored_dtype
     return report
-
-
-__getattr__ = module_getattr(
-    __name__, {"ReferenceError": "ReferenceFileError"}, globals()
-)  # deprecated alias, see CHANGELOG.md

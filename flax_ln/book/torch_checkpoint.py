@@ -1,8 +1,11 @@
-"""The models ``flax-ln parity`` checks: each builder returns a :class:`flax_ln.parity.Case`.
+"""A torch checkpoint of the user's own, recognised: ``flax-ln parity --checkpoint PATH``.
 
-A builder takes ``(dtype, batch, seq_len, seed)`` and makes a torch_ref module with
-random weights, its flax twin (weights are copied by the harness) and random inputs.
-torch is imported here; importing :mod:`flax_ln` does not import this module.
+:func:`torch_checkpoint_case` reads a torch_ref GPT, encoder-decoder or LayerNorm state dict
+(safetensors, or ``.pt``/``.pth``/``.bin`` read without unpickling code) or a Hugging Face
+GPT-2 folder, recognises the architecture from its keys and the sizes from its tensor
+shapes, checks what it can before any model is built, and returns the book's case for that
+model (:mod:`flax_ln.book.cases`) with the checkpoint's weights. Every refusal is a
+:class:`TorchCheckpointError`. torch is imported here.
 """
 
 from __future__ import annotations
@@ -14,288 +17,23 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-import jax.numpy as jnp
-import numpy as np
-import optax
 import torch
-from flax import nnx
 
 import flax_ln
-import flax_ln.train
 import torch_ref
-from flax_ln._deprecated import module_getattr
+from flax_ln.book.cases import encoder_decoder, gpt_case, norm_case
+from flax_ln.book.catalog import ENCODER_DECODER_LIMIT, GPT_PRESETS, check_seq_len
 from flax_ln.convert import load_torch_state_dict
-from flax_ln.parity.engine import Case, TrainSpec
-from flax_ln.parity.reference import decoder_output_and_log_probs, logits_and_loss
-
-
-def _perturb(module: torch.nn.Module, seed: int, scale: float = 0.1, *, replace: bool = False) -> None:
-    """Add normal(0, scale) noise to every parameter (or, with ``replace``, set it to such noise),
-    so ones/zeros initialisations (norm scales, biases) cannot hide a swapped or transposed
-    weight, while small noise keeps a deep model's activations sane."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale
-            if replace:
-                p.copy_(noise)
-            else:
-                p.add_(noise)
-
-
-def _regression_training(target: np.ndarray, learning_rate: float) -> TrainSpec:
-    """Training for a lone layer: mean squared error to a fixed random target, Adam, no clipping."""
-    return TrainSpec(
-        loss=(lambda y: ((y - torch.from_numpy(target)) ** 2).mean(), lambda y: jnp.mean((y - target) ** 2)),
-        torch_optimizer=lambda m: (torch.optim.Adam(m.parameters(), lr=learning_rate), None),
-        optax_optimizer=optax.adam(learning_rate),
-    )
-
-
-def _norm_case(
-    name: str,
-    torch_norm: torch.nn.Module,
-    flax_cls,
-    dtype: str,
-    batch: int,
-    seq_len: int,
-    seed: int,
-    features: int,
-    randomize: bool = True,
-) -> Case:
-    if randomize:
-        _perturb(torch_norm, seed, scale=1.0, replace=True)
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((batch, seq_len, features)) * 2 + 0.5).astype(dtype)
-    return Case(
-        name=name,
-        torch_model=torch_norm.to(getattr(torch, dtype)),
-        flax_model=flax_cls(features, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed)),
-        inputs=[x],
-        input_names=["x"],
-        dtype=dtype,
-        train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-2),
-        spec={"builder": flax_cls.__name__, "features": features, "eps": torch_norm.eps},
-    )
-
-
-def layernorm(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
-    """The chapter-9 LayerNorm (torch_ref.LayerNorm vs flax_ln.LayerNorm), 512 features."""
-    return _norm_case("layernorm", torch_ref.LayerNorm(512), flax_ln.LayerNorm, dtype, batch, seq_len or 16, seed, 512)
-
-
-def torch_layernorm(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
-    """torch.nn.LayerNorm vs its twin flax_ln.TorchLayerNorm, 1600 features (GPT-2XL width)."""
-    return _norm_case(
-        "torch-layernorm", torch.nn.LayerNorm(1600), flax_ln.TorchLayerNorm, dtype, batch, seq_len or 16, seed, 1600
-    )
-
-
-def encoder_decoder(
-    dtype: str,
-    batch: int,
-    seq_len: int | None,
-    seed: int,
-    *,
-    sizes: dict | None = None,
-    torch_model: torch.nn.Module | None = None,
-    ffn_activation: str | None = None,
-    name: str = "encoder-decoder",
-) -> Case:
-    """Chapters 9-10's encoder-decoder, by default on a small config (N=2, d_model 32, 4 heads, d_ff 64,
-    vocab 13), with padding in the source and the pad+causal target mask. Pad id 0."""
-    sizes = sizes or dict(src_vocab=13, tgt_vocab=13, N=2, d_model=32, d_ff=64, h=4)
-    pad, d_model = 0, sizes["d_model"]
-    src_vocab, vocab = sizes["src_vocab"], sizes["tgt_vocab"]
-    seq_len = seq_len or 10
-    check_seq_len(name, seq_len, *ENCODER_DECODER_LIMIT)
-    if torch_model is None:
-        torch.manual_seed(seed)
-        torch_model = torch_ref.make_model(**sizes, dropout=0.1, ffn_activation=ffn_activation)
-        _perturb(torch_model, seed)
-    torch_model = torch_model.to(getattr(torch, dtype))
-    flax_model = flax_ln.make_model(
-        **sizes, dropout=0.1, ffn_activation=ffn_activation, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed)
-    )
-    rng = np.random.default_rng(seed)
-    src = rng.integers(1, src_vocab, (batch, seq_len)).astype(np.int64)
-    tgt = rng.integers(1, vocab, (batch, seq_len + 1)).astype(np.int64)
-    src[0, seq_len // 2 :] = pad  # padding: masked keys in self- and source attention
-    tgt[-1, (seq_len + 1) // 2 :] = pad
-    tgt_in, tgt_y = tgt[:, :-1], tgt[:, 1:]
-    src_mask = (src != pad)[:, None, :]  # (B, 1, S)
-    tgt_mask = torch_ref.make_std_mask(torch.from_numpy(tgt_in), pad).numpy()  # (B, T, T)
-    ntokens = int((tgt_y != pad).sum())
-
-    criterion = torch_ref.LabelSmoothing(vocab, padding_idx=pad, smoothing=0.1)
-
-    def torch_loss(outputs):
-        return criterion(outputs["log probs"].reshape(-1, vocab), torch.from_numpy(tgt_y).reshape(-1)) / ntokens
-
-    def flax_loss(outputs):
-        return (
-            flax_ln.label_smoothing_loss(outputs["log probs"], jnp.asarray(tgt_y), padding_idx=pad, smoothing=0.1)
-            / ntokens
-        )
-
-    def torch_optimizer(m):  # chapter 10: Adam(0.9, 0.98, 1e-9) with the Noam rate set before each step
-        opt = torch.optim.Adam(m.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: torch_ref.noam_rate(s + 1, d_model, 1.0, 400))
-
-    return Case(
-        name=name,
-        torch_model=torch_model,
-        flax_model=flax_model,
-        inputs=[src, tgt_in, src_mask, tgt_mask],
-        input_names=["src", "tgt", "src_mask", "tgt_mask"],
-        dtype=dtype,
-        forward=decoder_output_and_log_probs,
-        train=TrainSpec((torch_loss, flax_loss), torch_optimizer, flax_ln.noam_adam(d_model, 1.0, 400)),
-        lm_logits="log probs",
-        spec={"builder": "make_model", "sizes": dict(sizes), "ffn_activation": ffn_activation},
-    )
-
-
-def _the_loss(outputs):
-    return outputs["loss"]
-
-
-def _gpt_case(
-    name: str,
-    config: flax_ln.GPTConfig,
-    dtype: str,
-    batch: int,
-    seq_len: int,
-    seed: int,
-    pad_targets: bool,
-    torch_model: torch.nn.Module | None = None,
-) -> Case:
-    """A torch_ref.GPT (random, or the given one) and a flax_ln.GPT on (idx, targets);
-    the book's Adam(1e-4) + clip 1 for training."""
-    check_seq_len(name, seq_len, config.block_size, "positions (its block_size)")
-    if torch_model is None:
-        torch.manual_seed(seed)
-        torch_model = torch_ref.GPT(config)
-        _perturb(torch_model, seed, scale=0.02)
-    torch_model = torch_model.to(getattr(torch, dtype))
-    flax_model = flax_ln.GPT(config, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, config.vocab_size, (batch, seq_len)).astype(np.int64)
-    targets = rng.integers(0, config.vocab_size, (batch, seq_len)).astype(np.int64)
-    targets[0, seq_len - max(1, seq_len // 4) :] = config.ignore_index  # positions the loss skips
-    if pad_targets:
-        idx[0, seq_len - max(1, seq_len // 4) :] = config.ignore_index  # padding is a real token id too
-
-    return Case(
-        name=name,
-        torch_model=torch_model,
-        flax_model=flax_model,
-        inputs=[idx, targets],
-        input_names=["idx", "targets"],
-        dtype=dtype,
-        forward=logits_and_loss,
-        train=TrainSpec(
-            loss=(_the_loss, _the_loss),
-            torch_optimizer=lambda m: (torch.optim.Adam(m.parameters(), lr=1e-4), None),
-            optax_optimizer=flax_ln.train.gpt_adam(1e-4, clip_norm=1.0),
-            clip_norm=1.0,
-        ),
-        lm_logits="logits",
-        spec={"builder": "GPT", "config": dataclasses.asdict(config)},
-    )
-
-
-GPT_CONFIG = flax_ln.GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=50, block_size=32)
-MUSIC_CONFIG = flax_ln.GPTConfig.music(n_layer=2)
-ENCODER_DECODER_POSITIONS = 5000  # the book's positional table (max_len) on both sides
-
-
-def gpt(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
-    """A small GPT (2 layers, 4 heads, width 64, vocab 50, block 32), chapter 11's loss (ignore_index -1)."""
-    return _gpt_case("gpt", GPT_CONFIG, dtype, batch, seq_len or 16, seed, pad_targets=False)
-
-
-def music(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
-    """Chapter 14's music Transformer at full width (8 heads, 512, vocab 390, block 2048) with 2 layers,
-    loss ignoring the padding id 389."""
-    return _gpt_case("music", MUSIC_CONFIG, dtype, batch, seq_len or 32, seed, pad_targets=True)
-
-
-def gpt2_xl_block(dtype: str, batch: int, seq_len: int | None, seed: int) -> Case:
-    """One full-width GPT-2XL block: n_embd 1600, 25 heads, block_size 1024."""
-    from flax_ln.models.gpt import Block as FlaxBlock
-    from torch_ref.gpt import Block as TorchBlock
-
-    config = flax_ln.GPTConfig.gpt2_xl()
-    seq_len = seq_len or 32
-    check_seq_len("gpt2-xl-block", seq_len)
-    torch.manual_seed(seed)
-    torch_block = TorchBlock(torch_ref.gpt.GPTConfig.from_any(config))
-    _perturb(torch_block, seed, scale=0.02)
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, seq_len, config.n_embd)).astype(dtype)
-    return Case(
-        name="gpt2-xl-block",
-        torch_model=torch_block.to(getattr(torch, dtype)),
-        flax_model=FlaxBlock(config, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(seed)),
-        inputs=[x],
-        input_names=["x"],
-        dtype=dtype,
-        train=_regression_training(rng.standard_normal(x.shape).astype(dtype), learning_rate=1e-4),
-        spec={"builder": "Block", "config": dataclasses.asdict(config)},
-    )
-
+from flax_ln.parity import Case
 
 TorchModuleT = TypeVar("TorchModuleT", bound=torch.nn.Module)
-ENCODER_DECODER_LIMIT = (ENCODER_DECODER_POSITIONS, "positions in the positional-encoding table")
-# The longest sequence each book case takes (None: any), and what sets the limit.
-SEQ_LEN_LIMITS: dict[str, tuple[int, str] | None] = {
-    "layernorm": None,
-    "torch-layernorm": None,
-    "encoder-decoder": ENCODER_DECODER_LIMIT,
-    "gpt": (GPT_CONFIG.block_size, "positions (its block_size)"),
-    "gpt2-xl-block": (flax_ln.GPTConfig.gpt2_xl().block_size, "positions (GPT-2XL's block_size, its causal mask)"),
-    "music": (MUSIC_CONFIG.block_size, "positions (its block_size)"),
-}
-
-
-def check_seq_len(model: str, seq_len: int, limit: int | None = None, what: str | None = None) -> None:
-    """Raise ``ValueError`` naming the limit when ``seq_len`` exceeds what ``model`` takes.
-
-    ``limit`` and ``what`` default to the book case's entry in :data:`SEQ_LEN_LIMITS`;
-    a checkpoint passes its own (its ``block_size``). Called before any model is built.
-    """
-    if limit is None:
-        entry = SEQ_LEN_LIMITS.get(model)
-        if entry is None:
-            return
-        limit, what = entry
-    if seq_len > limit:
-        raise ValueError(
-            f"--seq-len {seq_len} is too long for {model}: it takes at most {limit} {what}; "
-            f"pass --seq-len {limit} or less"
-        )
-
-
-BUILDERS: dict[str, Callable[[str, int, int | None, int], Case]] = {
-    "layernorm": layernorm,
-    "torch-layernorm": torch_layernorm,
-    "encoder-decoder": encoder_decoder,
-    "gpt": gpt,
-    "gpt2-xl-block": gpt2_xl_block,
-    "music": music,
-}
-
-
-# ---------------------------------------------------------------------------------------
-# user checkpoints
 
 
 class TorchCheckpointError(ValueError):
-    """A checkpoint that cannot be read safely or does not describe a model flax-ln knows."""
+    """A torch checkpoint that cannot be read safely or does not describe a model flax-ln knows."""
 
 
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+def read_torch_state_dict(path: str) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file or a ``.pt``/``.pth``/``.bin`` state dict, read without unpickling code.
 
     ``torch.load`` runs with ``weights_only=True``: a file holding anything but tensors
@@ -338,14 +76,6 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
             + (" with non-tensor values" if isinstance(loaded, dict) else "")
         )
     return loaded
-
-
-GPT_PRESETS = {
-    "gpt2": flax_ln.GPTConfig.gpt2,
-    "gpt2-xl": flax_ln.GPTConfig.gpt2_xl,
-    "chapter12": lambda **kw: flax_ln.GPTConfig.chapter12(**kw),
-    "music": flax_ln.GPTConfig.music,
-}
 
 
 def _shown(keys: list[str], limit: int = 6) -> str:
@@ -512,15 +242,15 @@ def _flax_accepts(case: Case, state: Mapping[str, torch.Tensor], path: str) -> C
     return case
 
 
-def _checkpoint_seq_len(name: str, seq_len: int | None, block_size: int) -> int:
-    """``--seq-len``, checked against the checkpoint's ``block_size``; default 16 (or ``block_size`` if smaller)."""
+def _seq_len_of(name: str, seq_len: int | None, block_size: int) -> int:
+    """``--seq-len``, checked against the torch checkpoint's ``block_size``; by default 16, at most ``block_size``."""
     if seq_len is None:
         return min(16, block_size)
     check_seq_len(name, seq_len, block_size, "positions (its block_size)")
     return seq_len
 
 
-def checkpoint_case(
+def torch_checkpoint_case(
     path: str,
     dtype: str,
     batch: int,
@@ -531,7 +261,7 @@ def checkpoint_case(
     n_head: int | None = None,
     ffn_activation: str | None = None,
 ) -> Case:
-    """A case for a user's checkpoint: a GPT or encoder-decoder state dict, a lone norm, or an HF GPT-2 folder.
+    """A case for a user's torch checkpoint: a GPT or encoder-decoder state dict, a lone norm, or an HF GPT-2 folder.
 
     The architecture is recognised from the keys and its sizes from the tensor shapes;
     the head count cannot be inferred and comes from ``n_head`` or a GPT ``preset``.
@@ -555,21 +285,21 @@ def checkpoint_case(
         config = flax_ln.GPTConfig.from_any(torch_config)
         stored = stored_dtypes(state)
         del state
-        seq_len = _checkpoint_seq_len(name, seq_len, config.block_size)
+        seq_len = _seq_len_of(name, seq_len, config.block_size)
         try:
             torch_model = torch_ref.load_hf_gpt2(path)
         except (ValueError, OSError, RuntimeError, MemoryError) as err:
             raise TorchCheckpointError(f"{unusable}: {err}") from err
-        case = _gpt_case(name, config, dtype, batch, seq_len, seed, pad_targets=False, torch_model=torch_model)
+        case = gpt_case(name, config, dtype, batch, seq_len, seed, pad_targets=False, torch_model=torch_model)
         return dataclasses.replace(case, stored_dtype=stored)
-    state = read_state_dict(path)
+    state = read_torch_state_dict(path)
     name = f"checkpoint {os.path.basename(path)}"
     keys = set(state)
     if "transformer.wte.weight" in keys:
         config = _gpt_config_from_shapes(state, preset, n_head, path)
-        seq_len = _checkpoint_seq_len(name, seq_len, config.block_size)
+        seq_len = _seq_len_of(name, seq_len, config.block_size)
         torch_model = _load_checked(_build(lambda: torch_ref.GPT(config), path), state, path)
-        case = _gpt_case(
+        case = gpt_case(
             name, config, dtype, batch, seq_len, seed, pad_targets=config.ignore_index >= 0, torch_model=torch_model
         )
     elif any(key.startswith(("src_embed.", "tgt_embed.", "encoder.layers.", "decoder.layers.")) for key in keys):
@@ -616,7 +346,7 @@ def checkpoint_case(
             if keys == set(leaves) and state[leaves[0]].ndim == 1:
                 features = state[leaves[0]].shape[0]
                 torch_norm = _load_checked(_build(functools.partial(torch_cls, features), path), state, path)
-                case = _norm_case(
+                case = norm_case(
                     name, torch_norm, flax_cls, dtype, batch, seq_len or 16, seed, features, randomize=False
                 )
                 break
@@ -627,8 +357,3 @@ def checkpoint_case(
                 "a LayerNorm ('a_2', 'b_2' or 'weight', 'bias') or a Hugging Face GPT-2 folder."
             )
     return dataclasses.replace(_flax_accepts(case, state, path), stored_dtype=stored_dtypes(state))
-
-
-__getattr__ = module_getattr(
-    __name__, {"CheckpointError": "TorchCheckpointError"}, globals()
-)  # deprecated alias, see CHANGELOG.md

@@ -1,9 +1,9 @@
 """The schema of a reference file's metadata, checked before anything is built from it.
 
-A reference file (:mod:`flax_ln.parity.reference`) is a contract: its JSON metadata says
+A reference file (:mod:`flax_ln.book.reference`) is a contract: its JSON metadata says
 how to rebuild each flax model and which stored tensors to compare. :func:`validate`
 checks it field by field against the stored tensors, so that a careless or hostile edit is a
-clear :class:`~flax_ln.parity.reference.ReferenceFileError` (exit code 2) naming the file and
+clear :class:`~flax_ln.book.reference.ReferenceFileError` (exit code 2) naming the file and
 the field, never a traceback, a comparison of nothing, or a model built with sizes the tensors
 contradict:
 
