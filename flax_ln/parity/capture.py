@@ -158,7 +158,7 @@ def capture_flax(model: nnx.Module, call: Callable[[], Any]) -> Records:
     return records
 
 
-def _scope_path(module) -> str:
+def scope_path(module) -> str:
     """A bound Linen module's scope path, dotted (:data:`WHOLE_MODEL` for the root)."""
     return ".".join(map(str, module.path)) or WHOLE_MODEL
 
@@ -179,7 +179,7 @@ def capture_linen(call: Callable[[], Any]) -> Records:
     def interceptor(next_fun, args, kwargs, context):
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
-        path = _scope_path(context.module)
+        path = scope_path(context.module)
         if path in active:
             return next_fun(*args, **kwargs)
         active.add(path)

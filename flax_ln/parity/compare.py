@@ -15,22 +15,21 @@ import numpy as np
 from flax import nnx
 
 from flax_ln.convert import KeyMap, LinenTree
-from flax_ln.parity.call import Call, as_inputs, merge_dropped
-from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.call import Call, as_inputs, merge_dropped, run_forward
 from flax_ln.parity.flax_side import Function, Linen, NNXSide, TreeSide, check_flax_side, load_side
 from flax_ln.parity.localize import isolate, isolate_linen, localize, localize_linen, pair_modules
 from flax_ln.parity.policy import (
     HALF_PRECISION,
     TOLERANCES,
     Tolerance,
-    _global_norm,
     compare_tensors,
     lm_metrics,
     numerics,
     relative_error,
+    whole_norm,
 )
 from flax_ln.parity.report import ParityReport
-from flax_ln.parity.torch_side import TorchSide, _resolve_dtype, record_torch_side, run_torch_side
+from flax_ln.parity.torch_side import TorchSide, record_torch_side, resolve_dtype, run_torch_side
 
 _TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
     "output": "output",
@@ -49,7 +48,7 @@ def _judge(
     dtype = side.dtype
     actual, dropped, sharding = flax.values(side, call, mesh)
     exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
-    norm = _global_norm(side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad")
+    norm = whole_norm(side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad")
     results = []
     for k, v in side.expected.items():
         kind = side.kinds[k]
@@ -176,7 +175,7 @@ def _localise_linen(report: ParityReport, side: TorchSide, flax: TreeSide, call:
         run = parts.build(parts.params, parts.rest)
         args = [jnp.asarray(x) for x in flax.inputs]
         kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in side.kwargs.items()}
-        return call_forward(call.forward[1], run, args, kwargs)
+        return run_forward(call.forward[1], run, args, kwargs)
 
     assert isinstance(flax.model.tree, LinenTree)
     report.module_errors, report.first_divergence, pairs = localize_linen(
@@ -343,7 +342,7 @@ def compare_modules(
     """
     started = time.perf_counter()
     check_flax_side(flax_module, weights, mesh)
-    dtype = _resolve_dtype(torch_module, dtype)
+    dtype = resolve_dtype(torch_module, dtype)
     call = Call.make(inputs, input_names=input_names, kwargs=kwargs, forward=forward, loss=loss, mode=mode)
     tolerances = TOLERANCES[dtype] if tolerances is None else tolerances
     with numerics(dtype):

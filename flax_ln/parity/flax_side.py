@@ -33,8 +33,7 @@ from flax_ln.convert import (
     to_torch_state_dict,
 )
 from flax_ln.convert.keymap import _step
-from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, with_floats
-from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, run_forward, with_floats
 from flax_ln.parity.policy import parameter_dtype
 from flax_ln.parity.torch_side import TorchSide
 
@@ -180,7 +179,7 @@ class _Split:
         derivative) and its result as it is; the dropped leaves go into ``dropped``."""
         args = with_floats(other_inputs, self.float_positions, float_inputs)
         model = self.parts.build(params, self.rest)
-        raw = call_forward(forward, model, args, {**array_kwargs, **self.static_kwargs})
+        raw = run_forward(forward, model, args, {**array_kwargs, **self.static_kwargs})
         named, skipped = flatten_outputs(raw)
         check_same_outputs(_torch_output_shapes(side), {k: tuple(np.shape(v)) for k, v in named})
         dropped.update(skipped)

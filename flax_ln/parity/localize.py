@@ -16,17 +16,16 @@ from flax import nnx
 
 from flax_ln.convert import KeyPlan, LinenTree, rules
 from flax_ln.convert.keymap import ArrayLayout, _parse_layout
-from flax_ln.parity.call import call as call_forward
-from flax_ln.parity.call import is_float
+from flax_ln.parity.call import is_float, run_forward
 from flax_ln.parity.capture import (
     WHOLE_MODEL,
     Calls,
     Records,
     Unsupported,
-    _scope_path,
     capture_flax,
     capture_linen,
     floating_leaves,
+    scope_path,
 )
 from flax_ln.parity.policy import Tolerance, compare_tensors
 from flax_ln.parity.report import FirstDivergence, Isolation, TensorResult
@@ -287,7 +286,7 @@ def localize(
     """
     f_args = [jnp.asarray(x) for x in flax_inputs]
     f_kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-    records = capture_flax(flax_module, lambda: call_forward(forward, flax_module, f_args, f_kwargs))
+    records = capture_flax(flax_module, lambda: run_forward(forward, flax_module, f_args, f_kwargs))
     flax_records = {t: records[f] for t, f in pairs.flax_paths.items() if f in records}
     return (*_first_divergence(torch_records, flax_records, tolerance, pairs), flax_records)
 
@@ -515,7 +514,7 @@ def isolate_linen(
         done: set[str] = set()
 
         def interceptor(next_fun, args, kwargs, context, level=level, done=done):
-            path = _scope_path(context.module) if context.method_name != "setup" else ""
+            path = scope_path(context.module) if context.method_name != "setup" else ""
             torch_path = by_flax.get(path)
             if torch_path is None or path in done or depth(path) != level:
                 return next_fun(*args, **kwargs)
