@@ -72,8 +72,8 @@ def check_case(
 ) -> ParityReport:
     """:func:`compare_modules` on a case (its ``forward``, LM metrics on ``case.lm_logits``). ``capture_modules``
     records every submodule's error even when all pass; ``mode``, ``attribute`` and ``mesh`` as in
-    :func:`compare_modules`."""
-    return compare_modules(
+    :func:`compare_modules`; the report names ``case.stored_dtype``."""
+    report = compare_modules(
         case.torch_model,
         case.flax_model,
         case.inputs,
@@ -89,8 +89,9 @@ def check_case(
         attribute=attribute,
         lm_logits=case.lm_logits,
         mesh=mesh,
-        stored_dtype=case.stored_dtype,
     )
+    report.stored_dtype = case.stored_dtype
+    return report
 
 
 def torch_side_of_case(case: Case, *, mode: str = "grad", attribute: bool = False, record: bool = False) -> TorchSide:

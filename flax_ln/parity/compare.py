@@ -185,10 +185,9 @@ def _localise_linen(report: ParityReport, side: TorchSide, flax: TreeSide, call:
     report.isolation = isolate_linen(side.records, forward, tolerance, pairs=pairs)
 
 
-def _stamp(report: ParityReport, started: float, stored_dtype: str | None) -> ParityReport:
-    """The one place a report is timed (from ``started``, a ``time.perf_counter()``) and stamped."""
+def _stamp(report: ParityReport, started: float) -> ParityReport:
+    """The one place a report is timed (from ``started``, a ``time.perf_counter()``)."""
     report.seconds = time.perf_counter() - started
-    report.stored_dtype = stored_dtype
     return report
 
 
@@ -204,7 +203,6 @@ def compare_side(
     capture_modules: bool = False,
     lm_logits: str | None = None,
     mesh=None,
-    stored_dtype: str | None = None,
 ) -> ParityReport:
     """The flax side against a stored :class:`TorchSide` (a reference file's, or one saved from a live run).
 
@@ -213,7 +211,7 @@ def compare_side(
     ``forward`` pair runs), with no torch: localisation uses the side's stored
     ``records``/``calls`` when it has them; attribution runs when ``side.truth`` is set.
     ``mesh``: localisation, isolated mode and the float64 twin of attribution run
-    unsharded. ``stored_dtype`` is named in the report.
+    unsharded.
     """
     started = time.perf_counter()
     if isinstance(flax_module, (Linen, Function)):
@@ -227,7 +225,7 @@ def compare_side(
         report, flax = _flax_half(side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh)
         if capture_modules or (localize_failures and not report.passed):
             _localise(report, side, flax, call, tolerances["output"])
-    return _stamp(report, started, stored_dtype)
+    return _stamp(report, started)
 
 
 def compare_modules(
@@ -250,7 +248,6 @@ def compare_modules(
     name: str | None = None,
     localize_failures: bool = True,
     capture_modules: bool = False,
-    stored_dtype: str | None = None,
     weights: KeyMap | None = None,
     modules: Mapping[str, Any] | None = None,
 ) -> ParityReport:
@@ -321,7 +318,6 @@ def compare_modules(
       name: the report's name (default: the torch module's class name).
       localize_failures: on failure, localise (first divergence and isolated mode).
       capture_modules: record every submodule's error even when everything passes.
-      stored_dtype: a checkpoint's dtype(s) on disk, named in the report.
       weights: the port's own :class:`~flax_ln.convert.KeyMap`, for a port whose tree does not
         mirror torch's: the weights load through it (strictly: every problem listed at once, the
         model unchanged on error), parameter gradients come back under ``named_parameters()``'s
@@ -354,7 +350,7 @@ def compare_modules(
             if not (isinstance(flax_module, Function)):  # a Function has no modules to pair the records with
                 record_torch_side(side, torch_module, call.forward[0])
             _localise(report, side, flax, call, tolerances["output"], modules)
-    return _stamp(report, started, stored_dtype)
+    return _stamp(report, started)
 
 
 def assert_parity(torch_module, flax_module: nnx.Module | Linen | Function, inputs, **options) -> ParityReport:
