@@ -552,6 +552,39 @@ def test_the_callers_variables_are_not_modified(kind):
     assert not np.array_equal(before[0], torch.nn.Linear(WIDTH, WIDTH).weight.detach().numpy())  # not torch's
 
 
+NNX_STACK_MAP = KeyMap(  # FlaxStack through a key map instead of the converter's rules
+    [
+        (r"blocks\.(\d+)\.lin\.weight", r"blocks.\1.lin.kernel", "o i -> i o"),
+        (r"blocks\.(\d+)\.(lin|norm)\.bias", r"blocks.\1.\2.bias", None),
+        (r"blocks\.(\d+)\.norm\.weight", r"blocks.\1.norm.scale", None),
+        (r"head\.weight", "head.kernel", "o i -> i o"),
+        (r"head\.bias", "head.bias", None),
+    ]
+)
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_comparison_through_a_key_map_plans_once(kind, mode, monkeypatch):
+    """The plan that fills the weights is the plan that names the gradients, takes the tangents, pairs the modules
+    and runs the float64 twin: one build per comparison, in either mode."""
+    from flax_ln.convert import keymap, keymap_transfer
+
+    builds = []
+    match_targets = keymap.match_targets  # where every plan is built; two modules call it by that name
+    counted = lambda *args, **kwargs: builds.append(args[0]) or match_targets(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(keymap, "match_targets", counted)
+    monkeypatch.setattr(keymap_transfer, "match_targets", counted)
+    torch.manual_seed(0)
+    flax, options = stack(kind)
+    options = {"weights": NNX_STACK_MAP} if kind == "nnx" else options
+    report = compare_modules(
+        TorchInPlaceStack(), flax, stack_input(), mode=mode, attribute=True, capture_modules=True, **options
+    )
+    assert report.passed, str(report)
+    assert len(builds) == 1, builds
+
+
 class LinenScaled(linen.Module):
     @linen.compact
     def __call__(self, x, scale, *, deterministic):

@@ -18,7 +18,8 @@ from flax_ln.book.catalog import MODEL_NAMES
 from flax_ln.book.torch_checkpoint import torch_checkpoint_case
 from flax_ln.cli import main
 from flax_ln.parity import Tolerance, assert_parity, compare_modules, compare_tensors
-from flax_ln.parity.capture import WHOLE_MODEL, capture_flax
+from flax_ln.parity.capture import WHOLE_MODEL
+from flax_ln.parity.nnx_side import capture_nnx
 from flax_ln.parity.torch_side import run_torch_side
 
 JSON_TENSOR_KEYS = {
@@ -188,13 +189,13 @@ def test_capture_records_one_instance_and_restores_after_an_exception():
 
     methods = (FlaxTagger.__call__, nnx.Linear.__call__)
     with pytest.raises(RuntimeError, match="boom"):
-        capture_flax(model, call)
+        capture_nnx(model, call)
     # during and after the call: no class or method was swapped, the profile hook is gone
     assert seen["classes"] == (FlaxTagger, FlaxTagger, nnx.Linear, nnx.Linear) and seen["methods"] == methods
     assert (type(model), type(linear), FlaxTagger.__call__, nnx.Linear.__call__) == (FlaxTagger, nnx.Linear, *methods)
     assert sys.getprofile() is profile_before
 
-    records = capture_flax(model, lambda: (model(ids, features), other(ids, features), linear(jnp.ones((1, 3)))))
+    records = capture_nnx(model, lambda: (model(ids, features), other(ids, features), linear(jnp.ones((1, 3)))))
     assert list(records) == ["embed", "proj", "act", "head", WHOLE_MODEL]  # this instance only, in execution order
     (head_in,), (head_out,) = records["head"]
     assert head_in.shape == (1, 4, WIDTH) and head_out.shape == (1, 4, CLASSES)

@@ -111,6 +111,18 @@ def fill_tree(
         problems["unfilled"] = problems.get("unfilled", []) + doubles
     if problems:
         raise key_map_error(problems)
+    write_by_plan(plan, tree, value)
+    return plan
+
+
+def write_by_plan(plan: KeyPlan, tree: VariableTree, value: Callable[[Target], np.ndarray]) -> None:
+    """Write ``value(target)`` (in the target's flax layout) into every variable ``plan`` fills, with no checks.
+
+    The write step of :func:`fill_tree`, for values the plan already fits: the weights it checked, or
+    the tangents of those weights (torch-named, the same keys, shapes and dtypes). A stacked
+    variable is written whole from its slices; with slices absent (a plan of ``strict=False``) the
+    others keep their values.
+    """
     variables = tree.variables()
     new: dict[str, dict[int | None, np.ndarray]] = {}
     for ts in plan.targets.values():
@@ -130,7 +142,6 @@ def fill_tree(
                     whole[i] = arr
                 values[path] = whole
     tree.write(values)
-    return plan
 
 
 def _check_fits(plan: KeyPlan, tree: VariableTree, arrays: Mapping[str, np.ndarray], *, strict: bool) -> None:

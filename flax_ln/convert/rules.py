@@ -266,10 +266,6 @@ def activation_layout(module: nnx.Module) -> Permute | None:
     return layout
 
 
-# The old private name, which flax_ln.parity.localize still calls; it goes once localize calls activation_layout.
-_activation_layout = activation_layout
-
-
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     key: str

@@ -85,7 +85,7 @@ class Call:
         return cls(arrays, names, dict(kwargs or {}), forward_pair(forward), None if loss is None else tuple(loss))
 
 
-def call(forward: Forward | None, module: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+def run_forward(forward: Forward | None, module: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     """``forward(module, *args, **kwargs)``, or ``module(*args, **kwargs)`` when ``forward`` is ``None``."""
     return module(*args, **kwargs) if forward is None else forward(module, *args, **kwargs)
 

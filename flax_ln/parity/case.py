@@ -13,12 +13,11 @@ import numpy as np
 from flax import nnx
 
 from flax_ln.convert import load_torch_state_dict, to_torch_state_dict
-from flax_ln.parity.call import Call, forward_pair
-from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.call import Call, forward_pair, run_forward
 from flax_ln.parity.compare import compare_modules
 from flax_ln.parity.policy import Tolerance, compare_tensors, numerics, zero_gradient_names
 from flax_ln.parity.report import ParityReport
-from flax_ln.parity.torch_side import TorchSide, _resolve_dtype, _torch, run_torch_side, torch_tensors
+from flax_ln.parity.torch_side import TorchSide, resolve_dtype, run_torch_side, torch_tensors
 
 
 @dataclasses.dataclass
@@ -73,8 +72,8 @@ def check_case(
 ) -> ParityReport:
     """:func:`compare_modules` on a case (its ``forward``, LM metrics on ``case.lm_logits``). ``capture_modules``
     records every submodule's error even when all pass; ``mode``, ``attribute`` and ``mesh`` as in
-    :func:`compare_modules`."""
-    return compare_modules(
+    :func:`compare_modules`; the report names ``case.stored_dtype``."""
+    report = compare_modules(
         case.torch_model,
         case.flax_model,
         case.inputs,
@@ -90,13 +89,14 @@ def check_case(
         attribute=attribute,
         lm_logits=case.lm_logits,
         mesh=mesh,
-        stored_dtype=case.stored_dtype,
     )
+    report.stored_dtype = case.stored_dtype
+    return report
 
 
 def torch_side_of_case(case: Case, *, mode: str = "grad", attribute: bool = False, record: bool = False) -> TorchSide:
     """The torch side of a case (for a reference file: ``record=True``), compared later by :func:`compare_side`."""
-    dtype = _resolve_dtype(case.torch_model, case.dtype)
+    dtype = resolve_dtype(case.torch_model, case.dtype)
     call = Call.make(case.inputs, input_names=case.input_names, kwargs=case.kwargs, forward=case.forward, mode=mode)
     with numerics(dtype):
         return run_torch_side(
@@ -120,8 +120,8 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
     if case.train is None:
         raise ValueError(f"model {case.name!r} has no training setup for --train-steps")
     import optax
+    import torch
 
-    torch = _torch()
     spec = case.train
     torch_loss, flax_loss = spec.loss
     with numerics(case.dtype):
@@ -141,7 +141,7 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
         @jax.jit
         def flax_step(params, opt_state, inputs):
             def loss_fn(p):
-                return flax_loss(call_forward(flax_forward, nnx.merge(graphdef, p, rest), inputs, f_kwargs))
+                return flax_loss(run_forward(flax_forward, nnx.merge(graphdef, p, rest), inputs, f_kwargs))
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             updates, opt_state = spec.optax_optimizer.update(grads, opt_state, params)
@@ -151,7 +151,7 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
         noise_only: set[str] = set()
         for step in range(1, steps + 1):
             optimizer.zero_grad(set_to_none=True)
-            t_loss = torch_loss(call_forward(torch_forward, torch_model, t_inputs, t_kwargs))
+            t_loss = torch_loss(run_forward(torch_forward, torch_model, t_inputs, t_kwargs))
             t_loss.backward()
             grads = {name: p.grad.numpy() for name, p in torch_model.named_parameters() if p.grad is not None}
             noise_only |= zero_gradient_names(grads, tolerances["grad"])

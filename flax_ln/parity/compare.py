@@ -10,27 +10,37 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import KeyMap, LinenTree
+from flax_ln.convert import KeyMap
 from flax_ln.parity.call import Call, as_inputs, merge_dropped
-from flax_ln.parity.call import call as call_forward
-from flax_ln.parity.flax_side import Function, Linen, NNXSide, TreeSide, check_flax_side, load_side
-from flax_ln.parity.localize import isolate, isolate_linen, localize, localize_linen, pair_modules
+from flax_ln.parity.flax_side import FlaxSide, Function, Linen
+from flax_ln.parity.function_side import FunctionSide
+from flax_ln.parity.linen_side import LinenSide
+from flax_ln.parity.localize import localize
+from flax_ln.parity.nnx_side import NNXSide
 from flax_ln.parity.policy import (
     HALF_PRECISION,
     TOLERANCES,
     Tolerance,
-    _global_norm,
     compare_tensors,
     lm_metrics,
     numerics,
     relative_error,
+    whole_norm,
 )
 from flax_ln.parity.report import ParityReport
-from flax_ln.parity.torch_side import TorchSide, _resolve_dtype, record_torch_side, run_torch_side
+from flax_ln.parity.torch_side import TorchSide, record_torch_side, resolve_dtype, run_torch_side
+
+# The kinds of flax side: a user's flax side is of the first that takes it (NNX takes any other object).
+KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, NNXSide)
+
+
+def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
+    """The kind of flax side ``flax_module`` is: the first of :data:`KINDS` that takes it."""
+    return next(kind for kind in KINDS if kind.takes(flax_module))
+
 
 _TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
     "output": "output",
@@ -42,14 +52,14 @@ _TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
 
 
 def _judge(
-    side: TorchSide, flax: NNXSide | TreeSide, call: Call, tolerances: Mapping[str, Tolerance], mesh
+    side: TorchSide, flax: FlaxSide, call: Call, tolerances: Mapping[str, Tolerance], mesh
 ) -> tuple[ParityReport, dict[str, np.ndarray]]:
     """Every tensor of ``side.expected`` against the flax side's value: the report, not yet localised,
     and the flax side's values."""
     dtype = side.dtype
     actual, dropped, sharding = flax.values(side, call, mesh)
     exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
-    norm = _global_norm(side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad")
+    norm = whole_norm(side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad")
     results = []
     for k, v in side.expected.items():
         kind = side.kinds[k]
@@ -91,9 +101,7 @@ def _lm_metrics(report: ParityReport, side: TorchSide, actual: Mapping[str, np.n
     report.lm_metrics = lm_metrics(actual[lm_logits], side.expected[lm_logits], lm_logits)
 
 
-def _attribute(
-    report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], flax: NNXSide | TreeSide, call
-) -> None:
+def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], flax: FlaxSide, call) -> None:
     """Each tensor's error against float64 truth (torch's float64 run), on both sides; and how far the
     flax float64 twin is from that truth (float64 rounding if the two compute the same math)."""
     assert side.truth is not None
@@ -117,10 +125,12 @@ def _attribute(
         )
 
 
-def _flax_half(side: TorchSide, flax_module, call: Call, flax_inputs, tolerances, lm_logits, mesh, weights=None):
-    """Load and run the flax side against ``side`` (through ``weights``, a key map, when given), compare, add
-    the ties, LM metrics and attribution."""
-    flax = load_side(flax_module, side, None if flax_inputs is None else as_inputs(flax_inputs), weights)
+def _load_and_judge(
+    kind: type[FlaxSide], side: TorchSide, flax_module, call: Call, flax_inputs, tolerances, lm_logits, mesh, weights
+):
+    """Load the flax side of ``kind`` with ``side``'s weights (through ``weights``, a key map, when given), run
+    and compare it, add the ties, LM metrics and attribution."""
+    flax = kind.load(flax_module, side, None if flax_inputs is None else as_inputs(flax_inputs), weights)
     report, actual = _judge(side, flax, call, tolerances, mesh)
     report.ties = {} if flax.plan is None else dict(flax.plan.ties)
     if lm_logits is not None:
@@ -130,66 +140,9 @@ def _flax_half(side: TorchSide, flax_module, call: Call, flax_inputs, tolerances
     return report, flax
 
 
-NEEDS_MODULES = (
-    "localisation needs modules: a Function has no submodules to pair with torch's, so no first divergence "
-    "or isolated mode; every output and gradient is compared above"
-)
-
-
-def _localise(
-    report: ParityReport,
-    side: TorchSide,
-    flax: NNXSide | TreeSide,
-    call: Call,
-    tolerance: Tolerance,
-    modules=None,
-) -> None:
-    """The first divergence and isolated mode, from the torch side's records (when it has them)."""
-    if isinstance(flax, TreeSide) and isinstance(flax.kind, Function):
-        report.localization_note = NEEDS_MODULES
-        return
-    if isinstance(flax, TreeSide):
-        _localise_linen(report, side, flax, call, tolerance, modules)
-        return
-    pairs = pair_modules(
-        flax.model, plan=flax.plan, torch_keys=list(side.state_dict), modules=modules, orders=flax.orders
-    )
-    flax_records = None
-    if side.records is not None:
-        report.module_errors, report.first_divergence, flax_records = localize(
-            side.records, flax.model, flax.inputs, side.kwargs, call.forward[1], tolerance, pairs=pairs
-        )
-        report.module_skipped = dict(pairs.skipped)
-    if side.records is not None and side.calls is not None:
-        report.isolation = isolate(
-            side.records, side.calls, flax.model, tolerance, pairs=pairs, flax_records=flax_records
-        )
-
-
-def _localise_linen(report: ParityReport, side: TorchSide, flax: TreeSide, call: Call, tolerance, modules) -> None:
-    """:func:`_localise` for a Linen module: its submodules recorded during one ``apply`` each."""
-    if side.records is None:
-        return
-    parts = flax.model.parts()
-
-    def forward():
-        run = parts.build(parts.params, parts.rest)
-        args = [jnp.asarray(x) for x in flax.inputs]
-        kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in side.kwargs.items()}
-        return call_forward(call.forward[1], run, args, kwargs)
-
-    assert isinstance(flax.model.tree, LinenTree)
-    report.module_errors, report.first_divergence, pairs = localize_linen(
-        side.records, forward, flax.model.tree, flax.plan, list(side.state_dict), tolerance, modules, flax.orders
-    )
-    report.module_skipped = dict(pairs.skipped)
-    report.isolation = isolate_linen(side.records, forward, tolerance, pairs=pairs)
-
-
-def _stamp(report: ParityReport, started: float, stored_dtype: str | None) -> ParityReport:
-    """The one place a report is timed (from ``started``, a ``time.perf_counter()``) and stamped."""
+def _stamp(report: ParityReport, started: float) -> ParityReport:
+    """The one place a report is timed (from ``started``, a ``time.perf_counter()``)."""
     report.seconds = time.perf_counter() - started
-    report.stored_dtype = stored_dtype
     return report
 
 
@@ -205,7 +158,6 @@ def compare_side(
     capture_modules: bool = False,
     lm_logits: str | None = None,
     mesh=None,
-    stored_dtype: str | None = None,
 ) -> ParityReport:
     """The flax side against a stored :class:`TorchSide` (a reference file's, or one saved from a live run).
 
@@ -214,10 +166,11 @@ def compare_side(
     ``forward`` pair runs), with no torch: localisation uses the side's stored
     ``records``/``calls`` when it has them; attribution runs when ``side.truth`` is set.
     ``mesh``: localisation, isolated mode and the float64 twin of attribution run
-    unsharded. ``stored_dtype`` is named in the report.
+    unsharded.
     """
     started = time.perf_counter()
-    if isinstance(flax_module, (Linen, Function)):
+    kind = flax_side_kind(flax_module)
+    if kind.needs_key_map:
         raise TypeError(
             "compare_side (a stored reference file) takes an NNX module; Linen and Function flax sides are "
             "compared live, with compare_modules(..., weights=KeyMap(...))"
@@ -225,10 +178,10 @@ def compare_side(
     tolerances = TOLERANCES[side.dtype] if tolerances is None else tolerances
     call = side.call(forward, loss)
     with numerics(side.dtype):
-        report, flax = _flax_half(side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh)
+        report, flax = _load_and_judge(kind, side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, None)
         if capture_modules or (localize_failures and not report.passed):
-            _localise(report, side, flax, call, tolerances["output"])
-    return _stamp(report, started, stored_dtype)
+            localize(report, side, flax, call, tolerances["output"])
+    return _stamp(report, started)
 
 
 def compare_modules(
@@ -251,7 +204,6 @@ def compare_modules(
     name: str | None = None,
     localize_failures: bool = True,
     capture_modules: bool = False,
-    stored_dtype: str | None = None,
     weights: KeyMap | None = None,
     modules: Mapping[str, Any] | None = None,
 ) -> ParityReport:
@@ -322,7 +274,6 @@ def compare_modules(
       name: the report's name (default: the torch module's class name).
       localize_failures: on failure, localise (first divergence and isolated mode).
       capture_modules: record every submodule's error even when everything passes.
-      stored_dtype: a checkpoint's dtype(s) on disk, named in the report.
       weights: the port's own :class:`~flax_ln.convert.KeyMap`, for a port whose tree does not
         mirror torch's: the weights load through it (strictly: every problem listed at once, the
         model unchanged on error), parameter gradients come back under ``named_parameters()``'s
@@ -342,20 +293,21 @@ def compare_modules(
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
     """
     started = time.perf_counter()
-    check_flax_side(flax_module, weights, mesh)
-    dtype = _resolve_dtype(torch_module, dtype)
+    kind = flax_side_kind(flax_module)
+    kind.check(flax_module, weights, mesh)
+    dtype = resolve_dtype(torch_module, dtype)
     call = Call.make(inputs, input_names=input_names, kwargs=kwargs, forward=forward, loss=loss, mode=mode)
     tolerances = TOLERANCES[dtype] if tolerances is None else tolerances
     with numerics(dtype):
         side = run_torch_side(
             torch_module, call, dtype=dtype, mode=mode, tangent_params=tangent_params, attribute=attribute, name=name
         )
-        report, flax = _flax_half(side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, weights)
+        report, flax = _load_and_judge(kind, side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, weights)
         if capture_modules or (localize_failures and not report.passed):
-            if not (isinstance(flax_module, Function)):  # a Function has no modules to pair the records with
+            if kind.localization_note is None:  # a kind without modules has none to pair the records with
                 record_torch_side(side, torch_module, call.forward[0])
-            _localise(report, side, flax, call, tolerances["output"], modules)
-    return _stamp(report, started, stored_dtype)
+            localize(report, side, flax, call, tolerances["output"], modules)
+    return _stamp(report, started)
 
 
 def assert_parity(torch_module, flax_module: nnx.Module | Linen | Function, inputs, **options) -> ParityReport:

@@ -122,10 +122,11 @@ class TensorResult:
         d["tolerance"] = dataclasses.asdict(self.tolerance)
         d["shape"] = list(self.shape)
         d["max_error_index"] = None if self.max_error_index is None else list(self.max_error_index)
-        return {k: _json_number(v) for k, v in d.items()}
+        return {k: json_number(v) for k, v in d.items()}
 
 
-def _json_number(v):
+def json_number(v):
+    """``v`` as JSON holds it: a non-finite float as the string ``"inf"``/``"-inf"``/``"nan"``, else as it is."""
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN/Inf; "inf"/"nan" stay explicit
     return v
@@ -194,14 +195,15 @@ def compare_tensors(
     )
 
 
-def _global_norm(arrays) -> float:
+def whole_norm(arrays) -> float:
+    """The norm of ``arrays`` taken together as one vector (a whole gradient, every parameter), in float64."""
     return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in arrays)))
 
 
 def zero_gradient_names(grads: Mapping[str, Any], tolerance: Tolerance) -> set[str]:
     """Names of the gradients that are zero up to rounding: norm at most ``tolerance.gtol``
     times the norm of all of ``grads`` together (the rule by which such tensors pass)."""
-    norm = _global_norm(grads.values())
+    norm = whole_norm(grads.values())
     return {name for name, g in grads.items() if np.linalg.norm(np.asarray(g, np.float64)) <= tolerance.gtol * norm}
 
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from flax_ln.convert import Tie
-from flax_ln.parity.policy import TensorResult, _json_number
+from flax_ln.parity.policy import TensorResult, json_number
 from flax_ln.parity.render import Section, format_sections, section_text
 
 
@@ -153,9 +153,9 @@ class ParityReport:
             "lm_metrics": self.lm_metrics,
             "attribution": None
             if self.attribution is None
-            else {k: _json_number(v) for k, v in self.attribution.items()},
+            else {k: json_number(v) for k, v in self.attribution.items()},
             "mode": self.mode,
-            "train_steps": [{k: _json_number(v) for k, v in s.items()} for s in self.train_steps],
+            "train_steps": [{k: json_number(v) for k, v in s.items()} for s in self.train_steps],
             "stored_dtype": self.stored_dtype,
             "sharding": self.sharding,
             "frozen": self.frozen,

@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from flax_ln.parity.call import Call, flatten_outputs, is_float, named_outputs, with_floats
-from flax_ln.parity.call import call as call_forward
+from flax_ln.parity.call import Call, flatten_outputs, is_float, named_outputs, run_forward, with_floats
 from flax_ln.parity.capture import Calls, Records, capture_torch
 from flax_ln.parity.policy import HALF_PRECISION, TOLERANCES, parameter_dtype
 
@@ -95,7 +94,7 @@ def _run_torch(module, call: Call, cotangents=None, *, double=False):
     torch = _torch()
     tensors, t_kwargs = torch_tensors(call.inputs, call.kwargs, grad=True, double=double)
     with _torch_eval_untouched(module):
-        outputs = call_forward(call.forward[0], module, tensors, t_kwargs)
+        outputs = run_forward(call.forward[0], module, tensors, t_kwargs)
         named, raw, dropped = torch_outputs(outputs)
         if call.loss is None:
             if cotangents is None:
@@ -152,7 +151,7 @@ def _run_torch_jvp(module, call: Call, tangents, *, double=False):
             self.model = module
 
         def forward(self, *args):
-            return call_forward(call.forward[0], self.model, args, t_kwargs)
+            return run_forward(call.forward[0], self.model, args, t_kwargs)
 
     wrapper = Forward()
 
@@ -175,7 +174,8 @@ def _run_torch_jvp(module, call: Call, tangents, *, double=False):
     return named, dropped
 
 
-def _resolve_dtype(torch_module, dtype: str | None) -> str:
+def resolve_dtype(torch_module, dtype: str | None) -> str:
+    """The dtype of a comparison: ``dtype``, checked against the torch parameters' dtype (default: theirs)."""
     found = sorted({str(p.dtype).removeprefix("torch.") for p in torch_module.parameters() if p.is_floating_point()})
     if dtype is None:
         if len(found) > 1:
@@ -346,5 +346,5 @@ def record_torch_side(side: TorchSide, torch_module, forward) -> None:
     side.calls = {}
     with _torch_eval_untouched(torch_module):
         side.records = capture_torch(
-            torch_module, lambda: call_forward(forward, torch_module, tensors, t_kwargs), side.calls
+            torch_module, lambda: run_forward(forward, torch_module, tensors, t_kwargs), side.calls
         )

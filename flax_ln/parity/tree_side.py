@@ -1,0 +1,95 @@
+"""What the flax sides over a pytree of variables share (:class:`TreeSide`): a :class:`~flax_ln.parity.flax_side.Linen`
+module's variables or a :class:`~flax_ln.parity.flax_side.Function`'s params, copied into a
+:class:`~flax_ln.convert.PytreeTree` and filled there through the port's key map. Imports no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax_ln.convert import KeyMap, PytreeTree, fill_tree
+from flax_ln.parity.flax_side import FlaxSide, paired_inputs, require_key_map, torch_ties, write_through
+from flax_ln.parity.policy import parameter_dtype
+from flax_ln.parity.torch_side import TorchSide
+
+
+def _check_tree_params(tree: PytreeTree, dtype: str, noun: str) -> None:
+    want = np.dtype(parameter_dtype(dtype))
+    for name, (_, have, required) in tree.variables().items():
+        if required and np.issubdtype(have, np.floating) and have != want:
+            hint = " under jax.enable_x64(True)" if want == np.float64 else ""
+            raise ValueError(
+                f"compare_modules(dtype={dtype!r}): flax {noun} {name!r} is {have}, expected {want}: "
+                f"initialise the flax side's parameters in {want}{hint}"
+            )
+
+
+@dataclasses.dataclass
+class TreeSide(FlaxSide):
+    """A flax side whose variables are a pytree, filled (on a copy, ``tree``) with a :class:`TorchSide`'s weights
+    through a key map; ``wrapper`` is the caller's :class:`~flax_ln.parity.flax_side.Linen` or
+    :class:`~flax_ln.parity.flax_side.Function` (or its float64 copy). A kind gives the class attributes below
+    and ``parts``."""
+
+    wrapper: Any
+    tree: PytreeTree
+
+    wrapper_type: ClassVar[type]  # what the user passes: Linen or Function
+    tree_type: ClassVar[type[PytreeTree]]  # how its variables are named: LinenTree or PytreeTree
+    variable_noun: ClassVar[str]  # how an error names one of its variables
+
+    @classmethod
+    def variables_of(cls, wrapper: Any) -> Any:
+        """The caller's pytree of variables in ``wrapper``."""
+        raise NotImplementedError
+
+    @classmethod
+    def takes(cls, flax_module: Any) -> bool:
+        return isinstance(flax_module, cls.wrapper_type)
+
+    @classmethod
+    def check(cls, flax_module: Any, weights: KeyMap | None, mesh) -> None:
+        """``weights`` must be a key map: there is no module tree for the converter's rules."""
+        if weights is None:
+            raise TypeError(
+                f"a flax_ln.parity.{type(flax_module).__name__} flax side needs weights=KeyMap(...): its variables "
+                "are filled from the torch state dict through the key map (there is no module tree for the "
+                "converter's rules to mirror)"
+            )
+        require_key_map(weights)
+
+    @classmethod
+    def load(
+        cls, flax_module: Any, side: TorchSide, flax_inputs: Sequence[np.ndarray] | None, weights: KeyMap | None
+    ) -> TreeSide:
+        """Check the parameters' dtype, fill a copy of the variables through ``weights``, pair the inputs."""
+        assert weights is not None  # check
+        inputs, orders = paired_inputs(side, flax_inputs)
+        empty = cls.tree_type(cls.variables_of(flax_module))
+        _check_tree_params(empty, side.dtype, cls.variable_noun)
+        tree = cls.tree_type(empty.tree())
+        plan = fill_tree(tree, side.state_dict, weights, ties=torch_ties(side))
+        return cls(inputs, orders, plan, flax_module, tree)
+
+    def param_tangents(self, state_dict: Mapping[str, np.ndarray]) -> Any:
+        assert self.plan is not None  # a tree side is loaded through a key map
+        tree = self.tree_type(self.tree.tree())
+        write_through(self.plan, tree, state_dict)
+        return dataclasses.replace(self, tree=tree).parts().params
+
+    def float64(self) -> TreeSide:
+        """Every floating variable cast to float64."""
+        return dataclasses.replace(self, tree=self.float64_tree())
+
+    def float64_tree(self) -> PytreeTree:
+        """A copy of ``tree`` with every floating variable cast to float64."""
+        cast = jax.tree.map(
+            lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x,
+            self.tree.tree(),
+        )
+        return self.tree_type(cast)
