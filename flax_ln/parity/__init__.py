@@ -15,7 +15,10 @@ The engine, by concern:
 * :mod:`.call`: what both sides run (``Call``: inputs, names, kwargs, each side's forward,
   the loss) and the outputs as named leaves, the same on both sides;
 * :mod:`.torch_side`: the torch run, into a ``TorchSide`` (made live, or read from a reference
-  file); :mod:`.flax_side`: the flax run; :mod:`.localize`: the first divergence and isolated mode;
+  file); :mod:`.flax_side`: the flax run, written once over ``FlaxSide``, with one module a kind of
+  flax side (:mod:`.nnx_side`, :mod:`.linen_side`, :mod:`.function_side`, the last two over
+  :mod:`.tree_side`); :mod:`.capture`: recording submodule calls; :mod:`.pairing` and :mod:`.localize`:
+  which modules are the same layer, the first divergence and isolated mode, once for every kind;
 * :mod:`.compare`: ``compare_modules``, ``assert_parity`` and ``compare_side`` (the flax side
   against a ``TorchSide``);
 * :mod:`.case`: a model with its inputs and training step (``Case``, ``check_case``, ``check_training``);

@@ -1,5 +1,6 @@
-"""The book's cases and training: :class:`Case`, :class:`TrainSpec`, :func:`check_case`, :func:`check_training`
-and :func:`torch_side_of_case`. The models themselves are built in :mod:`flax_ln.parity.cases`."""
+"""A model with its inputs and training step as one parity case: :class:`Case`, :class:`TrainSpec`,
+:func:`check_case`, :func:`check_training` and :func:`torch_side_of_case`. The book's models are built
+as cases in :mod:`flax_ln.book.cases`."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class Case:
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     train: TrainSpec | None = None
     lm_logits: str | None = None  # the output holding next-token logits, for the LM metrics
-    spec: Mapping[str, Any] | None = None  # how to rebuild the flax side without torch (flax_ln.parity.reference)
+    spec: Mapping[str, Any] | None = None  # how to rebuild the flax side without torch (flax_ln.book.reference)
     stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, named in the report
 
 

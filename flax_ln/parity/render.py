@@ -34,7 +34,7 @@ from flax_ln.parity.policy import TensorResult
 #   "no gradients":        frozen (how many parameters are frozen)
 #   "frozen":              names (the frozen torch parameters)
 #   "dropped outputs":     outputs (output leaf -> its type)
-#   "first divergence":    module, flax_module, key_map, inputs, outputs (TensorResult s)
+#   "first divergence":    module, flax_module, by_parameters, inputs, outputs (TensorResult s)
 #   "no first divergence": failed_outputs (the failing outputs; empty: the backward pass differs)
 #   "isolation":           results, skipped, culprits, flax_culprits
 #   "localization note":   note (why localisation did not run)
@@ -211,7 +211,7 @@ def _frozen(d: Mapping[str, Any]) -> list[str]:
 def _first_divergence(d: Mapping[str, Any]) -> list[str]:
     out = max(d["outputs"], key=lambda r: r.excess)
     ins = ", ".join(f"{r.name} rel {r.relative_error:.2e}" for r in d["inputs"]) or "none compared"
-    where = f"{d['module']} <-> {d['flax_module']}" if d["key_map"] else d["module"]
+    where = f"{d['module']} <-> {d['flax_module']}" if d["by_parameters"] else d["module"]
     return [
         f"first divergence: {where}  (output rel {out.relative_error:.2e}, "
         f"max |d| {out.max_abs_error:.2e} at {out.max_error_index}; inputs: {ins})"

@@ -25,14 +25,15 @@ class FirstDivergence:
 
     ``module`` is its torch path, ``flax_module`` the dotted path of the flax module paired with it
     (equal to ``module`` for mirrored trees, the renamed path under ``register_rename``);
-    ``key_map``: the pair was found through a key map (the printed line names both paths).
+    ``by_parameters``: the pair was found by the parameters each module holds (through a key map),
+    not by mirrored paths, so the two paths may differ and the printed line names both.
     """
 
     module: str
     inputs: list[TensorResult]
     outputs: list[TensorResult]
     flax_module: str = ""
-    key_map: bool = False
+    by_parameters: bool = False
 
     def section(self) -> Section:
         """The report's ``"first divergence"`` section."""
@@ -41,7 +42,7 @@ class FirstDivergence:
             {
                 "module": self.module,
                 "flax_module": self.flax_module,
-                "key_map": self.key_map,
+                "by_parameters": self.by_parameters,
                 "inputs": self.inputs,
                 "outputs": self.outputs,
             },

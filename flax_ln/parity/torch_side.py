@@ -196,7 +196,7 @@ def resolve_dtype(torch_module, dtype: str | None) -> str:
 @dataclasses.dataclass
 class TorchSide:
     """Everything a comparison takes from torch, from a live run (:func:`run_torch_side`) or a
-    reference file (:mod:`flax_ln.parity.reference`). Arrays are NumPy; parameters go by torch name.
+    reference file (:mod:`flax_ln.book.reference`). Arrays are NumPy; parameters go by torch name.
 
     ``expected`` holds, by report name, what flax must reproduce (outputs, then ``loss``,
     gradients, or output tangents) and ``kinds`` their kinds; ``truth`` the same from a
