@@ -567,7 +567,7 @@ def test_optimizer_step_matches_torch(x64):
         # the engine's zero-gradient rule finds the key projections' biases (softmax ignores
         # a shift of a whole row of scores): 2 attentions in each of N=2 decoder layers and
         # 1 in each encoder layer, 6 tensors of rounding noise
-        zero_grad |= zero_gradient_names({k: p.grad.numpy() for k, p in torch_model.named_parameters()}, policy["grad"])
+        zero_grad |= zero_gradient_names({k: p.grad.numpy() for k, p in torch_model.named_parameters()})
         assert len(zero_grad) == 6 and all(k.endswith("linears.1.bias") for k in zero_grad), zero_grad
         opt.step()
         state, loss_f = step(graphdef, state, batch)

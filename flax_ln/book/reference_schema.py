@@ -51,6 +51,7 @@ SIDE_REQUIRED = (
     "kinds",
     "cotangents",
     "tangents",
+    "float64_zero",
 )
 SIDE_OPTIONAL = ("truth", "records", "calls", "frozen", "dropped_outputs")
 MAX_BATCH = 1 << 20
@@ -216,6 +217,12 @@ def _check_side(side: dict, field: str, dtype: str, batch: int) -> dict[str, Any
             k in state_dict and k not in param_names,
             f"{field}.frozen",
             f"names {k!r}, which is not a state-dict entry outside param_names",
+        )
+    for k in _string_list(side["float64_zero"], f"{field}.float64_zero"):
+        _require(
+            k in param_names,
+            f"{field}.float64_zero",
+            f"names {k!r}, which is not in param_names (it lists the gradients float64 shows are zero)",
         )
     dropped = side.get("dropped_outputs", {})
     _require(
@@ -418,10 +425,18 @@ def validate(data: Any, tensors: Mapping[str, np.ndarray], *, forwards, build, f
     the file must say it is.
     """
     data = _mapping(data, "(top level)")
+    _require(data.get("format") == file_format, "format", f"format {data.get('format')!r}, expected {file_format!r}")
+    older = isinstance(data.get("version"), int) and data["version"] < version
     _require(
-        data.get("format") == file_format and data.get("version") == version,
-        "format",
-        f"format {data.get('format')!r} version {data.get('version')!r}, expected {file_format!r} version {version}",
+        data.get("version") == version,
+        "version",
+        f"version {data.get('version')!r}, expected {version}"
+        + (
+            " (an older file: its gradients do not carry float64's word on which are zero, which a zero gradient "
+            "now needs to pass; write the file again with this flax-ln)"
+            if older
+            else ""
+        ),
     )
     depth = nesting_depth(data)
     _require(depth <= MAX_DEPTH, "(top level)", f"nests {depth} levels deep, at most {MAX_DEPTH} allowed")

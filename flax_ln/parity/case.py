@@ -18,7 +18,14 @@ from flax_ln.parity.call import Call, forward_pair, run_forward
 from flax_ln.parity.compare import compare_modules
 from flax_ln.parity.policy import Tolerance, compare_tensors, numerics, zero_gradient_names
 from flax_ln.parity.report import ParityReport
-from flax_ln.parity.torch_side import TorchSide, resolve_dtype, run_torch_side, torch_tensors
+from flax_ln.parity.torch_side import (
+    TorchSide,
+    float64_zero_gradients,
+    resolve_dtype,
+    run_torch_side,
+    torch_in_float64,
+    torch_tensors,
+)
 
 
 @dataclasses.dataclass
@@ -100,9 +107,11 @@ def torch_side_of_case(case: Case, *, mode: str = "grad", attribute: bool = Fals
     dtype = resolve_dtype(case.torch_model, case.dtype)
     call = Call.make(case.inputs, input_names=case.input_names, kwargs=case.kwargs, forward=case.forward, mode=mode)
     with numerics(dtype):
-        return run_torch_side(
+        side = run_torch_side(
             case.torch_model, call, dtype=dtype, mode=mode, attribute=attribute, record=record, name=case.name
         )
+        side.float64_zero = float64_zero_gradients(side, case.torch_model, call)  # float64's word, kept in the file
+    return side
 
 
 def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) -> list[dict[str, Any]]:
@@ -112,11 +121,12 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
     record holds the step's loss on both sides, their relative error and the worst
     parameter's relative error: the drift per step.
 
-    Parameters whose torch gradient stays within ``gtol`` of the whole gradient's norm
-    (exactly zero but for rounding) are listed as ``noise_only`` and not compared: Adam
-    divides by the gradient's magnitude, so it moves them by about the learning rate in
-    directions set by rounding noise, differently in each framework. They cannot
-    affect the loss, which is compared.
+    Parameters whose gradient float64 shows is zero in the mathematics (torch's float64
+    gradient at the starting weights, :func:`~flax_ln.parity.zero_gradient_names`) are listed
+    as ``noise_only`` and not compared: their float32 gradients are rounding noise, which
+    Adam divides by its own magnitude, so it moves them by about the learning rate in
+    directions set by that noise, differently in each framework. They cannot affect the
+    loss, which is compared. Any other gradient, however small, is compared.
     """
     if case.train is None:
         raise ValueError(f"model {case.name!r} has no training setup for --train-steps")
@@ -148,14 +158,17 @@ def check_training(case: Case, steps: int, tolerances: Mapping[str, Tolerance]) 
             updates, opt_state = spec.optax_optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
+        with torch_in_float64(torch_model):  # float64's word on which gradients are zero, at the starting weights
+            d_inputs, d_kwargs = torch_tensors(case.inputs, case.kwargs, double=True)
+            torch_loss(run_forward(torch_forward, torch_model, d_inputs, d_kwargs)).backward()
+            noise_only = zero_gradient_names(
+                {name: p.grad.numpy() for name, p in torch_model.named_parameters() if p.grad is not None}
+            )
         records = []
-        noise_only: set[str] = set()
         for step in range(1, steps + 1):
             optimizer.zero_grad(set_to_none=True)
             t_loss = torch_loss(run_forward(torch_forward, torch_model, t_inputs, t_kwargs))
             t_loss.backward()
-            grads = {name: p.grad.numpy() for name, p in torch_model.named_parameters() if p.grad is not None}
-            noise_only |= zero_gradient_names(grads, tolerances["grad"])
             if spec.clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(torch_model.parameters(), spec.clip_norm)
             optimizer.step()
