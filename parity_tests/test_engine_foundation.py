@@ -464,7 +464,7 @@ class FlaxArgmin(nnx.Module):
 def test_an_integer_output_that_differs_is_not_blamed_on_the_backward_pass():
     torch.manual_seed(0)
     x = np.random.default_rng(6).standard_normal((3, WIDTH)).astype(np.float32)
-    report = compare_modules(TorchArgmax(), FlaxArgmin(rngs=nnx.Rngs(0)), x)
+    report = compare_modules(TorchArgmax(), FlaxArgmin(rngs=nnx.Rngs(0)), x, dtype="float32")  # the float32 run alone
     assert not report.passed and not report["output[1]"].passed and report["output[0]"].passed
     text = str(report)
     assert "backward" not in text, text

@@ -155,20 +155,28 @@ def test_planted_mistake_is_named_and_reported():
     assert "FAIL" in str(info.value) and "head.weight" in str(info.value)
 
 
-def test_wrong_dtype_and_layout_are_clear_errors():
+def test_float64_in_one_argument_runs_on_copies_and_a_wrong_layout_is_a_clear_error():
     torch_model, flax_model, ids, features, features_nlc = tagger_pair("float32")
-    with pytest.raises(ValueError, match=r"torch parameters in float64.*torch_module.to\(torch.float64\)"):
-        compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), dtype="float64")
-    with pytest.raises(ValueError, match=r"flax parameter 'embed.embedding' is float32, expected float64.*enable_x64"):
-        compare_modules(
-            torch_model.double(),
-            flax_model,
-            (ids, features.astype(np.float64)),
-            flax_inputs=(ids, features_nlc.astype(np.float64)),
-        )
+    torch_before = {k: v.clone() for k, v in torch_model.state_dict().items()}
+    flax_before = nnx.state(flax_model, nnx.Param)
+    # float32 modules, float32 inputs: both sides run on float64 copies, the inputs cast (and said so)
+    report = compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), dtype="float64")
+    assert report.passed, str(report)
+    assert report.dtype == "float64" and report.input_casts == {"input 1": "float32 -> float64"}
+    assert all(r.relative_error <= 1e-12 for r in report.results if r.kind == "output"), str(report)
+    # the caller's objects are unchanged: dtypes and values
+    for k, v in torch_model.state_dict().items():
+        assert v.dtype == torch_before[k].dtype and torch.equal(v, torch_before[k]), k
+    after = nnx.state(flax_model, nnx.Param)
+    assert jax.tree.map(lambda a, b: a.dtype == b.dtype and bool(jnp.array_equal(a, b)), after, flax_before)
+    # a float64 torch module against a float32 port: the port's float64 copy is compared
+    report = compare_modules(
+        torch_model.double(), flax_model, (ids, features.astype(np.float64)), flax_inputs=(ids, features_nlc)
+    )
+    assert report.passed and report.input_casts == {}, str(report)
     torch_model.float()
     with pytest.raises(ValueError, match=r"flax_inputs\[1\] .* in some axis order"):
-        compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc + 1))
+        compare_modules(torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc + 1), dtype="float32")
 
 
 def test_capture_records_one_instance_and_restores_after_an_exception():

@@ -13,12 +13,10 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from transformers.models.llama import modeling_llama
-from transformers.models.vit import modeling_vit
 
 from flax_ln import load_torch_state_dict, to_torch_state_dict
 from flax_ln.convert import ConversionError, KeyMap, Tie
-from flax_ln.parity import TOLERANCES, Tolerance, assert_parity, compare_modules, compare_tensors, relative_error
+from flax_ln.parity import TOLERANCES, assert_parity, compare_modules, compare_tensors, relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # examples/ is not installed; the ports are imported from the checkout
@@ -118,42 +116,6 @@ def outputs(name, dtype):
     return run(port, port_x), expected
 
 
-# transformers keeps float32 islands inside a float64 model: LlamaRMSNorm casts to float32 and back, the rotary
-# tables are computed in float32 (inv_freq from a float32 arange, angles from .float()), and eager attention takes
-# its softmax with dtype=float32 (Llama and ViT alike). The ports compute all three in the model's dtype, so a
-# float64 comparison is bounded by those islands (about 1e-7 here, measured in the test below). This patch computes the
-# three in the input's dtype on the torch side: both sides then run every op in float64.
-def _rms_norm_in_input_dtype(self, x):
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
-def _rotary_in_input_dtype(self, x, position_ids):
-    base, dim = self.config.rope_parameters["rope_theta"], 2 * self.inv_freq.shape[0]
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=x.dtype) / dim))
-    angles = position_ids[..., None].to(x.dtype) * inv_freq  # (B, T, dim/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (B, T, dim)
-    return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
-
-
-def _eager_attention_in_input_dtype(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = modeling_llama.repeat_kv(key, groups), modeling_llama.repeat_kv(value, groups)  # (B, n, T, h)
-    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.size(-1) ** -0.5)
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    weights = torch.softmax(scores, dim=-1)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights  # (B, T, n, h)
-
-
-@pytest.fixture
-def float64_islands(monkeypatch):
-    """transformers' float32 islands (RMSNorm, rotary tables, eager softmax) computed in float64 instead."""
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
-    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", _rotary_in_input_dtype)
-    monkeypatch.setattr(modeling_llama, "eager_attention_forward", _eager_attention_in_input_dtype)
-    monkeypatch.setattr(modeling_vit, "eager_attention_forward", _eager_attention_in_input_dtype)
-
-
 LOGITS = (lambda m, x: m(x).logits, None)  # torch returns a ModelOutput; the port returns the logits
 
 
@@ -213,39 +175,55 @@ def test_port_passes_assert_parity_in_float32(name):
 
 
 @pytest.mark.parametrize("name", list(PORTS))
-def test_port_passes_assert_parity_in_float64(x64, float64_islands, name):
-    """The float64 policy (outputs 1e-12, gradients 1e-10): the same math on both sides, op-order rounding only.
-    ResNet needs no patch; Llama's and ViT's float32 islands are computed in float64 (``float64_islands``)."""
+def test_port_passes_assert_parity_in_float64(x64, name):
+    """The float64 policy (outputs 1e-12, gradients 1e-10): the same math on both sides, op-order rounding only, with
+    transformers' float32 islands (RMSNorm, rotary tables, eager softmax) lifted to float64, as compare_modules does
+    by default in float64."""
     report = parity(name, "float64")
     assert report.passed, str(report)
 
 
-def test_llama_in_float64_as_shipped_is_bounded_by_transformers_float32_islands(x64, monkeypatch):
-    """Unpatched, transformers' RMSNorm and rotary tables (and the eager softmax) run in float32: measured 1.9e-7
-    on the logits and 4.7e-7 on the worst gradient, so the bound here is 1e-5 (outputs and gradients). Against float64
-    truth (the islands patched), torch is the side that is further off: its float32 islands, not the port."""
-    loose = {"output": Tolerance(1e-5), "grad": Tolerance(1e-5, gtol=1e-8)}
-    report = parity("llama", "float64", tolerances=loose)
-    assert report.passed, str(report)
-    assert report["output"].relative_error > TOLERANCES["float64"]["output"].rtol  # the islands are still there
-    hf, port, torch_x, ids = build("llama", "float64")
-    with torch.no_grad():
-        shipped = hf(torch_x).logits.numpy()
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
-    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", _rotary_in_input_dtype)
-    monkeypatch.setattr(modeling_llama, "eager_attention_forward", _eager_attention_in_input_dtype)
-    with torch.no_grad():
-        truth = hf(torch_x).logits.numpy()
-    flax_error, torch_error = relative_error(run(port, ids), truth), relative_error(shipped, truth)
-    assert flax_error < 1e-13 < 1e-9 < torch_error
+# What each port's float64 run meets: (side, module, what) of the islands it lifts, where the models have them.
+LIFTED = {
+    "llama": {
+        ("torch", "model.layers.0.input_layernorm", "aten._to_copy to float32"),  # RMSNorm's hidden.to(float32)
+        ("torch", "model.layers.1.self_attn", "softmax with dtype=float32"),
+        ("torch", "model.rotary_emb", "buffer inv_freq rebuilt in float64"),  # built in float32 at construction
+    },
+    "resnet": set(),
+    "vit": {("torch", "vit.layers.0.attention", "softmax with dtype=float32")},
+}
 
 
-def test_vit_in_float64_as_shipped_is_bounded_by_the_eager_softmax(x64):
-    """Unpatched, ViT's eager attention takes its softmax in float32: measured 4.4e-8 on the logits, so the
-    output bound is 1e-6 (gradients 1e-5); the port computes the softmax in float64."""
-    report = parity("vit", "float64", tolerances={"output": Tolerance(1e-6), "grad": Tolerance(1e-5, gtol=1e-8)})
+@pytest.mark.parametrize("name", list(PORTS))
+def test_port_built_in_float32_passes_float64_in_one_argument_with_its_islands_listed(name):
+    """float32 modules, as a user has them, and dtype="float64": both sides run on float64 copies (the caller's
+    objects unchanged), the inputs cast, transformers' float32 islands lifted: the float64 policy holds, as it does
+    for modules built in float64, and every island lifted is listed. islands="keep" runs each side as written:
+    then transformers' islands bound the float64 comparison at float32 rounding (measured 1.6e-7 Llama, 3.8e-8 ViT)."""
+    make_hf, module, _, make_inputs, _ = PORTS[name]
+    hf, x = make_hf(), make_inputs()
+    x = x.astype(np.float32) if np.issubdtype(x.dtype, np.floating) else x
+    flax_inputs = (x.transpose(0, 2, 3, 1),) if x.ndim == 4 else None
+    port = port_of(name, "float32")
+
+    def compare(**options):
+        return compare_modules(
+            hf, port, (x,), flax_inputs=flax_inputs, weights=module.KEY_MAP, forward=LOGITS, dtype="float64", **options
+        )
+
+    report = compare()
     assert report.passed, str(report)
-    assert report["output"].relative_error > TOLERANCES["float64"]["output"].rtol
+    assert report.dtype == "float64" and all(island.lifted for island in report.islands), report.islands
+    assert LIFTED[name] <= {(i.side, i.module, i.what) for i in report.islands}, report.islands
+    assert next(hf.parameters()).dtype == torch.float32 and report.input_casts == (
+        {"input 0": "float32 -> float64"} if np.issubdtype(x.dtype, np.floating) else {}
+    )
+    kept = compare(islands="keep", localize_failures=False)
+    if LIFTED[name]:
+        assert not kept.passed and 1e-12 < kept["output"].relative_error < 1e-6, str(kept)
+    else:
+        assert kept.passed, str(kept)
 
 
 def test_forward_mode_and_attribution_through_the_key_map():
@@ -271,7 +249,7 @@ def _named(report, torch_path, flax_path):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_planted_tanh_gelu_in_one_vit_mlp(float64_islands, dtype):
+def test_planted_tanh_gelu_in_one_vit_mlp(dtype):
     """tanh GELU instead of erf in layer 0: 7.0e-5 relative on these logits (measured; an output check at 1e-2
     never sees it), beyond the float64 policy and the float32 one (1e-5). The GELU is inline in the port's block
     (no module of its own), so isolated mode names the block on both sides; the first divergence is the first
@@ -289,7 +267,7 @@ def test_planted_tanh_gelu_in_one_vit_mlp(float64_islands, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_planted_rope_base_in_the_first_attention_block(float64_islands, dtype):
+def test_planted_rope_base_in_the_first_attention_block(dtype):
     """A RoPE base other than the config's, in block 0 only: named as the first attention block on both sides,
     in float64 and (far beyond its policy) in float32."""
     with jax.enable_x64(dtype == "float64"):
@@ -327,7 +305,7 @@ def llama_rules():
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_planted_fused_q_kernel_with_scrambled_heads(float64_islands, dtype):
+def test_planted_fused_q_kernel_with_scrambled_heads(dtype):
     """Block 0's q loaded as ``(h n)`` instead of ``(n h)`` (a modified KeyMap rule): its heads scrambled."""
     rules = []
     for pattern, template, layout in llama_rules():
@@ -484,16 +462,16 @@ def linen_parity(dtype, flax, **options):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_linen_vit_passes_under_the_policy(float64_islands, dtype):
+def test_linen_vit_passes_under_the_policy(dtype):
     """float32 policy (outputs 1e-5, gradients 1e-4), and float64 (1e-12, 1e-10) with ViT's eager softmax, a float32
-    island in transformers, computed in float64 (``float64_islands``). Every gradient under torch's names."""
+    island in transformers, lifted to float64. Every gradient under torch's names."""
     with jax.enable_x64(dtype == "float64"):
         report = linen_parity(dtype, linen_vit(dtype))
     assert report.passed, str(report)
     assert {r.name for r in report.results if r.kind == "param grad"} == {n for n, _ in hf_vit().named_parameters()}
 
 
-def test_planted_tanh_gelu_in_the_linen_vit_is_named_on_both_sides(float64_islands, x64):
+def test_planted_tanh_gelu_in_the_linen_vit_is_named_on_both_sides(x64):
     """tanh GELU in block 0's MLP, float64 policy: the GELU is inline in the MLP module, so isolated mode names the
     MLP on both sides; the first divergence is fc2, fed the difference."""
     report = linen_parity("float64", linen_vit("float64", tanh_gelu_blocks=(0,)))
@@ -545,3 +523,51 @@ def test_planted_tanh_gelu_in_the_function_mlp_fails_and_says_localisation_needs
     assert not report.passed and not report["fc1.weight"].passed
     assert report.first_divergence is None and report.isolation is None
     assert "localisation needs modules" in str(report)
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_planted_tanh_gelu_at_the_default_initialisation_fails_the_default_call(kind):
+    """transformers' own initialisation (std 0.02) keeps activations small: tanh GELU for erf in block 0 then sits
+    below float32's tolerance, so the float32 comparison alone passes. The default call also runs the float64 check,
+    islands lifted, which sees the changed function: it fails, naming the block."""
+    torch.manual_seed(0)
+    hf = transformers.ViTForImageClassification(hf_vit().config).eval()  # not randomized: the default init
+    x = images(IMAGE_VIT).astype(np.float32)
+    if kind == "nnx":
+        flax = port_of("vit", "float32")
+        flax.layers[0].gelu_approximate = True
+    else:
+        flax = linen_vit("float32", tanh_gelu_blocks=(0,))
+    options = dict(flax_inputs=(x.transpose(0, 2, 3, 1),), forward=LOGITS)
+    weights = vit.KEY_MAP if kind == "nnx" else vit_linen.KEY_MAP
+    alone = compare_modules(hf, flax, (x,), weights=weights, dtype="float32", localize_failures=False, **options)
+    assert alone.passed, str(alone)  # what a float32 check alone says of this port
+    report = compare_modules(hf, flax, (x,), weights=weights, **options)
+    assert report.dtype == "float32" and not report.passed and not report.float64_check.passed, str(report)
+    assert report.float64_check["output"].relative_error > 1e-12, str(report)
+    # where the GELU is inline: the NNX port's block, the Linen ViT's MLP module (as in float64 above)
+    culprit = {"nnx": "vit.layers.0", "linen": "vit.layers.0.mlp"}[kind]
+    assert report.float64_check.isolation.culprits == [culprit], str(report)
+
+
+@pytest.mark.parametrize("kind", ["linen", "function"])
+def test_linen_and_function_ports_built_in_float32_pass_float64_in_one_argument(kind):
+    """The Linen ViT and the Function MLP as a user has them (float32 variables) and dtype="float64": their copies
+    are cast to float64, the torch model too, islands lifted: the float64 policy (1e-12, 1e-10) holds."""
+    if kind == "linen":
+        hf, x = hf_vit(), images(IMAGE_VIT).astype(np.float32)
+        flax, weights = linen_vit("float32"), vit_linen.KEY_MAP
+        options = dict(flax_inputs=(x.transpose(0, 2, 3, 1),), forward=LOGITS)
+        lifted = {("torch", "vit.layers.0.attention", "softmax with dtype=float32")}
+    else:
+        hf, x = randomized(TorchMLP()), np.random.default_rng(4).standard_normal((BATCH, SEQ, 16)).astype(np.float32)
+        flax, weights, options, lifted = (
+            Function(mlp_function.apply, mlp_function.init(16, 32)),
+            mlp_function.KEY_MAP,
+            {},
+            set(),
+        )
+    report = compare_modules(hf, flax, (x,), weights=weights, dtype="float64", **options)
+    assert report.passed and report.dtype == "float64", str(report)
+    assert lifted <= {(i.side, i.module, i.what) for i in report.islands}, report.islands
+    assert next(hf.parameters()).dtype == torch.float32

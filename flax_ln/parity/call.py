@@ -85,6 +85,14 @@ class Call:
         return cls(arrays, names, dict(kwargs or {}), forward_pair(forward), None if loss is None else tuple(loss))
 
 
+def cast_floats(arrays: Sequence[np.ndarray], dtype: str) -> tuple[tuple[np.ndarray, ...], dict[int, str]]:
+    """``arrays`` with every floating one in ``dtype`` (a comparison's parameter dtype), and which were cast:
+    ``{position: "float64 -> float32"}``. Integer and boolean arrays (ids, masks) are left as they are."""
+    want = np.dtype(dtype)
+    cast = {i: f"{x.dtype} -> {want}" for i, x in enumerate(arrays) if is_float(x) and x.dtype != want}
+    return tuple(x.astype(want) if i in cast else x for i, x in enumerate(arrays)), cast
+
+
 def run_forward(forward: Forward | None, module: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     """``forward(module, *args, **kwargs)``, or ``module(*args, **kwargs)`` when ``forward`` is ``None``."""
     return module(*args, **kwargs) if forward is None else forward(module, *args, **kwargs)

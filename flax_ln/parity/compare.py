@@ -5,18 +5,20 @@ reference file's torch side needs no torch)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import KeyMap
-from flax_ln.parity.call import Call, as_inputs, merge_dropped
+from flax_ln.convert import KeyMap, KeyPlan
+from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
 from flax_ln.parity.flax_side import FlaxSide, Function, Linen
 from flax_ln.parity.function_side import FunctionSide
+from flax_ln.parity.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
 from flax_ln.parity.linen_side import LinenSide
 from flax_ln.parity.localize import localize
 from flax_ln.parity.nnx_side import NNXSide
@@ -27,11 +29,20 @@ from flax_ln.parity.policy import (
     compare_tensors,
     lm_metrics,
     numerics,
+    parameter_dtype,
     relative_error,
     whole_norm,
+    zero_gradient_names,
 )
 from flax_ln.parity.report import ParityReport
-from flax_ln.parity.torch_side import TorchSide, record_torch_side, resolve_dtype, run_torch_side
+from flax_ln.parity.torch_side import (
+    MODES,
+    TorchSide,
+    float64_zero_gradients,
+    record_torch_side,
+    resolve_dtype,
+    run_torch_side,
+)
 
 # The kinds of flax side: a user's flax side is of the first that takes it (NNX takes any other object).
 KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, NNXSide)
@@ -52,14 +63,26 @@ _TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
 
 
 def _judge(
-    side: TorchSide, flax: FlaxSide, call: Call, tolerances: Mapping[str, Tolerance], mesh
-) -> tuple[ParityReport, dict[str, np.ndarray]]:
-    """Every tensor of ``side.expected`` against the flax side's value: the report, not yet localised,
-    and the flax side's values."""
+    side: TorchSide,
+    flax: FlaxSide,
+    call: Call,
+    tolerances: Mapping[str, Tolerance],
+    mesh,
+    zero_evidence: Callable[[], set[str]],
+) -> tuple[ParityReport, dict[str, np.ndarray], set[str]]:
+    """Every tensor of ``side.expected`` against the flax side's value: the report, not yet localised, the flax
+    side's values, and the gradients float64 shows are zero in the mathematics.
+
+    A gradient passes as zero only on float64's word: in a float64 comparison both sides' gradients (islands
+    lifted) say so; otherwise ``zero_evidence()`` does, asked only when some gradient needs it."""
     dtype = side.dtype
     actual, dropped, sharding = flax.values(side, call, mesh)
     exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
-    norm = whole_norm(side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad")
+    param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]
+    norm = whole_norm(side.expected[k] for k in param_grads)
+    zero: set[str] | None = None
+    if dtype == "float64" and all(k in actual for k in param_grads):
+        zero = zero_gradient_names({k: side.expected[k] for k in param_grads}, {k: actual[k] for k in param_grads})
     results = []
     for k, v in side.expected.items():
         kind = side.kinds[k]
@@ -71,25 +94,21 @@ def _judge(
             if np.issubdtype(v.dtype, np.floating) and kind != "loss" and (exact or not in_compute_dtype)
             else None
         )
-        results.append(
-            compare_tensors(
-                k,
-                kind,
-                actual.get(k),
-                v,
-                tolerances[_TOLERANCE_OF[kind]],
-                dtype=check_dtype,
-                gradient_norm=norm if kind == "param grad" else 0.0,
-            )
+        judged = functools.partial(
+            compare_tensors, k, kind, actual.get(k), v, tolerances[_TOLERANCE_OF[kind]], dtype=check_dtype
         )
-    param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]
+        result = judged()
+        if kind == "param grad" and not result.passed and judged(gradient_norm=norm, zero_in_float64=True).passed:
+            zero = zero_evidence() if zero is None else zero  # float64's word, asked for once
+            result = judged(gradient_norm=norm, zero_in_float64=k in zero)
+        results.append(result)
     if "grads" in tolerances and param_grads and all(k in actual for k in param_grads):
         flat_flax, flat_torch = (np.concatenate([np.ravel(g[k]) for k in param_grads]) for g in (actual, side.expected))
         results.append(compare_tensors("all parameter gradients", "grads", flat_flax, flat_torch, tolerances["grads"]))
     report = ParityReport(side.name, dtype, results, mode=side.mode, sharding=sharding)
     report.frozen = list(side.frozen)
     report.dropped_outputs = merge_dropped(side.dropped_outputs, dropped)
-    return report, actual
+    return report, actual, set() if zero is None else zero
 
 
 def _lm_metrics(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], lm_logits: str) -> None:
@@ -126,18 +145,28 @@ def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.nd
 
 
 def _load_and_judge(
-    kind: type[FlaxSide], side: TorchSide, flax_module, call: Call, flax_inputs, tolerances, lm_logits, mesh, weights
+    kind: type[FlaxSide],
+    side: TorchSide,
+    flax_module,
+    call: Call,
+    flax_inputs,
+    tolerances,
+    lm_logits,
+    mesh,
+    weights,
+    zero_evidence: Callable[[], set[str]],
+    plan=None,
 ):
     """Load the flax side of ``kind`` with ``side``'s weights (through ``weights``, a key map, when given), run
     and compare it, add the ties, LM metrics and attribution."""
-    flax = kind.load(flax_module, side, None if flax_inputs is None else as_inputs(flax_inputs), weights)
-    report, actual = _judge(side, flax, call, tolerances, mesh)
+    flax = kind.load(flax_module, side, flax_inputs, weights, plan)
+    report, actual, zero = _judge(side, flax, call, tolerances, mesh, zero_evidence)
     report.ties = {} if flax.plan is None else dict(flax.plan.ties)
     if lm_logits is not None:
         _lm_metrics(report, side, actual, lm_logits)
     if side.truth is not None:
         _attribute(report, side, actual, flax, call)
-    return report, flax
+    return report, flax, zero
 
 
 def _stamp(report: ParityReport, started: float) -> ParityReport:
@@ -177,8 +206,12 @@ def compare_side(
         )
     tolerances = TOLERANCES[side.dtype] if tolerances is None else tolerances
     call = side.call(forward, loss)
+    flax_inputs = None if flax_inputs is None else as_inputs(flax_inputs)
+    stored_zero = set(side.float64_zero or ())  # a reference file carries float64's word on each gradient
     with numerics(side.dtype):
-        report, flax = _load_and_judge(kind, side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, None)
+        report, flax, _ = _load_and_judge(
+            kind, side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, None, lambda: stored_zero
+        )
         if capture_modules or (localize_failures and not report.passed):
             localize(report, side, flax, call, tolerances["output"])
     return _stamp(report, started)
@@ -206,6 +239,8 @@ def compare_modules(
     capture_modules: bool = False,
     weights: KeyMap | None = None,
     modules: Mapping[str, Any] | None = None,
+    islands: str = "lift",
+    torch_factory: Callable[[], Any] | None = None,
 ) -> ParityReport:
     """Compare a torch module with its NNX twin: every output, and the gradient of every floating input and parameter.
 
@@ -249,9 +284,17 @@ def compare_modules(
       loss: ``(torch_fn, flax_fn)``, each mapping that side's outputs to a scalar, instead
         of the random projection. The loss value is compared too.
       tolerances: ``{"output": Tolerance, "grad": Tolerance}`` to override the policy.
-      dtype: ``"float32"`` or ``"float64"`` (default: the torch parameters' dtype), or
-        ``"bfloat16"``/``"float16"`` for a flax module that computes in half precision
-        with float32 parameters, against the float32 torch module.
+      dtype: ``"float32"`` or ``"float64"``, or ``"bfloat16"``/``"float16"`` for a flax module
+        that computes in half precision with float32 parameters, against the float32 torch
+        module. ``"float64"`` takes float32 modules too: both sides then run on float64
+        copies (the caller's objects are unchanged). Floating inputs are cast to the
+        comparison's parameter dtype on both sides (``report.input_casts`` says which).
+        Default: the torch parameters' dtype (``report.dtype``, ``report.results``) **and**
+        a float64 check with islands lifted (``report.float64_check``, a whole
+        :class:`ParityReport`), which sees a changed function that the default
+        initialisation's small activations hide below float32's tolerance (tanh for erf
+        GELU, a bfloat16 rotary table); ``report.passed`` needs both. It costs a second
+        comparison in float64. An explicit ``dtype`` runs that dtype only.
       mode: ``"grad"`` (reverse mode, above) or ``"jvp"``: forward mode, the outputs and
         their tangents (``tangent <output>``, the ``"grad"`` tolerance) for fixed random
         tangents of the floating inputs and, with ``tangent_params``, of every parameter
@@ -284,10 +327,26 @@ def compare_modules(
       modules: with ``weights``, ``{torch_path: flax_path | (flax_path, layout) | None}``: add a
         pair (a parameter-free module), give a pair's activation layout (an einops pattern,
         torch -> flax), or remove an automatic pair (``None``).
+      islands: in float64, ``"lift"`` (default) runs both sides' float32 computations in
+        float64 (transformers' RMSNorm, softmax and rotary tables; flax's float32 softmax and
+        compute dtypes; a port's ``astype(float32)``), so that a faithful port agrees to
+        float64 rounding; casts to bfloat16 or float16 are the port's own and stay.
+        ``"keep"`` runs each side as written. ``report.islands`` lists each island lifted
+        (:class:`~flax_ln.parity.islands.Island`: side, module, what, lifted), and the
+        built-in ones either way.
+      torch_factory: a zero-argument callable that builds the torch module afresh: with
+        ``islands="lift"`` the float64 copy is built by it with lifting on (so buffers made
+        at construction, like rotary ``inv_freq``, are float64), loaded with the caller's
+        weights and checked equal to them. A transformers model (with a ``config``) is
+        rebuilt as ``type(m)(m.config)`` without it; any other module without it has its
+        float32-rounded float64 buffers listed in ``report.islands`` (not lifted).
 
     Frozen torch parameters (``requires_grad=False``) are loaded and compared through the
     outputs, but have no gradient: they are listed in ``report.frozen``. An input with
-    an axis of size 0 is a ``ValueError``: nothing compared is not a pass.
+    an axis of size 0 is a ``ValueError``: nothing compared is not a pass. A gradient
+    passes as zero (``passed_by="zero"``) only where float64 shows it is zero in the
+    mathematics (:func:`zero_gradient_names`: from the float64 comparison, else a float64
+    run of the torch side); any other gradient is held to the relative tolerance.
 
     Returns:
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
@@ -295,19 +354,119 @@ def compare_modules(
     started = time.perf_counter()
     kind = flax_side_kind(flax_module)
     kind.check(flax_module, weights, mesh)
+    check_island_mode(islands)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    comparison = Comparison(
+        kind,
+        torch_module,
+        flax_module,
+        as_inputs(inputs),
+        None if flax_inputs is None else as_inputs(flax_inputs),
+        dict(kwargs or {}),
+        dict(forward=forward, loss=loss, mode=mode, input_names=input_names, tangent_params=tangent_params, name=name),
+        tolerances,
+        attribute,
+        lm_logits,
+        mesh,
+        localize_failures,
+        capture_modules,
+        weights,
+        modules,
+        islands,
+        torch_factory,
+    )
+    explicit = dtype is not None
     dtype = resolve_dtype(torch_module, dtype)
-    call = Call.make(inputs, input_names=input_names, kwargs=kwargs, forward=forward, loss=loss, mode=mode)
-    tolerances = TOLERANCES[dtype] if tolerances is None else tolerances
-    with numerics(dtype):
-        side = run_torch_side(
-            torch_module, call, dtype=dtype, mode=mode, tangent_params=tangent_params, attribute=attribute, name=name
-        )
-        report, flax = _load_and_judge(kind, side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, weights)
-        if capture_modules or (localize_failures and not report.passed):
-            if kind.localization_note is None:  # a kind without modules has none to pair the records with
-                record_torch_side(side, torch_module, call.forward[0])
-            localize(report, side, flax, call, tolerances["output"], modules)
+    float64_check, zero, plan = None, None, None
+    if not explicit and dtype != "float64":  # the default: the float64 check, islands lifted, beside it
+        float64_check, zero, plan = comparison.run("float64", None, None)
+    report, _, _ = comparison.run(dtype, zero, plan)
+    report.float64_check = float64_check
     return _stamp(report, started)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One :func:`compare_modules` call's arguments, run in a dtype (:meth:`run`)."""
+
+    kind: type[FlaxSide]
+    torch_module: Any
+    flax_module: Any
+    inputs: tuple[np.ndarray, ...]
+    flax_inputs: tuple[np.ndarray, ...] | None
+    kwargs: dict[str, Any]
+    call_options: dict[str, Any]
+    tolerances: Mapping[str, Tolerance] | None
+    attribute: bool
+    lm_logits: str | None
+    mesh: Any
+    localize_failures: bool
+    capture_modules: bool
+    weights: KeyMap | None
+    modules: Mapping[str, Any] | None
+    islands: str
+    torch_factory: Callable[[], Any] | None
+
+    def run(self, dtype: str, zero: set[str] | None, plan: KeyPlan | None) -> tuple[ParityReport, set[str], Any]:
+        """The comparison in ``dtype`` (floating inputs cast to its parameter dtype; in float64 on float64
+        copies, islands lifted or kept): the report, the gradients float64 shows are zero, and the key map's
+        plan. ``zero``: those gradients from a float64 check already run, else a float64 run of the torch side
+        says, when asked; ``plan``: that check's plan (the same variables and keys), not built again."""
+        opts = self.call_options
+        want = parameter_dtype(dtype)
+        inputs, cast = cast_floats(self.inputs, want)
+        flax_inputs = None if self.flax_inputs is None else cast_floats(self.flax_inputs, want)[0]
+        kwargs = {k: cast_floats((v,), want)[0][0] if isinstance(v, np.ndarray) else v for k, v in self.kwargs.items()}
+        call = Call.make(
+            inputs,
+            input_names=opts["input_names"],
+            kwargs=kwargs,
+            forward=opts["forward"],
+            loss=opts["loss"],
+            mode=opts["mode"],
+        )
+        casts = {call.input_names[i]: how for i, how in cast.items()}
+        tolerances = TOLERANCES[dtype] if self.tolerances is None else self.tolerances
+        found = Found()
+        with (
+            numerics(dtype),
+            torch_model_for(self.torch_module, dtype, self.islands, self.torch_factory, found) as model,
+        ):
+            with torch_lifted(model, dtype, self.islands, found):
+                side = run_torch_side(
+                    model,
+                    call,
+                    dtype=dtype,
+                    mode=opts["mode"],
+                    tangent_params=opts["tangent_params"],
+                    attribute=self.attribute,
+                    name=opts["name"] or type(self.torch_module).__name__,
+                )
+
+            with flax_lifted(dtype, self.islands, found):
+                report, flax, zero_found = _load_and_judge(
+                    self.kind,
+                    side,
+                    self.flax_module,
+                    call,
+                    flax_inputs,
+                    tolerances,
+                    self.lm_logits,
+                    self.mesh,
+                    self.weights,
+                    (lambda: zero) if zero is not None else (lambda: set(float64_zero_gradients(side, model, call))),
+                    plan,
+                )
+            if self.capture_modules or (self.localize_failures and not report.passed):
+                if self.kind.localization_note is None:  # a kind without modules has none to pair the records with
+                    with torch_lifted(model, dtype, self.islands, found):
+                        record_torch_side(side, model, call.forward[0])
+                with flax_lifted(dtype, self.islands, found):
+                    localize(report, side, flax, call, tolerances["output"], self.modules)
+        report.input_casts = casts
+        report.islands = found.islands
+        return report, zero_found, flax.plan
 
 
 def assert_parity(torch_module, flax_module: nnx.Module | Linen | Function, inputs, **options) -> ParityReport:

@@ -121,6 +121,19 @@ def write_through(plan: KeyPlan, tree: VariableTree, state_dict: Mapping[str, np
     write_by_plan(plan, tree, lambda target: np.asarray(target.to_flax(state_dict[target.key])))
 
 
+def as_float64(tree: Any) -> Any:
+    """Every floating leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``) in float64 (call under x64)."""
+
+    def cast(x: Any) -> Any:
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, jnp.float64)
+        return jnp.asarray(x, jnp.float64)
+
+    return jax.tree.map(cast, tree)
+
+
 def _axis_order(torch_input: np.ndarray, flax_input: np.ndarray, index: int) -> tuple[int, ...]:
     """The permutation ``p`` with ``flax_input == torch_input.transpose(p)``; identity when shapes agree."""
     if torch_input.shape == flax_input.shape and np.array_equal(torch_input, flax_input, equal_nan=True):
@@ -354,10 +367,16 @@ class FlaxSide(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def load(
-        cls, flax_module: Any, side: TorchSide, flax_inputs: Sequence[np.ndarray] | None, weights: KeyMap | None
+        cls,
+        flax_module: Any,
+        side: TorchSide,
+        flax_inputs: Sequence[np.ndarray] | None,
+        weights: KeyMap | None,
+        plan: KeyPlan | None = None,
     ) -> FlaxSide:
         """Check the parameters' dtype, fill the variables from ``side.state_dict`` (through ``weights``, a key map,
-        when given: its plan is built here, once), and pair the inputs with torch's."""
+        when given: its plan is built here, once, unless ``plan`` is one this comparison built already, e.g. in
+        its float64 check), and pair the inputs with torch's."""
 
     # ---- running
 

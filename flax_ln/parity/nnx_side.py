@@ -22,12 +22,11 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from flax_ln.convert import KeyMap, fill_tree, load_torch_state_dict, rules, to_torch_state_dict
+from flax_ln.convert import KeyMap, KeyPlan, fill_tree, load_torch_state_dict, rules, to_torch_state_dict
 from flax_ln.convert.trees import NNXTree
 from flax_ln.parity.call import is_float
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
@@ -35,6 +34,7 @@ from flax_ln.parity.flax_side import (
     FlaxSide,
     Parts,
     Run,
+    as_float64,
     paired_inputs,
     require_key_map,
     torch_ties,
@@ -117,15 +117,24 @@ def _check_flax_params(model: nnx.Module, dtype: str) -> None:
             )
 
 
-def _float64_twin(model: nnx.Module) -> nnx.Module:
-    """A copy of ``model`` with every floating parameter and buffer in float64 and every module's
-    compute ``dtype`` set to float64 (call under x64)."""
+def _floating_param_dtypes(model: nnx.Module) -> set[np.dtype]:
+    return {
+        np.dtype(node.dtype)
+        for _, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Param) and jnp.issubdtype(node.dtype, jnp.floating)
+    }
+
+
+def _float64_twin(model: nnx.Module, *, compute_dtypes: bool = True) -> nnx.Module:
+    """A copy of ``model`` with every floating parameter and buffer in float64 and, with ``compute_dtypes``,
+    every module's compute ``dtype`` set to float64 (call under x64). Without it a port's own float32 compute
+    dtypes stay: its float32 islands, which lifting (or ``islands="keep"``) decides about."""
     twin = nnx.clone(model)
     graphdef, state = nnx.split(twin)
-    state = jax.tree.map(lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    state = as_float64(state)
     twin = nnx.merge(graphdef, state)
     for _, module in nnx.iter_modules(twin):
-        for attr in ("dtype", "param_dtype"):
+        for attr in ("dtype", "param_dtype") if compute_dtypes else ("param_dtype",):
             value = getattr(module, attr, None)
             if value is not None and jnp.issubdtype(value, jnp.floating):
                 object.__setattr__(module, attr, jnp.float64)
@@ -233,17 +242,20 @@ class NNXSide(FlaxSide):
         side: TorchSide,
         flax_inputs: Sequence[np.ndarray] | None,
         weights: KeyMap | None = None,
+        plan: KeyPlan | None = None,
     ) -> NNXSide:
         """Check the flax parameters' dtype, load the torch weights into the caller's module (through ``weights``,
         a key map, when given; else the converter's rules), and pair each input with torch's."""
         inputs, orders = paired_inputs(side, flax_inputs)
+        if side.dtype == "float64" and _floating_param_dtypes(flax_module) == {np.dtype(np.float32)}:
+            flax_module = _float64_twin(flax_module, compute_dtypes=False)  # a copy: the caller's port is unchanged
         _check_flax_params(flax_module, side.dtype)
-        plan = None
         if weights is None:
+            plan = None
             load_torch_state_dict(flax_module, side.state_dict)
         else:
             key_map = require_key_map(weights)
-            plan = fill_tree(NNXTree(flax_module), side.state_dict, key_map, ties=torch_ties(side))
+            plan = fill_tree(NNXTree(flax_module), side.state_dict, key_map, ties=torch_ties(side), plan=plan)
         model = nnx.clone(flax_module)
         model.eval()
         return cls(inputs, orders, plan, flax_module, model)

@@ -38,8 +38,12 @@ from flax_ln.parity.policy import TensorResult
 #   "no first divergence": failed_outputs (the failing outputs; empty: the backward pass differs)
 #   "isolation":           results, skipped, culprits, flax_culprits
 #   "localization note":   note (why localisation did not run)
+#   "input casts":         casts (input name -> "float64 -> float32": floating inputs cast to the comparison's dtype)
+#   "islands":             islands (Island s: side, module, what, lifted)
 #   "modules":             names (execution order), outputs, grads, isolated (name -> relative error;
 #                          isolated None without isolated mode), output_rtol, grad_rtol (chart data only)
+#   "float64 check":       sections (the float64 comparison's own sections, islands lifted, which the default
+#                          runs beside the comparison in the torch parameters' dtype)
 KINDS = (
     "title",
     "tensors",
@@ -55,7 +59,10 @@ KINDS = (
     "no first divergence",
     "isolation",
     "localization note",
+    "input casts",
+    "islands",
     "modules",
+    "float64 check",
 )
 QUIET_KINDS = frozenset(
     {
@@ -68,6 +75,7 @@ QUIET_KINDS = frozenset(
         "attribution",
         "nothing compared",
         "localization note",
+        "float64 check",
     }
 )  # what ``--quiet`` prints
 
@@ -98,11 +106,11 @@ def fmt(v: float) -> str:
 
 
 TABLE_HEADER = f"{'tensor':<44} {'kind':<11} {'shape':<16} {'max |d|':>9} {'at':<14} {'rel err':>9} {'rtol':>8}  status"
-STATUS = {None: "ok", "rtol": "ok", "atol": "ok (abs)", "gtol": "ok (zero grad)"}  # a pass, by criterion
+STATUS = {None: "ok", "rtol": "ok", "atol": "ok (abs)", "zero": "ok (zero in float64)"}  # a pass, by criterion
 
 
 def status(r: TensorResult) -> str:
-    """A tensor's verdict: ``ok``, ``ok (abs)``, ``ok (zero grad)``, ``MISMATCH``, ``NONFINITE`` or ``FAIL``."""
+    """A tensor's verdict: ``ok``, ``ok (abs)``, ``ok (zero in float64)``, ``MISMATCH``, ``NONFINITE`` or ``FAIL``."""
     if r.passed:
         return STATUS[r.passed_by]
     return "MISMATCH" if r.problem else "NONFINITE" if r.nonfinite else "FAIL"
@@ -125,10 +133,10 @@ def _tensors(d: Mapping[str, Any]) -> list[str]:
     lines = [_row(r) for r in d["rows"]]
     if d["hidden"]:
         lines.append(f"... {d['hidden']} more tensors, all shown with --json")
-    if any(r.passed_by == "gtol" for r in d["rows"]):
+    if any(r.passed_by == "zero" for r in d["rows"]):
         lines.append(
-            "(zero grad): exact gradient is 0, only rounding noise differs; its error is within "
-            "gtol of the whole gradient's norm"
+            "(zero in float64): float64 shows the exact gradient is 0, so only rounding noise differs; "
+            "its error is within gtol of the whole gradient's norm"
         )
     return lines
 
@@ -136,7 +144,7 @@ def _tensors(d: Mapping[str, Any]) -> list[str]:
 def _summary(d: Mapping[str, Any]) -> list[str]:
     kinds = "; ".join(
         f"{k['kind']}: {k['count']} tensors, worst rel {fmt(k['worst'])}"
-        + (f" ({k['zero']} zero-gradient)" if k["zero"] else "")
+        + (f" ({k['zero']} zero in float64)" if k["zero"] else "")
         for k in d["kinds"]
     )
     return [
@@ -239,6 +247,26 @@ def _isolation(d: Mapping[str, Any]) -> list[str]:
     return [f"isolated: {named}"]
 
 
+def _islands(d: Mapping[str, Any]) -> list[str]:
+    lines = [f"float32 islands ({len(d['islands'])}; lifted: run in float64 by this comparison):"]
+    for island in d["islands"]:
+        where = island.module if island.module is not None else "(no module)"
+        lines.append(f"  {island.side:<5} {where}: {island.what} ({'lifted' if island.lifted else 'NOT lifted'})")
+    return lines
+
+
+def _float64_check(sections: Sequence[Section]) -> list[str]:
+    """The float64 check, indented under its own line: a passing one by its summary and islands, a failing one
+    whole."""
+    by_kind = {s.kind: s for s in sections}
+    if by_kind["summary"].data["passed"]:
+        lines = [f"{by_kind['title'].data['title']} {section_text(by_kind['summary'])}"]
+        lines += _islands(by_kind["islands"].data) if "islands" in by_kind else []
+    else:
+        lines = format_sections(sections).split("\n")
+    return ["float64 check (islands lifted):", *("  " + line for line in lines)]
+
+
 _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "title": _title,
     "tensors": _tensors,
@@ -257,7 +285,12 @@ _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "no first divergence": _no_first_divergence,
     "isolation": _isolation,
     "localization note": lambda d: [d["note"]],
+    "input casts": lambda d: [
+        "inputs cast to the comparison's dtype: " + ", ".join(f"{k} ({v})" for k, v in d["casts"].items())
+    ],
+    "islands": _islands,
     "modules": lambda d: [],  # drawn by plot_errors, not printed
+    "float64 check": lambda d: _float64_check(d["sections"]),
 }
 
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from flax_ln.convert import Tie
+from flax_ln.parity.islands import Island
 from flax_ln.parity.policy import TensorResult, json_number
 from flax_ln.parity.render import Section, format_sections, section_text
 
@@ -119,11 +120,20 @@ class ParityReport:
     ties: dict[str, Tie] = dataclasses.field(default_factory=dict)  # torch keys holding one tensor -> flax copies
     module_skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # pairs localisation could not compare
     localization_note: str | None = None  # why localisation did not run (a Function has no modules)
+    islands: list[Island] = dataclasses.field(default_factory=list)  # float32 computations found in float64
+    input_casts: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> "float64 -> float32"
+    float64_check: ParityReport | None = None  # the default's float64 comparison, islands lifted
 
     @property
     def passed(self) -> bool:
-        """Every tensor within tolerance, and at least one compared: nothing compared is not a pass."""
-        return bool(self.results) and all(r.passed for r in self.results) and all(s["passed"] for s in self.train_steps)
+        """Every tensor within tolerance, at least one compared (nothing compared is not a pass), and the
+        float64 check passed when one ran."""
+        return (
+            bool(self.results)
+            and all(r.passed for r in self.results)
+            and all(s["passed"] for s in self.train_steps)
+            and (self.float64_check is None or self.float64_check.passed)
+        )
 
     def __getitem__(self, name: str) -> TensorResult:
         for r in self.results:
@@ -163,6 +173,9 @@ class ParityReport:
             "dropped_outputs": self.dropped_outputs,
             "ties": {name: tie.to_json() for name, tie in self.ties.items()},
             "localization_note": self.localization_note,
+            "islands": [dataclasses.asdict(island) for island in self.islands],
+            "input_casts": self.input_casts,
+            "float64_check": None if self.float64_check is None else self.float64_check.to_json(),
         }
 
     @property
@@ -204,8 +217,8 @@ class ParityReport:
                         {
                             "kind": kind,
                             "count": len(rs),
-                            "worst": max([r.relative_error for r in rs if r.passed_by != "gtol"] or [0.0]),
-                            "zero": sum(r.passed_by == "gtol" for r in rs),
+                            "worst": max([r.relative_error for r in rs if r.passed_by != "zero"] or [0.0]),
+                            "zero": sum(r.passed_by == "zero" for r in rs),
                         }
                         for kind, rs in by_kind.items()
                     ],
@@ -251,7 +264,13 @@ class ParityReport:
             sections.append(self.isolation.section())
         if self.localization_note is not None:
             sections.append(Section("localization note", {"note": self.localization_note}))
+        if self.input_casts:
+            sections.append(Section("input casts", {"casts": self.input_casts}))
+        if self.islands:
+            sections.append(Section("islands", {"islands": self.islands}))
         sections.append(self._modules_section())
+        if self.float64_check is not None:
+            sections.append(Section("float64 check", {"sections": self.float64_check.sections(worst)}))
         return sections
 
     def _modules_section(self) -> Section:
@@ -260,7 +279,7 @@ class ParityReport:
         names = [r.name for r in self.module_errors]
         grads: dict[str, float] = {}
         for r in self.results:
-            if r.kind == "param grad" and r.passed_by != "gtol":
+            if r.kind == "param grad" and r.passed_by != "zero":
                 module = r.name.rsplit(".", 1)[0] if "." in r.name else r.name
                 grads[module] = max(grads.get(module, 0.0), r.relative_error)
         names += [name for name in grads if name not in names]

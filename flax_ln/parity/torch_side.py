@@ -15,7 +15,8 @@ import numpy as np
 
 from flax_ln.parity.call import Call, flatten_outputs, is_float, named_outputs, run_forward, with_floats
 from flax_ln.parity.capture import Calls, Records, capture_torch
-from flax_ln.parity.policy import HALF_PRECISION, TOLERANCES, parameter_dtype
+from flax_ln.parity.policy import HALF_PRECISION, TOLERANCES, parameter_dtype, zero_gradient_names
+from flax_ln.parity.torch_islands import lift_float32
 
 
 def _torch():
@@ -99,10 +100,9 @@ def _run_torch(module, call: Call, cotangents=None, *, double=False):
         if call.loss is None:
             if cotangents is None:
                 cotangents = _cotangents({k: v for k, v in named.items() if hasattr(raw[k], "detach")})
-            value = sum(
-                ((raw[k] * torch.from_numpy(c).to(raw[k].dtype)).sum() for k, c in cotangents.items()),
-                torch.zeros((), dtype=torch.float64 if double else torch.float32),
-            )
+            terms = [(raw[k] * torch.from_numpy(c).to(raw[k].dtype)).sum() for k, c in cotangents.items()]
+            # summed from the first term, so the scalar has the outputs' dtype (no float32 zero of its own)
+            value = sum(terms[1:], terms[0]) if terms else torch.zeros((), dtype=torch.float64 if double else None)
         else:
             cotangents = {}
             value = call.loss[0](outputs)
@@ -175,7 +175,8 @@ def _run_torch_jvp(module, call: Call, tangents, *, double=False):
 
 
 def resolve_dtype(torch_module, dtype: str | None) -> str:
-    """The dtype of a comparison: ``dtype``, checked against the torch parameters' dtype (default: theirs)."""
+    """The dtype of a comparison: ``dtype``, checked against the torch parameters' dtype (default: theirs).
+    ``"float64"`` takes float32 parameters too: that comparison runs on a float64 copy."""
     found = sorted({str(p.dtype).removeprefix("torch.") for p in torch_module.parameters() if p.is_floating_point()})
     if dtype is None:
         if len(found) > 1:
@@ -184,6 +185,8 @@ def resolve_dtype(torch_module, dtype: str | None) -> str:
     if dtype not in TOLERANCES:
         raise ValueError(f"compare_modules: dtype must be one of {list(TOLERANCES)}, got {dtype!r}")
     want = parameter_dtype(dtype)
+    if dtype == "float64" and found == ["float32"]:
+        return dtype  # float64 in one argument: the comparison runs on float64 copies (torch_in_float64)
     if found and found != [want]:
         raise ValueError(
             f"compare_modules(dtype={dtype!r}) needs torch parameters in {want}, found {found}: "
@@ -219,6 +222,7 @@ class TorchSide:
     truth: dict[str, np.ndarray] | None = None
     records: Records | None = None
     calls: Calls | None = None
+    float64_zero: list[str] | None = None  # gradients float64 shows are zero (a reference file's; None: unknown)
     frozen: list[str] = dataclasses.field(default_factory=list)  # parameters without requires_grad: no gradient
     dropped_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # output leaves not compared: type
 
@@ -232,7 +236,7 @@ class TorchSide:
 MODES = ("grad", "jvp")
 
 
-def _torch_results(module, call: Call, mode, cotangents, tangents, *, double=False):
+def torch_results(module, call: Call, mode, cotangents, tangents, *, double=False):
     """``(expected, kinds, cotangents, dropped outputs)`` of one torch run (see :class:`TorchSide`)."""
     if mode == "jvp":
         expected, dropped = _run_torch_jvp(module, call, tangents, double=double)
@@ -284,7 +288,7 @@ def run_torch_side(
         if mode == "jvp"
         else {}
     )
-    expected, kinds, cotangents, dropped = _torch_results(torch_module, call, mode, None, tangents)
+    expected, kinds, cotangents, dropped = torch_results(torch_module, call, mode, None, tangents)
     side = TorchSide(
         name or type(torch_module).__name__,
         dtype,
@@ -302,11 +306,25 @@ def run_torch_side(
         dropped_outputs=dropped,
     )
     if attribute:
-        with _torch_in_float64(torch_module):
-            side.truth = _torch_results(torch_module, call, mode, cotangents, tangents, double=True)[0]
+        with torch_in_float64(torch_module):
+            side.truth = torch_results(torch_module, call, mode, cotangents, tangents, double=True)[0]
     if record:
         record_torch_side(side, torch_module, call.forward[0])
     return side
+
+
+def float64_zero_gradients(side: TorchSide, torch_module, call: Call) -> list[str]:
+    """The parameter gradients float64 shows are zero in the mathematics
+    (:func:`~flax_ln.parity.zero_gradient_names`), from ``side.truth`` when it holds them, else from one
+    float64 run of the torch side (the same cotangents, float32 islands lifted); none in ``"jvp"`` mode,
+    which has no gradients."""
+    if side.mode != "grad":
+        return []
+    truth = side.truth
+    if truth is None:  # float32 islands lifted: a float32 softmax would leave ~1e-8 noise where the math has zero
+        with torch_in_float64(torch_module), lift_float32(torch_module):
+            truth = torch_results(torch_module, call, "grad", side.cotangents, {}, double=True)[0]
+    return sorted(zero_gradient_names({k: truth[k] for k in side.param_names if k in truth}))
 
 
 def _state_dict(torch_module) -> dict[str, np.ndarray]:
@@ -323,7 +341,7 @@ def _state_dict(torch_module) -> dict[str, np.ndarray]:
 
 
 @contextlib.contextmanager
-def _torch_in_float64(module) -> Iterator[None]:
+def torch_in_float64(module) -> Iterator[None]:
     """``module`` in float64 for this scope, then back in its dtype: float32/16 -> float64 -> back is exact.
     (A deep copy is not always possible: torch refuses to copy non-leaf tensors held as attributes.)"""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)

@@ -8,12 +8,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from flax_ln.convert import KeyMap, PytreeTree, fill_tree
-from flax_ln.parity.flax_side import FlaxSide, paired_inputs, require_key_map, torch_ties, write_through
+from flax_ln.convert import KeyMap, KeyPlan, PytreeTree, fill_tree
+from flax_ln.parity.flax_side import FlaxSide, as_float64, paired_inputs, require_key_map, torch_ties, write_through
 from flax_ln.parity.policy import parameter_dtype
 from flax_ln.parity.torch_side import TorchSide
 
@@ -65,15 +63,24 @@ class TreeSide(FlaxSide):
 
     @classmethod
     def load(
-        cls, flax_module: Any, side: TorchSide, flax_inputs: Sequence[np.ndarray] | None, weights: KeyMap | None
+        cls,
+        flax_module: Any,
+        side: TorchSide,
+        flax_inputs: Sequence[np.ndarray] | None,
+        weights: KeyMap | None,
+        plan: KeyPlan | None = None,
     ) -> TreeSide:
         """Check the parameters' dtype, fill a copy of the variables through ``weights``, pair the inputs."""
         assert weights is not None  # check
         inputs, orders = paired_inputs(side, flax_inputs)
         empty = cls.tree_type(cls.variables_of(flax_module))
+        variables = empty.variables().values()
+        floating = {dtype for _, dtype, required in variables if required and np.issubdtype(dtype, np.floating)}
+        if side.dtype == "float64" and floating == {np.dtype(np.float32)}:
+            empty = cls.tree_type(as_float64(empty.tree()))  # float64 in one argument, on the copy it fills
         _check_tree_params(empty, side.dtype, cls.variable_noun)
         tree = cls.tree_type(empty.tree())
-        plan = fill_tree(tree, side.state_dict, weights, ties=torch_ties(side))
+        plan = fill_tree(tree, side.state_dict, weights, ties=torch_ties(side), plan=plan)
         return cls(inputs, orders, plan, flax_module, tree)
 
     def param_tangents(self, state_dict: Mapping[str, np.ndarray]) -> Any:
@@ -88,8 +95,4 @@ class TreeSide(FlaxSide):
 
     def float64_tree(self) -> PytreeTree:
         """A copy of ``tree`` with every floating variable cast to float64."""
-        cast = jax.tree.map(
-            lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x,
-            self.tree.tree(),
-        )
-        return self.tree_type(cast)
+        return self.tree_type(as_float64(self.tree.tree()))
