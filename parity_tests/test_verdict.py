@@ -173,3 +173,42 @@ def test_a_reference_file_of_the_previous_version_is_refused_with_the_fix():
         reference_schema.validate(
             {"format": FORMAT, "version": VERSION - 1}, {}, forwards={}, build=None, file_format=FORMAT, version=VERSION
         )
+
+
+class TorchScaledByTable(torch.nn.Module):
+    """A Linear whose output is scaled by a table built at construction (a non-persistent buffer, as rotary
+    tables are): built in float32, a .double() copy keeps its float32-rounded values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("table", 1.0 / (1.0 + torch.arange(WIDTH, dtype=torch.float32) / 3), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.table
+
+
+class FlaxScaledByTable(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.table = nnx.Variable(1.0 / (1.0 + jnp.arange(WIDTH, dtype=jnp.float32) / 3))  # float32, as built
+
+    def __call__(self, x):
+        return self.lin(x) * self.table[...]
+
+
+def test_tables_built_in_float32_are_listed_on_both_sides_and_a_factory_rebuilds_torch_s():
+    torch.manual_seed(0)
+    torch_model, flax_model = TorchScaledByTable(), FlaxScaledByTable(rngs=nnx.Rngs(0))
+    report = compare_modules(torch_model, flax_model, _inputs(), dtype="float64")
+    built_in = {(i.side, i.module, i.lifted) for i in report.islands if "float32-rounded" in i.what}
+    assert built_in == {("torch", "(whole model)", False), ("flax", "(whole model)", False)}, report.islands
+    assert any("torch_factory=" in i.what for i in report.islands if i.side == "torch"), report.islands
+    # with a factory, torch's table is rebuilt in float64 (and listed as lifted); the flax side still holds its
+    # float32-rounded table, so the float64 comparison now sees the difference
+    torch.manual_seed(0)
+    rebuilt = compare_modules(torch_model, flax_model, _inputs(), dtype="float64", torch_factory=TorchScaledByTable)
+    assert ("torch", "(whole model)", "buffer table rebuilt in float64", True) in {
+        (i.side, i.module, i.what, i.lifted) for i in rebuilt.islands
+    }, rebuilt.islands
+    assert not rebuilt.passed and 1e-12 < rebuilt["output"].relative_error < 1e-6, str(rebuilt)

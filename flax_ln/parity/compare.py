@@ -458,6 +458,8 @@ class Comparison:
                     (lambda: zero) if zero is not None else (lambda: set(float64_zero_gradients(side, model, call))),
                     plan,
                 )
+            if dtype == "float64":
+                found.add(flax.rounded_tables())
             if self.capture_modules or (self.localize_failures and not report.passed):
                 if self.kind.localization_note is None:  # a kind without modules has none to pair the records with
                     with torch_lifted(model, dtype, self.islands, found):

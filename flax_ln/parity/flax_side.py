@@ -38,7 +38,8 @@ from flax_ln.convert import KeyMap, KeyPlan, find_ties
 from flax_ln.convert.keymap_transfer import write_by_plan
 from flax_ln.convert.trees import VariableTree
 from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, run_forward, with_floats
-from flax_ln.parity.capture import Calls, Records
+from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records
+from flax_ln.parity.islands import Island, float32_rounded
 from flax_ln.parity.pairing import Pairs, ParameterGroups
 from flax_ln.parity.torch_side import TorchSide
 
@@ -377,6 +378,27 @@ class FlaxSide(abc.ABC):
         """Check the parameters' dtype, fill the variables from ``side.state_dict`` (through ``weights``, a key map,
         when given: its plan is built here, once, unless ``plan`` is one this comparison built already, e.g. in
         its float64 check), and pair the inputs with torch's."""
+
+    @abc.abstractmethod
+    def variable_tree(self) -> VariableTree:
+        """Its variables, as the converter's tree (what the weights fill: the ``required`` ones)."""
+
+    def rounded_tables(self) -> list[Island]:
+        """Its float64 variables that the weights do not fill and whose values are all float32-rounded: tables
+        built in float32 at construction (a rotary table), which a float64 comparison cannot lift."""
+        tree, islands = self.variable_tree(), []
+        for path, (_, dtype, required) in tree.variables().items():
+            if required or np.dtype(dtype) != np.float64:
+                continue
+            try:
+                values = tree.read(path)
+            except (TypeError, ValueError):  # an abstract variable (nnx.eval_shape): no values to judge
+                continue
+            if float32_rounded(values):
+                module, _, leaf = path.rpartition(".")
+                what = f"variable {leaf} holds float32-rounded values (built in float32): build the port in float64"
+                islands.append(Island("flax", module or WHOLE_MODEL, what, lifted=False))
+        return islands
 
     # ---- running
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Island:
@@ -25,3 +27,21 @@ class Island:
     module: str | None
     what: str
     lifted: bool
+
+
+def float32_rounded(values: np.ndarray) -> bool:
+    """Whether the float64 ``values`` were rounded to float32 once: every value is float32-representable, and one
+    at least is not an integer and needs more significant bits than float16 has.
+
+    Integers, zeros, ones and short binary fractions (0.5, 0.75) are float32-representable by nature, not by
+    rounding: only a long fraction that float32 holds exactly shows the rounding (a float64 value computed as such
+    is float32-representable with odds of about 2**-29).
+    """
+    values = np.asarray(values)
+    if values.dtype != np.float64 or values.size == 0:
+        return False
+    if not np.array_equal(values.astype(np.float32).astype(np.float64), values, equal_nan=True):
+        return False
+    finite = values[np.isfinite(values)]
+    mantissa = np.frexp(finite)[0] * 2**11  # float16's 11 significant bits as an integer part
+    return bool(((finite != np.round(finite)) & (mantissa != np.round(mantissa))).any())

@@ -260,6 +260,9 @@ class NNXSide(FlaxSide):
         model.eval()
         return cls(inputs, orders, plan, flax_module, model)
 
+    def variable_tree(self) -> NNXTree:
+        return NNXTree(self.model)
+
     def parts(self) -> Parts:
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)  # type: ignore[misc]  # nnx.split's result is typed as a variadic tuple
         return Parts(functools.partial(nnx.merge, graphdef), params, rest, _nnx_flat)

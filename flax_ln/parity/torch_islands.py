@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from flax_ln.parity.capture import WHOLE_MODEL
-from flax_ln.parity.islands import Island
+from flax_ln.parity.islands import Island, float32_rounded
 
 _BIT_LEVEL = frozenset({"view", "frombuffer"})  # torch functions whose dtype= reinterprets bits: never lifted
 
@@ -346,19 +346,8 @@ def _rebuilt_buffers(built, like, persistent: set[str]) -> list[Island]:
 
 
 def _float32_evidence(t) -> bool:
-    """Every value of the float64 ``t`` is float32-representable, and one at least is not an integer and needs
-    more significant bits than float16 has.
-
-    Integers, zeros, ones and short binary fractions (0.5, 0.75) are float32-representable by
-    nature, not by rounding: only a long fraction that float32 holds exactly shows the rounding
-    (a float64 value computed as such is float32-representable with odds of about 2**-29).
-    """
-    torch = _torch()
-    if t.numel() == 0 or not bool(torch.equal(t.to(torch.float32).to(t.dtype), t)):
-        return False
-    finite = t[torch.isfinite(t)]
-    mantissa = torch.frexp(finite).mantissa * 2**11  # float16's 11 significant bits as an integer part
-    return bool(((finite != finite.round()) & (mantissa != mantissa.round())).any())
+    """:func:`~flax_ln.parity.islands.float32_rounded` of the float64 tensor ``t``."""
+    return float32_rounded(t.detach().cpu().numpy())
 
 
 def rounded_buffers(module, weights_keys: set[str]) -> list[Island]:

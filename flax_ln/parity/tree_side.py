@@ -89,6 +89,9 @@ class TreeSide(FlaxSide):
         write_through(self.plan, tree, state_dict)
         return dataclasses.replace(self, tree=tree).parts().params
 
+    def variable_tree(self) -> PytreeTree:
+        return self.tree
+
     def float64(self) -> TreeSide:
         """Every floating variable cast to float64."""
         return dataclasses.replace(self, tree=self.float64_tree())
