@@ -388,7 +388,7 @@ class FlaxSide(abc.ABC):
         built in float32 at construction (a rotary table), which a float64 comparison cannot lift."""
         tree, islands = self.variable_tree(), []
         for path, (_, dtype, required) in tree.variables().items():
-            if required or np.dtype(dtype) != np.float64:
+            if required or not jnp.issubdtype(dtype, jnp.float64):  # PRNG keys and integers are not tables
                 continue
             try:
                 values = tree.read(path)
