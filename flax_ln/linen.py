@@ -15,21 +15,19 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
 
-from flax_ln.models import encoder_decoder
-from flax_ln.models import gpt as _gpt
-from flax_ln.models import layernorm as _nnx
+from flax_ln.models import encoder_decoder, gpt, layernorm
 from flax_ln.models.encoder_decoder import EncoderDecoderConfig
 from flax_ln.models.gpt import GPTConfig
 
 
 def LayerNorm(features: int, eps: float = 1e-6, *, dtype=None, param_dtype=jnp.float32, name=None):
     """Linen ``LayerNorm``: the book's chapter-9 norm (see :class:`flax_ln.LayerNorm`)."""
-    return bridge.to_linen(_nnx.LayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name)
+    return bridge.to_linen(layernorm.LayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 def TorchLayerNorm(features: int, eps: float = 1e-5, *, dtype=None, param_dtype=jnp.float32, name=None):
     """Linen ``TorchLayerNorm``: the ``torch.nn.LayerNorm`` twin (see :class:`flax_ln.TorchLayerNorm`)."""
-    return bridge.to_linen(_nnx.TorchLayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name)
+    return bridge.to_linen(layernorm.TorchLayerNorm, features, eps, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 # ---- whole models --------------------------------------------------------------------------------
@@ -84,7 +82,7 @@ def GPT(
       name: the Linen module name.
     """
     return bridge.to_linen(
-        functools.partial(_build, _gpt.GPT, deterministic=deterministic),
+        functools.partial(_build, gpt.GPT, deterministic=deterministic),
         config,
         scan_layers=scan_layers,
         dtype=dtype,

@@ -15,12 +15,12 @@ import copy
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from torch_ref.config import config_fields
 from torch_ref.layernorm import LayerNorm
 
 MASK_VALUE = -1e9  # the book fills masked attention scores with -1e9, not -inf
@@ -82,17 +82,14 @@ class EncoderDecoderConfig:
         """
         if isinstance(config, cls):
             return config
-        if isinstance(config, Mapping):
-            has, get = (lambda name: name in config), config.__getitem__
-        else:
-            has, get = (lambda name: hasattr(config, name)), (lambda name: getattr(config, name))
-        missing = [name for name in _REQUIRED_FIELDS if not has(name)]
+        values = config_fields(cls, config)
+        missing = [name for name in _REQUIRED_FIELDS if name not in values]
         if missing:
             raise TypeError(
                 f"encoder-decoder config {type(config).__name__} lacks {missing}: expected an object or mapping "
                 f"with make_model's fields (e.g. torch_ref.EncoderDecoderConfig or flax_ln.EncoderDecoderConfig)"
             )
-        return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls) if has(f.name)})
+        return cls(**values)
 
 
 def _clones(module: nn.Module, n: int) -> nn.ModuleList:

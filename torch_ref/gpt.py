@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from torch_ref.config import config_fields
 
 __all__ = ["GELU", "CausalSelfAttention", "MLP", "Block", "GPT", "GPTConfig", "generate"]
 
@@ -81,18 +82,15 @@ class GPTConfig:
         """
         if isinstance(config, cls):
             return config
-        if isinstance(config, Mapping):
-            has, get = (lambda name: name in config), config.__getitem__
-        else:
-            has, get = (lambda name: hasattr(config, name)), (lambda name: getattr(config, name))
-        missing = [name for name in _REQUIRED_FIELDS if not has(name)]
+        values = config_fields(cls, config)
+        missing = [name for name in _REQUIRED_FIELDS if name not in values]
         if missing:
             raise TypeError(
                 f"GPT config {type(config).__name__} lacks {missing}: expected an object or mapping with "
                 f"the book's fields {list(_REQUIRED_FIELDS)} (e.g. torch_ref.GPTConfig, flax_ln.GPTConfig "
                 "or types.SimpleNamespace)"
             )
-        return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls) if has(f.name)})
+        return cls(**values)
 
     @classmethod
     def gpt2(cls, **overrides) -> GPTConfig:

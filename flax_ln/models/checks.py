@@ -34,6 +34,10 @@ compute:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,3 +170,12 @@ def check_scalar_id(value, name: str, *, owner: str, vocab: int) -> int:
         raise ValueError(f"{owner}: {name} must be one integer token id in [0, {vocab}), got {value!r}")
     check_id_values(array, name, owner=owner, vocab=vocab)
     return int(array)
+
+
+def config_fields(cls: type, config: Any) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` that ``config`` holds, read as attributes or, from a mapping, as keys:
+    how a config crosses between the frameworks as plain data."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if isinstance(config, Mapping):
+        return {name: config[name] for name in names if name in config}
+    return {name: getattr(config, name) for name in names if hasattr(config, name)}

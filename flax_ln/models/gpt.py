@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from flax_ln._deprecated import module_getattr
 from flax_ln.models.attention import merge_heads, scaled_dot_product_attention, split_heads
-from flax_ln.models.checks import check_token_ids
+from flax_ln.models.checks import check_token_ids, config_fields
 from flax_ln.models.dense import linear_dot_general
 from flax_ln.models.dropout import Dropout
 from flax_ln.models.layernorm import TorchLayerNorm
@@ -92,11 +92,7 @@ class GPTConfig:
         """
         if isinstance(config, cls):
             return config
-        fields = [f.name for f in dataclasses.fields(cls)]
-        if isinstance(config, dict):
-            values = {name: config[name] for name in fields if name in config}
-        else:
-            values = {name: getattr(config, name) for name in fields if hasattr(config, name)}
+        values = config_fields(cls, config)
         sizes = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
         missing = [name for name in sizes if name not in values]
         if missing:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping
 from typing import Any
 
+from flax_ln.models.checks import config_fields
 from flax_ln.models.encoder_decoder.layers import ACTIVATIONS
 
 _SIZES = ("src_vocab", "tgt_vocab", "N", "d_model", "d_ff", "h", "max_len")  # the fields that are positive ints
@@ -79,10 +79,7 @@ class EncoderDecoderConfig:
         """
         if isinstance(config, cls):
             return config
-        if isinstance(config, Mapping):
-            values = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
-        else:
-            values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if hasattr(config, f.name)}
+        values = config_fields(cls, config)
         missing = [name for name in _REQUIRED if name not in values]
         if missing:
             raise TypeError(
