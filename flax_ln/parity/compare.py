@@ -461,9 +461,16 @@ class Comparison:
             if dtype == "float64":
                 found.add(flax.rounded_tables())
             if self.capture_modules or (self.localize_failures and not report.passed):
-                if self.kind.localization_note is None:  # a kind without modules has none to pair the records with
-                    with torch_lifted(model, dtype, self.islands, found):
-                        record_torch_side(side, model, call.forward[0])
+                try:
+                    if self.kind.localization_note is None:  # a kind without modules has no pairs for the records
+                        with torch_lifted(model, dtype, self.islands, found):
+                            record_torch_side(side, model, call.forward[0])
+                except Exception as err:  # noqa: BLE001 - localisation never costs the verdict; the error is reported
+                    side.records = None
+                    report.localization_note = (
+                        f"recording torch's submodules failed ({type(err).__name__}: {str(err)[:300]}); the verdict "
+                        "and every tensor's result stand"
+                    )
                 with flax_lifted(dtype, self.islands, found):
                     localize(report, side, flax, call, tolerances["output"], self.modules)
         report.input_casts = casts

@@ -36,6 +36,7 @@ from flax import linen
 
 from flax_ln.convert import KeyMap, KeyPlan, find_ties
 from flax_ln.convert.keymap_transfer import write_by_plan
+from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import VariableTree
 from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, run_forward, with_floats
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records
@@ -469,6 +470,11 @@ class FlaxSide(abc.ABC):
         """``{dotted flax path: handle}`` of its submodules (the handle :class:`Pairs` keeps), given the
         :meth:`parameter_groups` (``{}`` without a plan) and the :meth:`record`."""
         raise NotImplementedError(f"{type(self).__name__} has no module tree")
+
+    def type_layout(self, handle: Any) -> Permute | None:
+        """How the activations of the module behind ``handle`` are laid out against torch's by its type alone
+        (channels-last convolutions); ``None``: not known from its type."""
+        return None
 
     def mirrored_paths(self) -> dict[str, str]:
         """torch path -> flax path of every submodule of a tree that mirrors torch's (no key map)."""

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen
 
-from flax_ln.convert import LinenTree, PytreeTree
+from flax_ln.convert import LinenTree, PytreeTree, rules
+from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import path_step
-from flax_ln.parity.call import is_float
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records, floating_leaves
 from flax_ln.parity.flax_side import Linen, Parts, Run
-from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups
+from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups, substitute_floats
 from flax_ln.parity.tree_side import TreeSide
 
 
@@ -28,14 +28,14 @@ def _scope_path(module) -> str:
     return ".".join(map(str, module.path)) or WHOLE_MODEL
 
 
-def capture_linen(call: Callable[[], Any]) -> Records:
+def capture_linen(call: Callable[[], Any], types: dict[str, type] | None = None) -> Records:
     """Run ``call`` (one or more Linen ``apply``, eagerly) with the (positional inputs, outputs) of every
     submodule recorded by dotted scope path, through ``flax.linen.intercept_methods``.
 
     As for NNX (:func:`~flax_ln.parity.nnx_side.capture_nnx`): dict order is execution order, the outermost
     call of any of a module's methods is recorded (``setup`` aside), the first completed call with a floating
     output is kept, and a call traced inside a transform (an ``nn.scan`` body) holds no values and is not
-    recorded.
+    recorded. With ``types``, each recorded path's module class is kept there.
     """
     records: Records = {}
     active: set[str] = set()
@@ -54,6 +54,8 @@ def capture_linen(call: Callable[[], Any]) -> Records:
         outputs = floating_leaves(out)
         if outputs and path not in records:
             records[path] = (floating_leaves(list(args)), outputs)
+            if types is not None:
+                types[path] = type(context.module)
         return out
 
     with linen.intercept_methods(interceptor):
@@ -75,20 +77,18 @@ def _named_leaves(tree: PytreeTree, prefix: tuple[str, ...], pytree) -> dict[str
 
 
 def _substitute(pairs: Pairs, path: str, args: Sequence[Any], torch_inputs: list[np.ndarray]) -> tuple | str:
-    """The flax call's positional ``args`` with their floating arrays replaced, in order, by torch's recorded
-    floating inputs put into the flax layout (each onto the shape flax's own had); or why they cannot be."""
+    """The flax call's positional ``args`` with their floating arrays replaced by torch's recorded floating inputs
+    (:func:`~flax_ln.parity.pairing.substitute_floats`); or why they cannot be."""
     leaves, treedef = jax.tree_util.tree_flatten(list(args))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return "its call is traced (inside nn.scan, nn.remat or another transform): it cannot be run alone"
-    floats = [i for i, x in enumerate(leaves) if isinstance(x, (np.ndarray, jax.Array)) and is_float(x)]
-    if floats and not torch_inputs:
-        return "torch's call has no floating positional input to put in place of flax's"
-    for k, i in enumerate(floats[: len(torch_inputs)]):
-        moved = pairs.to_flax(path, torch_inputs[k], np.shape(leaves[i]))
-        if isinstance(moved, str):
-            return f"input {k}: {moved}"
-        leaves[i] = jnp.asarray(moved, leaves[i].dtype)
-    return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
+    replaced = substitute_floats(pairs, path, leaves, torch_inputs)
+    if isinstance(replaced, str):
+        return replaced
+    return tuple(jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in replaced]))
+
+
+_CONVOLUTIONS = (linen.Conv, linen.ConvTranspose, linen.ConvLocal)  # channels-last, as nnx.Conv
 
 
 @dataclasses.dataclass
@@ -101,6 +101,7 @@ class LinenSide(TreeSide):
     tree_type: ClassVar[type[PytreeTree]] = LinenTree
     variable_noun: ClassVar[str] = "variable"
     paths_named: ClassVar[str] = "Linen scope paths"
+    module_types: dict[str, type] = dataclasses.field(default_factory=dict)  # by scope path, from record()
 
     @classmethod
     def variables_of(cls, wrapper: Any) -> Any:
@@ -136,7 +137,14 @@ class LinenSide(TreeSide):
         return parts.build(parts.params, parts.rest)
 
     def record(self, forward: Callable[[], Any]) -> Records:
-        return capture_linen(forward)
+        """And each recorded scope path's module class (for :meth:`type_layout`)."""
+        self.module_types = {}
+        return capture_linen(forward, self.module_types)
+
+    def type_layout(self, handle: Any) -> Permute | None:
+        """Channels-last for a Linen convolution (the handle is its scope path)."""
+        cls = self.module_types.get(handle)
+        return rules.CHANNELS_LAST if cls is not None and issubclass(cls, _CONVOLUTIONS) else None
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
         """The scope paths that hold parameters or ran; a handle is its path."""
@@ -208,4 +216,4 @@ class LinenSide(TreeSide):
                 yield torch_path, outputs.get(torch_path, "not called during the flax apply")
         for torch_path in torch_records:
             if torch_path not in pairs.modules:
-                yield torch_path, NO_HOLDER
+                yield torch_path, pairs.unpaired.get(torch_path, NO_HOLDER)

@@ -22,11 +22,13 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
 from flax_ln.convert import KeyMap, KeyPlan, fill_tree, load_torch_state_dict, rules, to_torch_state_dict
+from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import NNXTree
 from flax_ln.parity.call import is_float
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
@@ -40,7 +42,7 @@ from flax_ln.parity.flax_side import (
     torch_ties,
     write_through,
 )
-from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups
+from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups, substitute_floats
 from flax_ln.parity.policy import parameter_dtype
 from flax_ln.parity.torch_side import TorchSide
 
@@ -61,16 +63,36 @@ def _method_codes(cls: type) -> set:
     return codes
 
 
-def capture_nnx(model: nnx.Module, call: Callable[[], Any]) -> Records:
+OwnCall = tuple[str, list[Any], dict[str, Any]]  # a module's recorded call: method name, args, kwargs
+
+
+def _bound_call(code, local: Mapping[str, Any]) -> OwnCall:
+    """The call a frame of ``code`` was made with, from its locals at entry: (method name, args, kwargs)."""
+    names = code.co_varnames
+    n_pos, n_kw = code.co_argcount, code.co_kwonlyargcount
+    args = [local[n] for n in names[1:n_pos]]
+    kwargs = {n: local[n] for n in names[n_pos : n_pos + n_kw]}
+    at = n_pos + n_kw
+    if code.co_flags & inspect.CO_VARARGS:
+        args += list(local[names[at]])
+        at += 1
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs.update(local[names[at]])
+    return code.co_name, args, kwargs
+
+
+def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, OwnCall] | None = None) -> Records:
     """Run ``call`` eagerly with the (inputs, outputs) of every submodule of ``model`` recorded by path.
 
     Dict order is execution order (a module is recorded when its outermost call returns).
-    Only ``model``'s own submodule instances are recorded; see the module docstring.
+    Only ``model``'s own submodule instances are recorded; see the module docstring. With ``calls``, the
+    recorded call of each module is also kept there whole (:data:`OwnCall`: the method's name, its positional
+    and keyword arguments as the port passed them), so that isolation can make it again.
     """
     paths = {id(m): ".".join(map(str, p)) or WHOLE_MODEL for p, m in nnx.iter_modules(model)}
     codes = set().union(*(_method_codes(type(m)) for _, m in nnx.iter_modules(model)))
     records: Records = {}
-    open_calls: dict[int, tuple[int, list[np.ndarray]]] = {}  # id(frame) -> (id(module), inputs)
+    open_calls: dict[int, tuple[int, list[np.ndarray], OwnCall]] = {}  # id(frame) -> (id(module), inputs, call)
     active: set[int] = set()  # modules with a recorded call in progress
 
     def watch(frame, event, arg):
@@ -87,13 +109,15 @@ def capture_nnx(model: nnx.Module, call: Callable[[], Any]) -> Records:
                 )
                 args = [local[name] for name in code.co_varnames[1:n_args] if name in local]
                 active.add(owner)
-                open_calls[id(frame)] = (owner, floating_leaves(args))
+                open_calls[id(frame)] = (owner, floating_leaves(args), _bound_call(code, local))
         elif event == "return" and id(frame) in open_calls:
-            owner, inputs = open_calls.pop(id(frame))
+            owner, inputs, bound = open_calls.pop(id(frame))
             active.discard(owner)
             outputs = floating_leaves(arg)  # arg is None when the frame exits by an exception
-            if outputs:
-                records.setdefault(paths[owner], (inputs, outputs))
+            if outputs and paths[owner] not in records:
+                records[paths[owner]] = (inputs, outputs)
+                if calls is not None:
+                    calls[paths[owner]] = bound
         if previous is not None:
             previous(frame, event, arg)
 
@@ -154,45 +178,20 @@ def _canonical_variables(root: nnx.Module) -> dict[int, str]:
     return names
 
 
-def _positional_count(module) -> int | None:
-    """How many positional arrays ``module``'s call needs (its positional parameters without defaults);
-    ``None`` when it takes any number."""
-    try:
-        params = inspect.signature(module.__call__).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in positional and p.default is p.empty for p in params)
-
-
-def _call_from_arrays(pairs: Pairs, path: str, module, args, kwargs, flax_record) -> tuple[list, dict] | str:
-    """The arguments for the port's module (paired by its parameters) from torch's recorded call, or why there
-    are none.
-
-    torch's recorded arrays (positional ones; keyword ones, in call order, when it passed none
-    positionally), as many as the module's signature needs; floating ones in its layout (the
-    pair's own, the module type's, or the unique permutation onto the shape the port's module
-    took in the full run). Torch's keyword arguments are torch's names and are not passed.
-    """
-    arrays = [a for a in args if isinstance(a, np.ndarray)] or [v for v in kwargs.values() if isinstance(v, np.ndarray)]
-    need = _positional_count(module)
-    need = len(arrays) if need is None else need
-    if len(arrays) < need:
-        return f"its call takes {need} positional arrays; torch's call has {len(arrays)}"
-    flax_shapes = [np.shape(x) for x in (flax_record[0] if flax_record is not None else [])]
-    out, j = [], 0
-    for a in arrays[:need]:
-        if is_float(a):
-            moved = pairs.to_flax(path, a, flax_shapes[j] if j < len(flax_shapes) else None)
-            if isinstance(moved, str):
-                return f"input {j}: {moved}"
-            out.append(jnp.asarray(moved))
-            j += 1
-        else:
-            out.append(jnp.asarray(a))
-    return out, {}
+def _own_call_on(pairs: Pairs, path: str, own: OwnCall, torch_inputs: list[np.ndarray]) -> OwnCall | str:
+    """The port's own recorded call of the module paired at ``path``, its floating arrays replaced by torch's
+    recorded inputs (:func:`~flax_ln.parity.pairing.substitute_floats`); masks, caches, ids, RNGs and flags stay
+    the port's. Containers (tuples, lists, dicts) are opened; any other object is one argument."""
+    method, args, kwargs = own
+    leaves, treedef = jax.tree_util.tree_flatten(
+        (args, kwargs), is_leaf=lambda x: not isinstance(x, (tuple, list, dict)) or x is None
+    )
+    replaced = substitute_floats(pairs, path, leaves, torch_inputs)
+    if isinstance(replaced, str):
+        return replaced
+    replaced = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in replaced]
+    f_args, f_kwargs = jax.tree_util.tree_unflatten(treedef, replaced)
+    return method, list(f_args), dict(f_kwargs)
 
 
 def _in_rule_layout(module, value):
@@ -215,6 +214,7 @@ class NNXSide(FlaxSide):
 
     module: nnx.Module
     model: nnx.Module
+    own_calls: dict[str, OwnCall] = dataclasses.field(default_factory=dict)  # by flax path, from record()
 
     needs_key_map: ClassVar[bool] = False
     buffers_as_values: ClassVar[bool] = True  # the converter checks the buffers flax recomputes against their values
@@ -290,11 +290,17 @@ class NNXSide(FlaxSide):
         return self.model
 
     def record(self, forward: Callable[[], Any]) -> Records:
-        return capture_nnx(self.model, forward)
+        """And each submodule's own call, kept whole for isolation."""
+        self.own_calls = {}
+        return capture_nnx(self.model, forward, self.own_calls)
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
-        """Every submodule (``nnx.iter_modules``), by its attribute path."""
-        return {".".join(map(str, p)) or WHOLE_MODEL: m for p, m in nnx.iter_modules(self.model)}
+        """Every callable submodule (``nnx.iter_modules``; an ``nnx.List`` is a container), by attribute path."""
+        return {".".join(map(str, p)) or WHOLE_MODEL: m for p, m in nnx.iter_modules(self.model) if callable(m)}
+
+    def type_layout(self, handle: Any) -> Permute | None:
+        """The converter's activation layout for the module's type (channels-last ``nnx.Conv``)."""
+        return rules.activation_layout(handle)
 
     def mirrored_paths(self) -> dict[str, str]:
         """A flax path mapped through the converter's registered renames
@@ -311,6 +317,8 @@ class NNXSide(FlaxSide):
         canonical = _canonical_variables(self.model)
         flax_groups: ParameterGroups = {}
         for path, module in nnx.iter_modules(self.model):
+            if not callable(module):  # a container (nnx.List, nnx.Dict) has no output to pair
+                continue
             own = frozenset(
                 canonical[id(node)]
                 for _, node in nnx.iter_graph(module)
@@ -330,22 +338,29 @@ class NNXSide(FlaxSide):
     ) -> Iterator[tuple[str, Run]]:
         """Each recorded torch call made again, eagerly, on the paired flax module: on the same arguments
         (floating arrays in the flax layout by :func:`flax_ln.convert.rules.flax_activation`; integer and boolean
-        arrays and plain values as they are) for mirrored pairs, on torch's arrays only (see
-        :func:`_call_from_arrays`) for pairs found by their parameters. A call with an argument that is not data
-        (a callable, a module), or one the flax module does not accept, is not run: the reason comes back."""
+        arrays and plain values as they are) for mirrored pairs; for pairs found by their parameters, the port's
+        own recorded call of the module (the same method), with its floating activations replaced by torch's
+        recorded inputs (see :func:`_own_call_on`), so that caches, masks, ids, RNGs and flags are the port's. A
+        call with an argument that is not data (a callable, a module), or one the flax module does not accept, is
+        not run: the reason comes back."""
         for path, (args, kwargs) in (torch_calls or {}).items():
             module = pairs.modules.get(path)
-            t_outs = torch_records.get(path, ([], []))[1]
+            t_ins, t_outs = torch_records.get(path, ([], []))
             unsupported = [v for v in [*args, *kwargs.values()] if isinstance(v, Unsupported)]
             if module is None:
-                yield path, NO_HOLDER if pairs.by_parameters else "no flax twin at this path"
+                yield path, pairs.unpaired.get(path, NO_HOLDER if pairs.by_parameters else "no flax twin at this path")
                 continue
+            method = "__call__"
             if pairs.by_parameters:
-                prepared = _call_from_arrays(pairs, path, module, args, kwargs, flax_records.get(path))
+                own = self.own_calls.get(pairs.flax_paths[path])
+                if own is None:
+                    yield path, "its flax twin was not called (with a floating output) in the flax run"
+                    continue
+                prepared = _own_call_on(pairs, path, own, t_ins)
                 if isinstance(prepared, str):
                     yield path, prepared
                     continue
-                f_args, f_kwargs = prepared
+                method, f_args, f_kwargs = prepared
             elif unsupported:
                 yield path, f"takes a {unsupported[0]} argument, which a record cannot hold"
                 continue
@@ -354,7 +369,7 @@ class NNXSide(FlaxSide):
                 f_kwargs = {k: _in_rule_layout(module, v) for k, v in kwargs.items()}
             if t_outs:
                 try:
-                    out = module(*f_args, **f_kwargs)
+                    out = getattr(module, method)(*f_args, **f_kwargs)
                 except Exception as err:  # noqa: BLE001 - any failure to call is reported as the reason it was skipped
                     yield path, f"the flax call on torch's arguments raised {type(err).__name__}: {str(err)[:120]}"
                     continue

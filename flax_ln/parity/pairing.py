@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from einops.parsing import ParsedExpression
 
-from flax_ln.convert import KeyPlan, rules
-from flax_ln.convert.layouts import ArrayLayout, parse_layout
+from flax_ln.convert import KeyPlan
+from flax_ln.convert.layouts import ArrayLayout, Permute, parse_layout
 from flax_ln.parity.capture import WHOLE_MODEL
 
 NO_HOLDER = "no flax module holds its parameters"  # why a torch module has no pair, when pairs go by parameters
+NO_OUTPUT = "no flax module's output is its output"  # the start of the reason when a pair's values do not flow on
+
+
+class PairingArgumentError(ValueError):
+    """A ``modules=`` entry that names no flax module: the caller's mistake, raised (never caught by localisation)."""
+
 
 ParameterGroups = dict[frozenset, list[tuple[str, ...]]]  # the filled variables a module holds -> its module paths
 
@@ -33,7 +40,14 @@ class Pairs:
     torch path -> the pair's own activation layout (torch -> flax), from ``modules=``; ``skipped``: torch path ->
     why a pair's activations could not be compared; ``by_parameters``: the pairs were found by the parameters
     each module holds (through a key map's plan), not by mirrored paths, so a pair's flax path may differ from its
-    torch path.
+    torch path; ``unpaired``: torch path -> why a module that holds parameters has no flax twin.
+
+    How a flax activation is put into torch's layout, first rule that applies: the pair's own layout
+    (``modules=``); the flax module type's (``type_layouts``: channels-last convolutions); the one the key map's
+    einops layout of the pair's projection weight says (``derived``: ``"(n h) d -> d n h"`` makes the output's
+    ``(n h)`` flax's ``n h``); for mirrored pairs, none; else the axis permutation from one shape to the other:
+    the only one, or, where several fit (square images), the one under which the pair's inputs agree
+    (``decided``, see :meth:`decide`), else the inputs' own axis order.
     """
 
     modules: dict[str, Any]
@@ -42,33 +56,105 @@ class Pairs:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     by_parameters: bool = False
     orders: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # the inputs' torch -> flax axis orders
+    type_layouts: dict[str, Permute] = dataclasses.field(default_factory=dict)
+    derived: dict[str, dict[str, ArrayLayout]] = dataclasses.field(default_factory=dict)  # "input"/"output"
+    decided: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # flax -> torch, by values
+    unpaired: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def to_torch(self, path: str, array, torch_shape) -> np.ndarray | str:
-        """A flax activation of the pair at ``path`` in torch's layout, or why it cannot be put there."""
-        module, layout = self.modules[path], self.layouts.get(path)
+    def assign(self, torch_path: str, flax_path: str, handle: Any, type_layout: Permute | None) -> None:
+        """Pair ``torch_path`` with the flax module ``handle`` at ``flax_path`` instead (a layout decided for the
+        previous pair is forgotten)."""
+        self.modules[torch_path], self.flax_paths[torch_path] = handle, flax_path
+        self.decided.pop(torch_path, None)
+        self.type_layouts.pop(torch_path, None)
+        if type_layout is not None:
+            self.type_layouts[torch_path] = type_layout
+
+    def unpair(self, torch_path: str, reason: str) -> None:
+        """Take ``torch_path`` out of the pairs, ``reason`` kept in ``unpaired``."""
+        for table in (self.modules, self.flax_paths, self.type_layouts, self.decided, self.derived):
+            table.pop(torch_path, None)
+        self.unpaired[torch_path] = reason
+
+    def _layout(self, path: str, which: str) -> ArrayLayout | None:
+        return self.layouts.get(path) or self.derived.get(path, {}).get(which)
+
+    def to_torch(self, path: str, array, torch_shape, which: str = "output") -> np.ndarray | str:
+        """A flax activation (an ``"input"`` or ``"output"``) of the pair at ``path`` in torch's layout, or why it
+        cannot be put there."""
+        array, layout = np.asarray(array), self._layout(path, which)
         try:
             if layout is not None:
-                return np.asarray(layout.to_torch(np.asarray(array), tuple(torch_shape)))
+                return np.asarray(layout.to_torch(array, tuple(torch_shape)))
         except ValueError as err:
             return str(err)
-        if not self.by_parameters or rules.activation_layout(module) is not None:
-            return np.asarray(rules.torch_activation(module, array))
+        if path in self.type_layouts:
+            return array.transpose(self.type_layouts[path].to_torch(array.ndim))
+        if not self.by_parameters:
+            return array
         inverse = [tuple(int(i) for i in np.argsort(o)) for o in self.orders]  # flax -> torch
-        perm = _permutation(np.shape(array), torch_shape, inverse)
-        return perm if isinstance(perm, str) else np.transpose(np.asarray(array), perm)
+        perm = _permutation(array.shape, torch_shape, self.decided.get(path), inverse)
+        return perm if isinstance(perm, str) else np.transpose(array, perm)
 
-    def to_flax(self, path: str, array: np.ndarray, flax_shape) -> np.ndarray | str:
+    def to_flax(self, path: str, array: np.ndarray, flax_shape, which: str = "input") -> np.ndarray | str:
         """A torch activation of the pair at ``path`` in the flax module's layout, or why it cannot be put there."""
-        module, layout = self.modules[path], self.layouts.get(path)
+        layout = self._layout(path, which)
         try:
             if layout is not None:
                 return np.asarray(layout.to_flax(array, tuple(flax_shape)))
         except ValueError as err:
             return str(err)
-        if flax_shape is None or rules.activation_layout(module) is not None:
-            return np.asarray(rules.flax_activation(module, array))
-        perm = _permutation(array.shape, flax_shape, self.orders)
+        if path in self.type_layouts:
+            return array.transpose(self.type_layouts[path].to_flax(array.ndim))
+        if flax_shape is None or not self.by_parameters:
+            return array
+        decided = self.decided.get(path)
+        inverse = None if decided is None else tuple(int(i) for i in np.argsort(decided))
+        perm = _permutation(array.shape, flax_shape, inverse, self.orders)
         return perm if isinstance(perm, str) else np.transpose(array, perm)
+
+    def decide(self, path: str, flax_inputs: Sequence[np.ndarray], torch_inputs: Sequence[np.ndarray]) -> None:
+        """Where several axis permutations take the pair's flax input onto torch's shape, keep the one under which
+        the two inputs agree: its error at least ten times below every other's (inputs are meant to be the same
+        values, up to the first divergence; the outputs, which are judged, never decide)."""
+        if not self.by_parameters or self._layout(path, "input") is not None or path in self.type_layouts:
+            return
+        for f, t in zip(flax_inputs, torch_inputs):
+            found = _candidates(np.shape(f), np.shape(t))
+            if len(found) < 2:
+                continue
+            errors = sorted((_rel_error(np.transpose(f, p), t), p) for p in found)
+            if errors[0][0] < 0.5 and errors[0][0] * 10 < errors[1][0]:
+                self.decided[path] = errors[0][1]
+            return
+
+
+def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
+    scale = float(np.linalg.norm(b.astype(np.float64)))
+    return float(np.linalg.norm(a.astype(np.float64) - b)) / (scale or 1.0)
+
+
+def projection_layouts(plan: KeyPlan, torch_path: str) -> dict[str, ArrayLayout]:
+    """The activation layouts (``"input"``, ``"output"``: torch -> flax) that the key map's einops layout of the
+    torch module's 2-D ``weight`` implies: with ``"(n h) d -> d n h"``, torch's output ``(..., n*h)`` is flax's
+    ``(..., n, h)``; only where axes are split or merged (a plain transpose keeps activations as they are)."""
+    found: dict[str, ArrayLayout] = {}
+    for target in plan.targets.get(f"{torch_path}.weight", ()):
+        pattern = target.layout.pattern
+        if pattern is None or len(target.torch_shape) != 2:
+            continue
+        lhs, rhs = (ParsedExpression(side) for side in pattern.split("->"))
+        if len(lhs.composition) != 2 or lhs.has_ellipsis or rhs.has_ellipsis:
+            continue
+        for which, group in (("output", lhs.composition[0]), ("input", lhs.composition[1])):
+            flax_groups = [g for g in rhs.composition if set(g) <= set(group)]
+            if flax_groups == [group] or len(group) == len(flax_groups) == 1:
+                continue
+            torch_axes = " ".join(group) if len(group) == 1 else f"({' '.join(group)})"
+            flax_axes = " ".join(g[0] if len(g) == 1 else f"({' '.join(g)})" for g in flax_groups)
+            found[which] = ArrayLayout(pattern=f"... {torch_axes} -> ... {flax_axes}")
+        break
+    return found
 
 
 def filled_variables(plan: KeyPlan) -> set[str]:
@@ -104,10 +190,12 @@ def _whole(names: frozenset, sizes: Mapping[str, int]) -> frozenset:
 
 def pairs_by_parameters(
     flax_groups: ParameterGroups, plan: KeyPlan, torch_keys: Sequence[str], modules: Mapping[str, Any] | None
-) -> dict[str, str]:
-    """torch path -> flax path of the submodules whose parameters map exactly onto each other's (see
-    :func:`~flax_ln.parity.localize.pair_modules`); ``flax_groups``: each flax module's filled variables ->
-    the modules' paths; a torch module that ``modules=`` removes (``None``) takes no part."""
+) -> dict[str, list[str]]:
+    """torch path -> the flax paths of the submodules whose parameters map exactly onto its own (see
+    :func:`~flax_ln.parity.localize.pair_modules`), the likeliest first: where several modules on a side hold the
+    same parameters (a wrapper and its only child), the k-th innermost torch module lists the k-th innermost flax
+    module first. ``flax_groups``: each flax module's filled variables -> the modules' paths; a torch module that
+    ``modules=`` removes (``None``) takes no part."""
     removed = {t for t, given in (modules or {}).items() if given is None}
     sizes = _stack_sizes(plan)
     prefixes = {".".join(key.split(".")[:i]) for key in torch_keys for i in range(1, key.count(".") + 1)}
@@ -116,11 +204,13 @@ def pairs_by_parameters(
         names = _whole(plan.flax_names(k for k in torch_keys if k.startswith(prefix + ".")), sizes)
         if names:
             torch_groups.setdefault(names, []).append(prefix)
-    found: dict[str, str] = {}
+    found: dict[str, list[str]] = {}
     for names, torch_paths in torch_groups.items():
-        flax_paths = sorted(flax_groups.get(names, []), key=len, reverse=True)  # innermost first
-        for t, f in zip(sorted(torch_paths, key=lambda p: p.count("."), reverse=True), flax_paths):
-            found[t] = ".".join(f) if f else WHOLE_MODEL
+        flax_paths = [".".join(f) or WHOLE_MODEL for f in sorted(flax_groups.get(names, []), key=len, reverse=True)]
+        for k, t in enumerate(sorted(torch_paths, key=lambda p: p.count("."), reverse=True)):
+            if flax_paths:
+                first = flax_paths[min(k, len(flax_paths) - 1)]
+                found[t] = [first] + [f for f in flax_paths if f != first]
     return found
 
 
@@ -131,9 +221,11 @@ def complete_pairs(
     orders: Sequence[tuple[int, ...]],
     by_parameters: bool,
     named: str,
+    type_layout: Callable[[Any], Permute | None],
 ) -> Pairs:
     """The automatic pairs ``flax_paths`` (torch path -> flax path), the roots and ``modules=`` added;
-    ``by_flax_path`` holds the flax modules' handles, ``named`` says how their paths are named (for errors)."""
+    ``by_flax_path`` holds the flax modules' handles, ``named`` says how their paths are named (for errors),
+    ``type_layout`` gives a handle's activation layout by its module type (channels-last convolutions)."""
     flax_paths[WHOLE_MODEL] = WHOLE_MODEL
     layouts: dict[str, ArrayLayout] = {}
     for torch_path, given in (modules or {}).items():
@@ -142,7 +234,7 @@ def complete_pairs(
             continue
         path, layout = given if isinstance(given, tuple) else (given, None)
         if path not in by_flax_path:
-            raise ValueError(
+            raise PairingArgumentError(
                 f"modules={{{torch_path!r}: {path!r}}}: the flax model has no module at {path!r}; its modules: "
                 f"{sorted(p for p in by_flax_path if p != WHOLE_MODEL)[:12]} ... (dotted paths, {named})"
             )
@@ -151,17 +243,34 @@ def complete_pairs(
             layouts[torch_path] = parse_layout(layout)
     paired = {t: by_flax_path[f] for t, f in flax_paths.items() if f in by_flax_path}
     hints = [tuple(o) for o in orders if tuple(o) != tuple(range(len(o)))]
-    return Pairs(paired, flax_paths, layouts, {}, by_parameters, hints)
+    pairs = Pairs(paired, flax_paths, layouts, {}, by_parameters, hints)
+    for torch_path, handle in paired.items():
+        if (layout := type_layout(handle)) is not None:
+            pairs.type_layouts[torch_path] = layout
+    return pairs
 
 
-def _permutation(source: tuple, target: tuple, hints: Sequence[tuple[int, ...]] = ()) -> tuple[int, ...] | str:
+def _candidates(source: tuple, target: tuple) -> list[tuple[int, ...]]:
+    """Every ``p`` with ``source[p] == target``."""
+    source, target = tuple(source), tuple(target)
+    if len(source) != len(target):
+        return []
+    return [p for p in itertools.permutations(range(len(source))) if tuple(source[i] for i in p) == target]
+
+
+def _permutation(
+    source: tuple, target: tuple, decided: tuple[int, ...] | None, hints: Sequence[tuple[int, ...]] = ()
+) -> tuple[int, ...] | str:
     """The unique ``p`` with ``source[p] == target``, else the reason there is none.
 
-    Among several (repeated sizes), the one of ``hints`` (the inputs' own axis orders) if exactly one
-    is there, else the identity if the shapes are equal and no hint has this many axes.
+    Among several (repeated sizes): the one ``decided`` by the pair's input values, else the one of ``hints``
+    (the inputs' own axis orders) if exactly one is there, else the identity if the shapes are equal and no
+    hint has this many axes.
     """
     source, target = tuple(source), tuple(target)
-    found = {p for p in itertools.permutations(range(len(source))) if tuple(source[i] for i in p) == target}
+    found = set(_candidates(source, target))
+    if decided is not None and decided in found:
+        return decided
     hinted = found & set(hints)
     if len(found) == 1 or len(hinted) == 1:
         return (found if len(found) == 1 else hinted).pop()
@@ -170,6 +279,32 @@ def _permutation(source: tuple, target: tuple, hints: Sequence[tuple[int, ...]] 
     if not found:
         return f"shapes {source} and {target} are not one axis permutation apart"
     return (
-        f"shapes {source} and {target} are {len(found)} axis permutations apart (ambiguous); "
-        "give the pair's layout in modules={torch_path: (flax_path, 'einops pattern')}"
+        f"shapes {source} and {target} are {len(found)} axis permutations apart and the pair's inputs do not "
+        "decide; give the pair's layout in modules={torch_path: (flax_path, 'einops pattern')}"
     )
+
+
+def substitute_floats(pairs: Pairs, path: str, leaves: list, torch_inputs: Sequence[np.ndarray]) -> list | str:
+    """The flax call's argument ``leaves`` with its floating arrays replaced, in order, by torch's recorded
+    floating inputs put into the flax layout (each onto the shape and dtype flax's own had); a floating
+    argument torch has no counterpart for, or one whose shape torch's does not fit after the first, keeps the
+    port's own value (a mask, a cache, a rotary table); or why the first cannot be replaced."""
+    out, k = list(leaves), 0
+    for i, leaf in enumerate(leaves):
+        if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape") and np.issubdtype(leaf.dtype, np.floating)):
+            continue
+        if k >= len(torch_inputs):
+            break
+        moved = pairs.to_flax(path, torch_inputs[k], np.shape(leaf))
+        if isinstance(moved, str) or np.shape(moved) != np.shape(leaf):
+            if k == 0:
+                why = (
+                    moved if isinstance(moved, str) else f"torch's {np.shape(moved)} is not the call's {np.shape(leaf)}"
+                )
+                return f"input 0: {why}"
+            break
+        out[i] = np.asarray(moved, leaf.dtype)
+        k += 1
+    if k == 0 and torch_inputs:
+        return "the flax call has no floating argument to put torch's inputs in"
+    return out

@@ -34,9 +34,10 @@ from flax_ln.parity.policy import TensorResult
 #   "no gradients":        frozen (how many parameters are frozen)
 #   "frozen":              names (the frozen torch parameters)
 #   "dropped outputs":     outputs (output leaf -> its type)
-#   "first divergence":    module, flax_module, by_parameters, inputs, outputs (TensorResult s)
+#   "first divergence":    module, flax_module, by_parameters, inputs, outputs (TensorResult s, at seen_at),
+#                          between, flax_between (the paired children around a gap in module's own code), seen_at
 #   "no first divergence": failed_outputs (the failing outputs; empty: the backward pass differs)
-#   "isolation":           results, skipped, culprits, flax_culprits
+#   "isolation":           results, skipped, culprits, flax_culprits, own_code
 #   "localization note":   note (why localisation did not run)
 #   "input casts":         casts (input name -> "float64 -> float32": floating inputs cast to the comparison's dtype)
 #   "islands":             islands (Island s: side, module, what, lifted)
@@ -220,8 +221,13 @@ def _first_divergence(d: Mapping[str, Any]) -> list[str]:
     out = max(d["outputs"], key=lambda r: r.excess)
     ins = ", ".join(f"{r.name} rel {r.relative_error:.2e}" for r in d["inputs"]) or "none compared"
     where = f"{d['module']} <-> {d['flax_module']}" if d["by_parameters"] else d["module"]
+    if d.get("between") is not None:
+        before, after = d["between"]
+        gap = f"between {before or 'its start'} and {after or 'its end'}"
+        where = f"in {where}, {gap}: its own code"
+    seen = f"seen at {d['seen_at']}: " if d.get("seen_at", d["module"]) != d["module"] else ""
     return [
-        f"first divergence: {where}  (output rel {out.relative_error:.2e}, "
+        f"first divergence: {where}  ({seen}output rel {out.relative_error:.2e}, "
         f"max |d| {out.max_abs_error:.2e} at {out.max_error_index}; inputs: {ins})"
     ]
 
@@ -236,15 +242,30 @@ def _no_first_divergence(d: Mapping[str, Any]) -> list[str]:
     return ["no submodule output diverges: the difference arises in the backward pass or the loss"]
 
 
+UNPAIRED_REASONS = ("no flax module holds", "no flax twin", "no flax module's output")  # not a failed isolation
+
+
 def _isolation(d: Mapping[str, Any]) -> list[str]:
+    tried = [m for m, why in d["skipped"].items() if not why.startswith(UNPAIRED_REASONS)]
+    skipped = (
+        f"; not run alone: {', '.join(tried[:3])}{', ...' if len(tried) > 3 else ''} ({len(tried)}; the reasons "
+        "are in isolation.skipped)"
+        if tried
+        else ""
+    )
     if not d["culprits"]:
         return [
             f"isolated: every module agrees on torch's inputs ({len(d['results'])} run alone, "
-            f"{len(d['skipped'])} skipped)"
+            f"{len(d['skipped'])} skipped){skipped}"
         ]
     by_name = {r.name: r for r in d["results"]}
-    named = ", ".join(f"{m} (own output rel {fmt(by_name[m].relative_error)})" for m in d["culprits"])
-    return [f"isolated: {named}"]
+    own = set(d.get("own_code", ()))
+    named = ", ".join(
+        f"{m} (own output rel {fmt(by_name[m].relative_error)}"
+        + ("; in its own code: its paired children agree alone)" if m in own else ")")
+        for m in d["culprits"]
+    )
+    return [f"isolated: {named}{skipped}"]
 
 
 def _islands(d: Mapping[str, Any]) -> list[str]:

@@ -28,6 +28,13 @@ class FirstDivergence:
     (equal to ``module`` for mirrored trees, the renamed path under ``register_rename``);
     ``by_parameters``: the pair was found by the parameters each module holds (through a key map),
     not by mirrored paths, so the two paths may differ and the printed line names both.
+
+    When the difference arises in a module's own code between its paired children, ``module`` and
+    ``flax_module`` are that module, and ``between`` holds the torch paths of the paired children just
+    before and just after the gap (``None`` at the start or the end of its code), ``flax_between`` their
+    flax paths; ``between`` is ``None`` when the module itself differs (no paired child, or a child that
+    differs). ``seen_at`` is the torch path of the module whose output was first out of tolerance, and
+    ``inputs`` and ``outputs`` are its errors: the evidence.
     """
 
     module: str
@@ -35,6 +42,9 @@ class FirstDivergence:
     outputs: list[TensorResult]
     flax_module: str = ""
     by_parameters: bool = False
+    between: tuple[str | None, str | None] | None = None
+    flax_between: tuple[str | None, str | None] | None = None
+    seen_at: str = ""
 
     def section(self) -> Section:
         """The report's ``"first divergence"`` section."""
@@ -46,6 +56,9 @@ class FirstDivergence:
                 "by_parameters": self.by_parameters,
                 "inputs": self.inputs,
                 "outputs": self.outputs,
+                "between": self.between,
+                "flax_between": self.flax_between,
+                "seen_at": self.seen_at or self.module,
             },
         )
 
@@ -61,13 +74,16 @@ class Isolation:
     ``results`` holds each module's own output error (by torch path, execution order),
     ``skipped`` why a module could not be run alone, ``culprits`` the failing modules
     none of whose submodules fails: the modules whose own computation differs (torch paths);
-    ``flax_culprits`` the dotted paths of their flax twins, in the same order.
+    ``flax_culprits`` the dotted paths of their flax twins, in the same order; ``own_code``: the culprits
+    that have paired children, each of which agrees alone: the difference is in the module's own code
+    between them.
     """
 
     results: list[TensorResult]
     skipped: dict[str, str]
     culprits: list[str]
     flax_culprits: list[str] = dataclasses.field(default_factory=list)
+    own_code: list[str] = dataclasses.field(default_factory=list)
 
     def section(self) -> Section:
         """The report's ``"isolation"`` section."""
@@ -78,6 +94,7 @@ class Isolation:
                 "skipped": self.skipped,
                 "culprits": self.culprits,
                 "flax_culprits": self.flax_culprits,
+                "own_code": self.own_code,
             },
         )
 
@@ -89,6 +106,7 @@ class Isolation:
         return {
             "culprits": self.culprits,
             "flax_culprits": self.flax_culprits,
+            "own_code": self.own_code,
             "modules": [r.to_json() for r in self.results],
             "skipped": self.skipped,
         }
@@ -156,6 +174,9 @@ class ParityReport:
             else {
                 "module": self.first_divergence.module,
                 "flax_module": self.first_divergence.flax_module,
+                "between": self.first_divergence.between,
+                "flax_between": self.first_divergence.flax_between,
+                "seen_at": self.first_divergence.seen_at or self.first_divergence.module,
                 "inputs": [r.to_json() for r in self.first_divergence.inputs],
                 "outputs": [r.to_json() for r in self.first_divergence.outputs],
             },
