@@ -6,7 +6,6 @@ puts them in a report and never lets an error there lose the verdict. Imports no
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from flax_ln.parity.pairing import (
     ParameterGroups,
     complete_pairs,
     filled_variables,
+    fingerprint,
     pairs_by_parameters,
     projection_layouts,
 )
@@ -179,11 +179,6 @@ def _choose_by_outputs(
             pairs.unpair(t, f"{NO_OUTPUT}: the flax modules holding its parameters pair with {others}")
 
 
-def _fingerprint(array: np.ndarray) -> bytes:
-    """The same for two arrays holding the same values in any layout (any axis order or reshape)."""
-    return hashlib.blake2b(np.sort(np.asarray(array).ravel()).tobytes(), digest_size=16).digest()
-
-
 def _unpair_detours(
     pairs: Pairs, torch_records: Records, recorded: Records, tolerance: Tolerance, given: set[str]
 ) -> None:
@@ -195,19 +190,19 @@ def _unpair_detours(
     torch_inputs: dict[bytes, int] = {}  # fingerprint of a paired module's torch input -> its first position
     for i, path in reversed(list(enumerate(order))):
         for x in torch_records[path][0]:
-            torch_inputs[_fingerprint(x)] = i
+            torch_inputs[fingerprint(x)] = i
     for i, path in enumerate(order):
         if path == WHOLE_MODEL or path in given:
             continue
         result = _pair_output(pairs, path, recorded[pairs.flax_paths[path]], torch_records[path], tolerance)
         if result is None or result.passed:
             continue
-        later = [torch_inputs[k] for k in map(_fingerprint, torch_records[path][1]) if torch_inputs.get(k, -1) > i]
+        later = [torch_inputs[k] for k in map(fingerprint, torch_records[path][1]) if torch_inputs.get(k, -1) > i]
         if not later:
             continue
         consumer = order[min(later)]
-        consumer_inputs = {_fingerprint(x) for x in recorded[pairs.flax_paths[consumer]][0]}
-        if not any(_fingerprint(y) in consumer_inputs for y in recorded[pairs.flax_paths[path]][1]):
+        consumer_inputs = {fingerprint(x) for x in recorded[pairs.flax_paths[consumer]][0]}
+        if not any(fingerprint(y) in consumer_inputs for y in recorded[pairs.flax_paths[path]][1]):
             flax_path = pairs.flax_paths[path]
             pairs.unpair(
                 path,
@@ -233,11 +228,16 @@ def first_divergence(
     paired children. Errors compound down the stack; :func:`isolate` does not let them.
     """
     errors, compared = [], {}
+    sources: dict[bytes, tuple[str, np.ndarray, np.ndarray]] = {}  # where each earlier pair's outputs went
     for path, t_record in torch_records.items():
         if path not in flax_records or path not in pairs.modules:
             continue
-        pairs.decide(path, flax_records[path][0], t_record[0])
-        outputs = _compare_activations("output", flax_records[path][1], t_record[1], tolerance, pairs, path)
+        f_outs = flax_records[path][1]
+        pairs.decide(path, flax_records[path][0], t_record[0], sources)
+        for f, t in zip(f_outs, t_record[1]):
+            if pairs.known_permutation(path, f, np.shape(t)) is not None:
+                sources[fingerprint(t)] = (path, np.asarray(f), t)
+        outputs = _compare_activations("output", f_outs, t_record[1], tolerance, pairs, path)
         if outputs:
             compared[path] = outputs
             errors.append(dataclasses.replace(max(outputs, key=lambda r: r.excess), name=path))
@@ -255,8 +255,8 @@ def _locate(
     A module is its nearest compared ancestor's child. If ``seen`` has children (each agrees: they ran before
     it) and its inputs agree, the gap is in its own code: before the first child whose inputs differ, else after
     the last child. If it has none and its inputs agree (or none are compared), it is the module itself.
-    Otherwise its inputs were made by its parent's code: after the previous sibling, or, for a first child, at
-    the start of the parent's code if the parent's inputs agree, else one level up, and so on.
+    Otherwise its inputs were made by the code of the nearest ancestor whose own inputs agree: in that ancestor,
+    between the child on the way down that took the difference in and its previous sibling (or the start).
     """
 
     def inputs(path: str) -> list[TensorResult]:
@@ -299,12 +299,10 @@ def _locate(
         return found(seen, (kids[at - 1] if at else None, failing))
     child = seen
     while (above := parent(child)) is not None:
-        siblings = children(above)
-        at = siblings.index(child)
-        if at:
-            return found(above, (siblings[at - 1], child))
-        if not _inputs_fail(inputs(above)):
-            return found(above, (None, child))
+        if not _inputs_fail(inputs(above)):  # everything the parent's code had agrees: the gap is in that code
+            siblings = children(above)
+            at = siblings.index(child)
+            return found(above, (siblings[at - 1] if at else None, child))
         child = above
     return found(seen, None)
 

@@ -8,6 +8,7 @@ here know nothing of NNX or Linen: a flax module is a dotted path and an opaque 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -113,20 +114,76 @@ class Pairs:
         perm = _permutation(array.shape, flax_shape, inverse, self.orders)
         return perm if isinstance(perm, str) else np.transpose(array, perm)
 
-    def decide(self, path: str, flax_inputs: Sequence[np.ndarray], torch_inputs: Sequence[np.ndarray]) -> None:
-        """Where several axis permutations take the pair's flax input onto torch's shape, keep the one under which
-        the two inputs agree: its error at least ten times below every other's (inputs are meant to be the same
-        values, up to the first divergence; the outputs, which are judged, never decide)."""
+    def known_permutation(self, path: str, flax_output, torch_shape) -> tuple[int, ...] | None:
+        """The flax -> torch axis permutation of the pair's output where it is known without comparing values: the
+        module type's, none for mirrored pairs, the one decided, or the only one the shapes allow."""
+        if self._layout(path, "output") is not None:
+            return None
+        ndim = np.ndim(flax_output)
+        if path in self.type_layouts:
+            return tuple(int(i) for i in self.type_layouts[path].to_torch(ndim))
+        if not self.by_parameters:
+            return tuple(range(ndim))
+        found = _candidates(np.shape(flax_output), tuple(torch_shape))
+        if self.decided.get(path) in found:
+            return self.decided[path]
+        return found[0] if len(found) == 1 else None
+
+    def decide(
+        self,
+        path: str,
+        flax_inputs: Sequence[np.ndarray],
+        torch_inputs: Sequence[np.ndarray],
+        sources: Mapping[bytes, tuple[str, np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        """Where several axis permutations take the pair's flax input onto torch's shape, keep the right one.
+
+        First by where the input comes from (``sources``: the torch output fingerprint (:func:`fingerprint`) of
+        each earlier pair -> that pair's path, flax output and torch output): when torch's input is exactly an axis
+        permutation of an earlier pair's torch output, flax's input exactly one of that pair's flax output, and that
+        pair's own layout is known, the three compose into this pair's layout, whatever the values' errors. Else by
+        values: the permutation under which the two inputs agree, its error at least ten times below every other's
+        (inputs are meant to be the same values, up to the first divergence; the outputs, which are judged, never
+        decide)."""
         if not self.by_parameters or self._layout(path, "input") is not None or path in self.type_layouts:
             return
         for f, t in zip(flax_inputs, torch_inputs):
             found = _candidates(np.shape(f), np.shape(t))
             if len(found) < 2:
                 continue
+            source = None if sources is None else sources.get(fingerprint(t))
+            if source is not None:
+                flowed = self._by_flow(source, f, t)
+                if flowed in found:
+                    self.decided[path] = flowed
+                    return
             errors = sorted((_rel_error(np.transpose(f, p), t), p) for p in found)
             if errors[0][0] < 0.5 and errors[0][0] * 10 < errors[1][0]:
                 self.decided[path] = errors[0][1]
             return
+
+    def _by_flow(self, source: tuple[str, np.ndarray, np.ndarray], f: np.ndarray, t: np.ndarray):
+        """The flax -> torch permutation of ``f`` (flax's input) onto ``t`` (torch's) through the earlier pair
+        ``source`` whose outputs they are, each side up to an exact axis permutation; ``None`` when not known."""
+        path, f_out, t_out = source
+        at_source = self.known_permutation(path, f_out, np.shape(t_out))
+        torch_moved, flax_moved = _exact_permutation(t_out, t), _exact_permutation(f_out, f)
+        if at_source is None or torch_moved is None or flax_moved is None:
+            return None
+        # f = f_out.T(flax_moved), t = t_out.T(torch_moved) ~ f_out.T(at_source).T(torch_moved): f.T(p) ~ t
+        return tuple(int(i) for i in np.argsort(flax_moved)[np.asarray(at_source)[list(torch_moved)]])
+
+
+def fingerprint(array) -> bytes:
+    """The same for two arrays holding the same values in any layout (any axis order or reshape)."""
+    return hashlib.blake2b(np.sort(np.asarray(array).ravel()).tobytes(), digest_size=16).digest()
+
+
+def _exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...] | None:
+    """The one ``p`` with ``source.transpose(p)`` equal to ``target`` element for element, else ``None``."""
+    found = _candidates(np.shape(source), np.shape(target))
+    exact = [p for p in found if np.array_equal(np.transpose(source, p), target)]
+    return exact[0] if len(exact) == 1 else None
 
 
 def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
