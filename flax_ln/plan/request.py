@@ -17,7 +17,7 @@ DEFAULT_VOCAB = 10000  # chapter12 and the encoder-decoder: the vocabulary is th
 DEFAULT_ENC_DEC_LEN = 64  # the encoder-decoder's source and target length (train_translation.py's --max-len)
 BATCH_PER_CHIP = 2  # default --batch: 2 sequences per chip
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE = 0, 1, 2
-DEFAULT_TIMEOUT = 600  # seconds the compiler's child process may take (--timeout); GPT-2XL plans took 20 to 200 s
+DEFAULT_TIMEOUT = 600  # seconds the compiler's child process may take (--timeout), all of a --search's compiles
 
 
 class PlanError(Exception):
