@@ -361,3 +361,110 @@ def test_examples_batch_size_must_be_a_multiple_of_the_device_count(tmp_path):
         args = [*args, "--out", tmp_path / script]
         code, _, stderr = example(script, *args, env=env)
         assert code == 2 and "must be a multiple of the device count 8" in stderr, (script, stderr[-2000:])
+
+
+# ---- what is refused or answered before the compiler's child process starts ----
+
+
+def test_hard_limits_are_usage_errors_naming_argument_value_and_limit():
+    for args, kwargs, needles in [
+        (("encoder-decoder", TOPOLOGY), dict(seq_len=6000), ["--seq-len", "6000", "5000"]),
+        (("chapter12", TOPOLOGY), dict(vocab_size=10**12), ["--vocab-size", str(10**12), str(2**31 - 1)]),
+        (("gpt2", TOPOLOGY), dict(batch=8_000_000_000), ["--batch", "8000000000", str(2**31 - 1)]),
+        (("gpt2", TOPOLOGY), dict(seq_len=2**40), ["--seq-len", str(2**40), str(2**31 - 1)]),
+        (("gpt2", "v5e:64x64"), {}, ["--topology", "'v5e:64x64'", "16"]),
+        (("gpt2", "v5e:1000x1000"), {}, ["--topology", "'v5e:1000x1000'", "16"]),
+        (("gpt2", "v6e:1000x1000"), {}, ["--topology", "'v6e:1000x1000'", "256"]),
+        (("gpt2", "v4:2x2"), {}, ["--topology", "'v4:2x2'", "3 axes"]),
+        (("gpt2", "v5e:0x4"), {}, ["--topology", "'v5e:0x4'"]),
+    ]:
+        with pytest.raises(plan.PlanError) as info:
+            plan.make_request(*args, **kwargs)
+        assert info.value.exit_code == 2 and all(n in str(info.value) for n in needles), (args, kwargs, info.value)
+    assert plan.make_request("encoder-decoder", TOPOLOGY, seq_len=5000)["seq_len"] == 5000  # the limit itself is fine
+
+
+def test_lower_bound_answers_does_not_fit_without_compiling(monkeypatch):
+    def no_compile(*args, **kwargs):
+        raise AssertionError("the compiler's child process was started")
+
+    monkeypatch.setattr(compiling, "libtpu_missing", lambda: None)
+    monkeypatch.setattr(compiling.subprocess, "run", no_compile)
+    # GPT-2 at B = 80000, T = 1024 on 8 chips: the layers' kept inputs alone are 12 x 80000 x 1024 x 768 x 2 bytes
+    result = plan.run(plan.make_request("gpt2", "v5e:2x4", batch=80_000))
+    assert result["exit_code"] == 1 and result["fits"] is False and result["chips"] == 8, result
+    assert "without compiling" in result["error"] and "--batch" in result["error"], result["error"]
+    assert PINNED <= set(result)
+
+
+def test_the_lower_bound_stays_below_compiled_figures():
+    # compiled-for-TPU totals of docs/tpu.md's table (per chip, all chips together): the bound must be below
+    gib = 2**30
+    for model, topology, batch, per_chip in [
+        ("gpt2-xl", "v5e:2x4", 96, 14.49),
+        ("gpt2", "v5e:2x4", 288, 12.20),
+        ("music", "v5e:2x4", 488, 15.39),
+        ("gpt2-xl", "v4:2x2x1", 108, 30.59),
+    ]:
+        request = plan.make_request(model, topology, batch=batch, remat=True)
+        chips = 8 if topology == "v5e:2x4" else 4
+        assert 0 < plan.lower_bound_bytes(request, batch) < chips * per_chip * gib, (model, topology)
+        assert plan.too_big(request, plan.CHIPS[topology.partition(":")[0]].hbm_bytes, plan.BATCH_PER_CHIP) is None
+
+
+def _main_without_compiling(monkeypatch, *args):
+    """``flax-ln plan ARGS`` in this process with the compile replaced: (exit code, the timeouts run was given)."""
+    from flax_ln.cli import main
+    from flax_ln.cli import plan as plan_cli
+
+    calls: list = []
+
+    def fake_run(request, *, timeout=None):
+        calls.append(timeout)
+        return plan.failed(request, "not compiled in this test", 2)
+
+    monkeypatch.setattr(plan_cli, "run", fake_run)
+    return main(["plan", *map(str, args)]), calls
+
+
+def test_bad_json_path_fails_before_compiling(monkeypatch, tmp_path, capsys):
+    for path, needle in [(tmp_path / "missing" / "plan.json", "does not exist"), (tmp_path, "is a directory")]:
+        code, calls = _main_without_compiling(monkeypatch, "--model", "gpt2", "--topology", TOPOLOGY, "--json", path)
+        stderr = capsys.readouterr().err
+        assert code == 2 and calls == [] and "--json" in stderr and needle in stderr, (path, stderr)
+
+
+def test_timeout_option_reaches_the_compile(monkeypatch, capsys):
+    code, calls = _main_without_compiling(monkeypatch, "--model", "gpt2", "--topology", TOPOLOGY, "--timeout", 30)
+    assert calls == [30.0], calls
+    code, calls = _main_without_compiling(monkeypatch, "--model", "gpt2", "--topology", TOPOLOGY)
+    assert calls == [plan.DEFAULT_TIMEOUT] and plan.DEFAULT_TIMEOUT == 600, calls
+    code, calls = _main_without_compiling(monkeypatch, "--model", "gpt2", "--topology", TOPOLOGY, "--timeout", -1)
+    assert code == 2 and calls == [] and "--timeout" in capsys.readouterr().err
+
+
+def test_timeout_kills_the_child_and_names_the_option(libtpu):
+    result = plan.run(plan.make_request("gpt2", TOPOLOGY, config=TINY), timeout=0.5)  # JAX alone takes longer
+    assert result["exit_code"] == 2 and "--timeout" in result["error"] and "0.5 s" in result["error"], result
+
+
+def test_rerun_advice_only_for_a_compiler_crash():
+    crash = plan.child_failure(-11, "Fatal Python error: Segmentation fault")
+    assert "SIGSEGV" in crash and "run the same command again" in crash, crash
+    error = plan.child_failure(1, "Traceback (most recent call last):\nValueError: something")
+    assert "again" not in error and "report it" in error and "ValueError" in error, error
+
+
+def test_host_bounds_of_small_topologies():
+    assert plan.host_bounds("v5e:1x1") == (1, 1, 1)
+    assert plan.host_bounds("v5e:1x2") == (1, 2, 1) and plan.host_bounds("v6e:2x1") == (2, 1, 1)
+    assert plan.host_bounds("v4:1x1x1") == (1, 1, 1) and plan.host_bounds("v4:2x1x1") == (2, 1, 1)
+    assert plan.host_bounds("v5e:2x4") is None and plan.host_bounds("v4:2x2x1") is None
+
+
+@pytest.mark.slow
+def test_one_chip_topology_compiles(libtpu):
+    tiny_config = dict(n_layer=1, n_head=2, n_embd=128, vocab_size=256, block_size=64)
+    result = plan.run(plan.make_request("gpt2", "v5e:1x1", batch=2, config=tiny_config))
+    assert result["exit_code"] == 0 and result["fits"], result["error"]
+    assert (result["chips"], result["device_kind"], result["fsdp"]) == (1, "TPU v5 lite", 1)

@@ -15,6 +15,7 @@ import jax
 
 from flax_ln import sharding
 from flax_ln.book.catalog import GPT_PRESETS, MODEL_NAMES, check_seq_len
+from flax_ln.cli.paths import output_file_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,19 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_output_file(parser: argparse.ArgumentParser, option: str, path: str) -> None:
     """Fail now, not after the run, when ``path`` cannot be written: a folder, a missing folder, no permission."""
-    if os.path.isdir(path):
-        parser.error(f"{option} {path!r} is a directory; give a file name inside it")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        parser.error(f"{option} {path!r}: the folder {folder!r} does not exist; create it first")
-    try:
-        if os.path.exists(path):
-            open(path, "a").close()  # opening to append changes nothing
-        else:
-            open(path, "x").close()
-            os.remove(path)
-    except OSError as err:
-        parser.error(f"{option} {path!r} cannot be written: {err.strerror or err}")
+    problem = output_file_problem(option, path)
+    if problem:
+        parser.error(problem)
 
 
 def _same_file(a: str, b: str) -> bool:

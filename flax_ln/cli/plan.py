@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
+from flax_ln.cli.paths import output_file_problem
 from flax_ln.plan import (
     BATCH_PER_CHIP,
     CHIPS,
     DEFAULT_ENC_DEC_LEN,
+    DEFAULT_TIMEOUT,
     DEFAULT_VOCAB,
     EXIT_DOES_NOT_FIT,
     EXIT_USAGE,
@@ -63,6 +66,14 @@ def add_arguments(parser) -> None:
         help="batch: the largest batch that fits; fsdp: the smallest fsdp that fits",
     )
     parser.add_argument("--json", metavar="PATH", help="write the plan as JSON (also when it fails)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"stop the TPU compile after this long and exit 2 (default {DEFAULT_TIMEOUT}; a --search compiles "
+        "several times within it)",
+    )
 
 
 def _gib(n) -> str:
@@ -119,7 +130,16 @@ def finish(result: dict, json_path: str | None, prog: str) -> int:
 
 def main_args(args, prog: str = "flax-ln plan") -> int:
     """Run ``flax-ln plan`` for parsed ``args`` (from :func:`add_arguments`); returns the exit code."""
+    problem = output_file_problem("--json", args.json) if args.json else None
+    if problem:  # checked before anything compiles; there is no file to write the failure to
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    timeout = getattr(args, "timeout", DEFAULT_TIMEOUT)
     try:
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise PlanError(
+                f"--timeout: expected a positive number of seconds (default {DEFAULT_TIMEOUT}), got {timeout}"
+            )
         request = make_request(
             args.model,
             args.topology,
@@ -135,7 +155,7 @@ def main_args(args, prog: str = "flax-ln plan") -> int:
     except PlanError as e:
         request = {k: getattr(args, k, None) for k in ("model", "topology", "batch", "seq_len", "dtype", "fsdp")}
         return finish(failed({**request, "remat": args.remat}, str(e), e.exit_code), args.json, prog)
-    return finish(run(request), args.json, prog)
+    return finish(run(request, timeout=timeout), args.json, prog)
 
 
 def plan_or_exit(request: dict, json_path: str | None, prog: str) -> int:

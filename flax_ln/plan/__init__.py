@@ -13,6 +13,7 @@ JAX on the CPU only (:mod:`flax_ln.plan.compiling` says why).
 
 The package, by concept: :mod:`flax_ln.plan.hardware` (the chips, FLOPs and the roofline),
 :mod:`flax_ln.plan.request` (a request as plain data, its validation, a failed plan's result),
+:mod:`flax_ln.plan.limits` (the hard limits and the lower bound on memory checked before any compile),
 :mod:`flax_ln.plan.compiling` (libtpu, the child process, the compile of one step) and
 :mod:`flax_ln.plan.search` (the child's work: one plan, or the search for the batch or fsdp that
 fits). The ``flax-ln plan`` command line is :mod:`flax_ln.cli.plan`.
@@ -22,6 +23,7 @@ from flax_ln.plan.compiling import (
     INSTALL,
     Compiled,
     child_env,
+    child_failure,
     compile_traced,
     find_not_lowerable,
     libtpu_missing,
@@ -41,9 +43,18 @@ from flax_ln.plan.hardware import (
     param_counts,
     roofline,
 )
+from flax_ln.plan.limits import (
+    INT32_MAX,
+    TOPOLOGY_LIMITS,
+    host_bounds,
+    lower_bound_bytes,
+    too_big,
+    topology_problem,
+)
 from flax_ln.plan.request import (
     BATCH_PER_CHIP,
     DEFAULT_ENC_DEC_LEN,
+    DEFAULT_TIMEOUT,
     DEFAULT_VOCAB,
     EXIT_DOES_NOT_FIT,
     EXIT_FITS,
@@ -60,6 +71,7 @@ __all__ = [
     "BATCH_PER_CHIP",
     "CHIPS",
     "DEFAULT_ENC_DEC_LEN",
+    "DEFAULT_TIMEOUT",
     "DEFAULT_VOCAB",
     "EXIT_DOES_NOT_FIT",
     "EXIT_FITS",
@@ -67,12 +79,15 @@ __all__ = [
     "GIB",
     "GPT_MODELS",
     "INSTALL",
+    "INT32_MAX",
     "MEGACORE",
     "MODELS",
     "Chip",
     "Compiled",
     "PlanError",
+    "TOPOLOGY_LIMITS",
     "child_env",
+    "child_failure",
     "child_main",
     "compile_traced",
     "decode_flops",
@@ -80,7 +95,9 @@ __all__ = [
     "failed",
     "find_not_lowerable",
     "gpt_flops",
+    "host_bounds",
     "libtpu_missing",
+    "lower_bound_bytes",
     "make_request",
     "param_counts",
     "plan_request",
@@ -88,5 +105,7 @@ __all__ = [
     "roofline",
     "run",
     "run_many",
+    "too_big",
     "topology_devices",
+    "topology_problem",
 ]

@@ -10,17 +10,20 @@ waits on the TPU metadata server.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from typing import NamedTuple
 
-from flax_ln.plan.hardware import MEGACORE
-from flax_ln.plan.request import EXIT_USAGE, PlanError, failed
+from flax_ln.plan.hardware import CHIPS, MEGACORE
+from flax_ln.plan.limits import host_bounds, too_big, topology_shape
+from flax_ln.plan.request import BATCH_PER_CHIP, DEFAULT_TIMEOUT, EXIT_DOES_NOT_FIT, EXIT_USAGE, PlanError, failed
 
 INSTALL = 'pip install "jax[tpu]==JAX_VERSION"'  # JAX_VERSION: the installed jax's version (filled in at use)
 
@@ -57,20 +60,59 @@ def child_env() -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
-def run(request: dict, *, timeout: float | None = None) -> dict:
+def run(request: dict, *, timeout: float | None = DEFAULT_TIMEOUT) -> dict:
     """Make the plan of ``request`` (from :func:`make_request`) in a child process; returns the result dict.
 
     The result has the pinned JSON keys of ``flax-ln plan``, and ``"exit_code"`` and
-    ``"error"`` (``None`` when the plan was made; a message otherwise).
+    ``"error"`` (``None`` when the plan was made; a message otherwise). ``timeout``: seconds
+    the child may take (``None``: no limit); past it the child is killed and the plan fails with exit code 2.
     """
     return run_many([request], timeout=timeout)[0]
 
 
-def run_many(requests: list[dict], *, timeout: float | None = None) -> list[dict]:
-    """:func:`run` for several requests in one child process (JAX and libtpu start once); results in order."""
+def child_failure(returncode: int, stderr: str) -> str:
+    """The message for a child that ended without its results: a crash of libtpu's compiler (a signal), which a
+    second run has compiled, or an error of the planner itself, which a second run repeats."""
+    tail = "\n".join(stderr.strip().splitlines()[-15:])
+    if returncode == -signal.SIGSEGV:
+        why = (
+            "libtpu's compiler crashed (SIGSEGV in a compiler thread); it does so now and then on large steps "
+            "and compiled the same plan when run again: run the same command again"
+        )
+    elif returncode == -signal.SIGKILL:
+        why = "the TPU compiler process was killed (SIGKILL: often this machine running out of memory)"
+    elif returncode < 0:
+        why = f"the TPU compiler process was killed by signal {-returncode} ({signal.Signals(-returncode).name})"
+    else:
+        why = (
+            f"the TPU compiler process failed (exit status {returncode}): an error of the planner, not of your "
+            "arguments; report it with these messages"
+        )
+    return f"{why}; its last messages:\n{tail}"
+
+
+def run_many(requests: list[dict], *, timeout: float | None = DEFAULT_TIMEOUT) -> list[dict]:
+    """:func:`run` for several requests in one child process (JAX and libtpu start once); results in order.
+
+    A request whose parameters, optimizer state, batch and kept activations alone exceed the HBM of all its chips
+    (:func:`flax_ln.plan.limits.too_big`) is answered "does not fit" (exit code 1) without compiling.
+    """
     missing = libtpu_missing()
     if missing:
         return [failed(request, missing, EXIT_USAGE) for request in requests]
+    answers: dict[int, dict] = {}
+    for i, request in enumerate(requests):
+        big = too_big(request, CHIPS[request["topology"].partition(":")[0]].hbm_bytes, BATCH_PER_CHIP)
+        if big:
+            chips = request.get("devices") or math.prod(topology_shape(request["topology"]))
+            answers[i] = failed(request, big, EXIT_DOES_NOT_FIT, chips=chips)
+    todo = [request for i, request in enumerate(requests) if i not in answers]
+    results = iter(_run_child(todo, timeout) if todo else [])
+    return [answers[i] if i in answers else next(results) for i in range(len(requests))]
+
+
+def _run_child(requests: list[dict], timeout: float | None) -> list[dict]:
+    """The child process's results for ``requests``, or each request failed with the reason."""
     with tempfile.TemporaryDirectory(prefix="flax-ln-plan-") as tmp:
         request_file, result_file = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
         with open(request_file, "w") as f:
@@ -84,17 +126,16 @@ def run_many(requests: list[dict], *, timeout: float | None = None) -> list[dict
                 text=True,
                 timeout=timeout,
             )
-        except subprocess.TimeoutExpired:
-            return [failed(r, f"the TPU compile took longer than {timeout} s", EXIT_USAGE) for r in requests]
+        except subprocess.TimeoutExpired:  # subprocess.run has killed the child
+            message = (
+                f"--timeout: the TPU compile took longer than {timeout:g} s and was stopped; give a larger "
+                f"--timeout (e.g. --timeout {2 * (timeout or 0):g}) if the step is that large"
+            )
+            return [failed(r, message, EXIT_USAGE) for r in requests]
         if proc.returncode == 0 and os.path.exists(result_file):
             with open(result_file) as f:
                 return json.load(f)
-    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-    if proc.returncode < 0:
-        why = f"the TPU compiler process was killed by signal {-proc.returncode}"
-    else:
-        why = f"the TPU compiler process failed (exit status {proc.returncode})"
-    return [failed(r, f"{why}; its last messages:\n{tail}", EXIT_USAGE) for r in requests]
+    return [failed(r, child_failure(proc.returncode, proc.stderr), EXIT_USAGE) for r in requests]
 
 
 # ----------------------------------------------------------------------------- the child: compile
@@ -205,7 +246,10 @@ def topology_devices(topology: str):
 
     try:
         # v4 and v5p chips have two TensorCores that JAX drives as one device ("megacore"), as on a TPU VM
-        options = {"chip_config_name": "megacore"} if topology.partition(":")[0] in MEGACORE else {}
+        options: dict = {"chip_config_name": "megacore"} if topology.partition(":")[0] in MEGACORE else {}
+        bounds = host_bounds(topology)  # a topology smaller than one host (v5e:1x1) is one host of its size
+        if bounds:
+            options["chips_per_host_bounds"] = bounds
         return topologies.get_topology_desc(topology_name=topology, platform="tpu", **options).devices
     except Exception as e:  # noqa: BLE001 - libtpu reports an unknown topology with a runtime error
         raise PlanError(

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from flax_ln.plan.hardware import CHIPS
+from flax_ln.plan.limits import int_problem, topology_problem
 
 MODELS = ("gpt2", "gpt2-xl", "chapter12", "music", "encoder-decoder")
 GPT_MODELS = ("gpt2", "gpt2-xl", "chapter12", "music")
@@ -16,6 +17,7 @@ DEFAULT_VOCAB = 10000  # chapter12 and the encoder-decoder: the vocabulary is th
 DEFAULT_ENC_DEC_LEN = 64  # the encoder-decoder's source and target length (train_translation.py's --max-len)
 BATCH_PER_CHIP = 2  # default --batch: 2 sequences per chip
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE = 0, 1, 2
+DEFAULT_TIMEOUT = 600  # seconds the compiler's child process may take (--timeout), all of a --search's compiles
 
 
 class PlanError(Exception):
@@ -40,6 +42,13 @@ def _gpt_config(model: str, vocab_size: int | None) -> dict:
     else:
         config = presets[model](**({} if vocab_size is None else {"vocab_size": vocab_size}))
     return dataclasses.asdict(config)
+
+
+def _positions() -> int:
+    """The encoder-decoder's ``max_len``: the positions its sinusoid tables cover (the config's default)."""
+    from flax_ln.models.encoder_decoder.config import EncoderDecoderConfig
+
+    return next(f.default for f in dataclasses.fields(EncoderDecoderConfig) if f.name == "max_len")  # type: ignore[return-value]
 
 
 def make_request(
@@ -72,11 +81,15 @@ def make_request(
             f"--topology: expected CHIP:SHAPE with CHIP one of {', '.join(CHIPS)} (the chips whose figures the "
             f"planner has) and SHAPE like 2x4 or 2x2x1, got {topology!r}"
         )
+    problem = topology_problem(topology)
+    if problem:
+        raise PlanError(problem)
     if dtype not in ("bfloat16", "float32"):
         raise PlanError(f"--dtype: expected bfloat16 or float32, got {dtype!r}")
     for name, value in (("--batch", batch), ("--seq-len", seq_len), ("--fsdp", fsdp), ("--vocab-size", vocab_size)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise PlanError(f"{name}: expected a positive integer, got {value!r}")
+        problem = int_problem(name, value)
+        if problem:
+            raise PlanError(problem)
     if search not in (None, "batch", "fsdp"):
         raise PlanError(f"--search: expected batch or fsdp, got {search!r}")
     if model == "encoder-decoder":
@@ -89,13 +102,22 @@ def make_request(
         kwargs.setdefault("src_vocab", vocab)
         kwargs.setdefault("tgt_vocab", vocab)
         seq_len = seq_len or DEFAULT_ENC_DEC_LEN
+        limit = _positions()
+        if seq_len > limit:
+            raise PlanError(
+                f"--seq-len: at most {limit} for --model encoder-decoder (its positional tables cover max_len "
+                f"{limit} positions), got {seq_len}; give --seq-len {limit} or less"
+            )
         spec: dict[str, Any] = {"kind": "encoder-decoder", "setup": kwargs}
     else:
         fields = {**_gpt_config(model, vocab_size), **(config or {})}
         block = fields["block_size"]
         seq_len = seq_len or block
         if seq_len > block:
-            raise PlanError(f"--seq-len: at most the model's block size {block} for --model {model}, got {seq_len}")
+            raise PlanError(
+                f"--seq-len: at most the model's block size {block} for --model {model} (its positional table"
+                f"{' and the KV cache' if generate else ''}), got {seq_len}; give --seq-len {block} or less"
+            )
         spec = {"kind": "decode" if generate else "gpt", "config": fields, "scan_layers": True}
     return {
         **spec,
