@@ -118,6 +118,35 @@ def test_bad_rules_are_all_listed_when_the_map_is_built():
         assert f"rule {index} " in text
 
 
+def test_a_repeated_axis_and_templates_naming_missing_groups_are_bad_rules_listed_together():
+    """Every bad rule in one ValueError naming its index and regex, when the map is built: a layout einops
+    cannot parse, and templates naming groups their regex lacks (which would fail only after the torch run)."""
+    with pytest.raises(ValueError) as info:
+        KeyMap(
+            [
+                (r"a\.weight", "x.kernel", "o i -> i o o"),  # a repeated axis
+                (r"b\.(\d+)\.weight", r"x.\3.kernel", None),  # the regex has one group
+                (r"c\.(?P<layer>\d+)\.weight", r"x.\g<foo>.kernel", None),  # no group named foo
+                (r"d\.weight", r"x.\1", None),  # no group at all
+                (r"e\.(\d+)", (r"x.\1", r"y.\2"), None),  # the second of two templates
+                (r"f\.(\d+)\.(?P<kind>w|b)", (r"x.\1.\g<kind>", r"y.\g<2>"), None),  # a good rule
+            ]
+        )
+    text = str(info.value)
+    assert "5 bad rule(s)" in text
+    lines = text.splitlines()[1:]
+    for index, regex, says in [
+        (0, r"a\\.weight", 'duplicate dimension "o"'),
+        (1, r"b\\.(\\d+)", "invalid group reference 3"),
+        (2, "foo", "unknown group name 'foo'"),
+        (3, r"d\\.weight", "the regex has no groups"),
+        (4, r"e\\.(\\d+)", "invalid group reference 2"),
+    ]:
+        line = next(line for line in lines if line.strip().startswith(f"rule {index} "))
+        assert regex in line and says in line, line
+    assert not any(line.strip().startswith("rule 5 ") for line in lines)
+
+
 def snapshot(model):
     return {k: v.copy() for k, v in params(model).items()}
 
