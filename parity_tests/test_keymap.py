@@ -14,7 +14,7 @@ from flax import nnx
 import flax_ln
 import torch_ref.gpt as tg
 from flax_ln import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
-from flax_ln.convert import Tie, fill_tree, find_ties, keymap_transfer
+from flax_ln.convert import PytreeTree, Tie, fill_tree, find_ties, keymap_transfer
 
 V, D, N, H = 11, 6, 2, 3  # vocabulary, width, heads, head size
 
@@ -213,6 +213,22 @@ def test_two_keys_into_one_variable_must_be_aliases_or_equal():
         for t in (untied, TorchToy(tied=True)):
             port = load_torch_state_dict(SharedPort(), t.state_dict(), weights=KeyMap(rules))
     np.testing.assert_array_equal(port.emb.embedding[...], t.embed.weight.detach().numpy())
+
+
+def test_aliases_into_one_variable_through_different_layouts_must_agree_after_them():
+    """One tied tensor into one variable by two layouts (two rules, or one rule's tuple template): a square
+    matrix fits both, so only the values after the layouts tell whether the variable is filled once."""
+    w = np.arange(16.0, dtype=np.float32).reshape(4, 4)
+    two_rules = KeyMap([(r"wte\.weight", "emb", None), (r"lm_head\.weight", "emb", "v d -> d v")])
+    one_rule = KeyMap([(r"wte\.weight", ("emb", "emb"), (None, "v d -> d v")), (r"lm_head\.weight", None, None)])
+    for key_map in (two_rules, one_rule):
+        tree = PytreeTree({"emb": np.zeros((4, 4), np.float32)})
+        with pytest.raises(ConversionError, match=r"flax variable 'emb': filled by .*through different layouts"):
+            fill_tree(tree, {"wte.weight": w, "lm_head.weight": w}, key_map)  # one array: a tie
+        np.testing.assert_array_equal(tree.read("emb"), 0)  # nothing written
+        symmetric = w + w.T
+        fill_tree(tree, {"wte.weight": symmetric, "lm_head.weight": symmetric}, key_map)
+        np.testing.assert_array_equal(tree.read("emb"), symmetric)
 
 
 def test_unfilled_variables_are_errors_and_strict_false_allows_them():

@@ -38,10 +38,11 @@ into several variables (a checkpoint that stores a tied weight once).
 
 **Strict.** Every torch key matches exactly one rule; every ``nnx.Param`` and
 ``nnx.BatchStat`` is filled exactly once (other variables only where a rule names them);
-one variable may be filled twice only by aliases of one torch tensor (a tie) or by equal
-values. Every problem is listed in one :class:`~flax_ln.convert.ConversionError`
-and nothing is loaded. A rule that matches no key only warns, so the map that loads a
-full state dict also loads a checkpoint saved without an alias.
+one variable may be filled twice only by aliases of one torch tensor (a tie) through one
+layout, or by values equal after their layouts (aliases through different layouts included).
+Every problem is listed in one :class:`~flax_ln.convert.ConversionError` and nothing is loaded.
+A rule that matches no key only warns, so the map that loads a full state dict also loads a
+checkpoint saved without an alias.
 
 **For comparisons.** :meth:`KeyMap.resolve` gives a :class:`KeyPlan`: for every torch key
 its :class:`Target` variables (canonical dotted path, slice, layout), both directions of
