@@ -6,15 +6,17 @@ import enum
 import re
 import warnings
 
+import jax
 import numpy as np
 import pytest
 import torch
-from flax import nnx
+from flax import linen, nnx
 
 import flax_ln
 import torch_ref.gpt as tg
 from flax_ln import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
-from flax_ln.convert import PytreeTree, Tie, fill_tree, find_ties, keymap_transfer
+from flax_ln.convert import LinenTree, PytreeTree, Tie, fill_tree, find_ties, keymap_transfer
+from flax_ln.parity import Function, Linen
 
 V, D, N, H = 11, 6, 2, 3  # vocabulary, width, heads, head size
 
@@ -443,6 +445,32 @@ def test_a_regex_that_is_not_a_literal_needs_like():
 def test_without_weights_like_is_refused():
     with pytest.raises(TypeError, match="like= goes with weights="):
         to_torch_state_dict(Port(), like={})
+
+
+def test_linen_variables_and_parameter_pytrees_export_through_a_key_map():
+    """Every variable tree exports through a key map (it came back empty); a bare pytree, and anything but an
+    nnx.Module without a key map or for an in-place load, is a TypeError saying what to pass."""
+    torch_linear = torch.nn.Linear(3, 2)
+    sd = torch_linear.state_dict()
+    module = linen.Dense(2)
+    key_map = KeyMap([(r"weight", "kernel", "o i -> i o"), (r"bias", "bias", None)])
+    tree = LinenTree(module.init(jax.random.key(0), np.zeros((1, 3), np.float32)))
+    fill_tree(tree, sd, key_map)
+    variables = tree.tree()
+    function = Function(lambda p, x: x @ p["kernel"] + p["bias"], variables["params"])
+    for model in (Linen(module, variables), LinenTree(variables), function, PytreeTree(variables["params"])):
+        for like in (sd, None):
+            back = to_torch_state_dict(model, weights=key_map, like=like)
+            assert list(back) == ["weight", "bias"], type(model).__name__
+            for k, v in sd.items():
+                np.testing.assert_array_equal(back[k], v.numpy(), err_msg=k)
+    with pytest.raises(TypeError, match=r"got dict: wrap a pytree in LinenTree\(\.\.\.\) or PytreeTree"):
+        to_torch_state_dict(variables, weights=key_map)
+    with pytest.raises(TypeError, match=r"to_torch_state_dict without weights= takes an nnx.Module, got Function"):
+        to_torch_state_dict(function)
+    for weights in (key_map, None):
+        with pytest.raises(TypeError, match=r"load_torch_state_dict takes an nnx.Module, got dict; fill a copy"):
+            load_torch_state_dict(variables, sd, weights=weights)
 
 
 GPT_MAP = KeyMap(

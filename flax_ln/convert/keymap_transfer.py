@@ -23,7 +23,7 @@ from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.keymap import KeyMap, KeyPlan, Target, array_specs, key_map_error, match_targets, target_labels
 from flax_ln.convert.layouts import ArrayLayout, NeedsTorchShape, Shape
 from flax_ln.convert.ties import find_ties
-from flax_ln.convert.trees import NNXTree, VariableTree
+from flax_ln.convert.trees import NNXTree, VariableTree, as_variable_tree, require_module
 
 _EXPORT = "the model does not export through its key map"
 
@@ -63,7 +63,7 @@ def load_with_key_map(
     """:func:`~flax_ln.convert.load_torch_state_dict` with ``weights=key_map``: check all, then write."""
     if not isinstance(key_map, KeyMap):
         raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")
-    fill_tree(NNXTree(model), state_dict, key_map, strict=strict)
+    fill_tree(NNXTree(require_module(model, "load_torch_state_dict")), state_dict, key_map, strict=strict)
     return model
 
 
@@ -179,11 +179,12 @@ def _check_fits(plan: KeyPlan, tree: VariableTree, arrays: Mapping[str, np.ndarr
         )
 
 
-def export_with_key_map(model: nnx.Module, key_map: KeyMap, like: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
-    """:func:`~flax_ln.convert.to_torch_state_dict` with ``weights=key_map`` (and ``like=``)."""
+def export_with_key_map(model: Any, key_map: KeyMap, like: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """:func:`~flax_ln.convert.to_torch_state_dict` with ``weights=key_map`` (and ``like=``), from any variable tree
+    (:func:`~flax_ln.convert.trees.as_variable_tree`)."""
     if not isinstance(key_map, KeyMap):
         raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")
-    tree = NNXTree(model)
+    tree = as_variable_tree(model, "to_torch_state_dict(weights=KeyMap(...))")
     if like is not None:
         like_arrays = {k: as_numpy(v) for k, v in like.items()}
         ties = find_ties(like_arrays)

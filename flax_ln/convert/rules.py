@@ -37,6 +37,7 @@ from flax import nnx
 from flax_ln.convert.assign import SAVED_KINDS, ModuleT, as_numpy, assign, dtype_problem
 from flax_ln.convert.errors import ConversionError, MissingRuleError
 from flax_ln.convert.layouts import Permute
+from flax_ln.convert.trees import require_module
 from flax_ln.models.encoder_decoder import PositionalEncoding
 from flax_ln.models.gpt import GPT, CausalSelfAttention, causal_mask_buffer
 from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm
@@ -411,7 +412,7 @@ def _torch_layout(entry: _Entry, host_values: dict[int, np.ndarray]) -> np.ndarr
 
 def load_with_rules(model: ModuleT, state_dict: Mapping[str, Any], *, strict: bool = True) -> ModuleT:
     """:func:`~flax_ln.convert.load_torch_state_dict` through the rule table: check all, then write."""
-    entries = _entries(model)
+    entries = _entries(require_module(model, "load_torch_state_dict"))
     expected = {e.key for e in entries}
     missing = expected - state_dict.keys() if strict else set()
     unexpected = state_dict.keys() - expected if strict else set()
@@ -470,5 +471,10 @@ def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None,
 
 def export_with_rules(model: nnx.Module) -> dict[str, np.ndarray]:
     """:func:`~flax_ln.convert.to_torch_state_dict` through the rule table."""
+    fix = (
+        "the rule table reads the modules of an NNX model that mirrors its torch twin; export a Linen module's "
+        "variables or a parameter pytree with weights=KeyMap(...)"
+    )
+    entries = _entries(require_module(model, "to_torch_state_dict without weights=", fix))
     host_values: dict[int, np.ndarray] = {}
-    return {entry.key: _torch_layout(entry, host_values) for entry in _entries(model)}
+    return {entry.key: _torch_layout(entry, host_values) for entry in entries}

@@ -36,7 +36,7 @@ from flax import linen
 
 from flax_ln.convert import KeyMap, KeyPlan, find_ties
 from flax_ln.convert.keymap_transfer import write_by_plan
-from flax_ln.convert.trees import VariableTree
+from flax_ln.convert.trees import LinenTree, PytreeTree, VariableTree
 from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, run_forward, with_floats
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.islands import Island, float32_rounded
@@ -62,6 +62,10 @@ class Linen:
     variables: Any
     method: Any = None
 
+    def variable_tree(self) -> LinenTree:
+        """Its variables as the converter names them (``to_torch_state_dict(linen, weights=...)`` exports them)."""
+        return LinenTree(self.variables)
+
 
 @dataclasses.dataclass(frozen=True)
 class Function:
@@ -76,6 +80,10 @@ class Function:
 
     apply: Callable[..., Any]
     params: Any
+
+    def variable_tree(self) -> PytreeTree:
+        """Its params as the converter names them (``to_torch_state_dict(function, weights=...)`` exports them)."""
+        return PytreeTree(self.params)
 
 
 @dataclasses.dataclass
