@@ -59,6 +59,10 @@ class NNXTree:
                 self._vars[name] = node
                 self._canonical[id(node)] = name
 
+    def variable_items(self) -> list[tuple[str, nnx.Variable]]:
+        """``(canonical path, variable)`` of every variable, each once."""
+        return list(self._vars.items())
+
     def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
         """See :meth:`VariableTree.variables`."""
         return {

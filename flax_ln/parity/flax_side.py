@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen
 
-from flax_ln.convert import KeyMap, KeyPlan, find_ties
+from flax_ln.convert import KeyMap, KeyPlan, Tie, find_ties
 from flax_ln.convert.keymap_transfer import write_by_plan
 from flax_ln.convert.trees import LinenTree, PytreeTree, VariableTree
 from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, run_forward, with_floats
@@ -413,6 +413,10 @@ class FlaxSide(abc.ABC):
     @abc.abstractmethod
     def parts(self) -> Parts:
         """Its split for differentiation."""
+
+    def ties(self) -> dict[str, Tie]:
+        """The ties of torch's weights and the flax variables their keys fill (``report.ties``): the plan's."""
+        return {} if self.plan is None else dict(self.plan.ties)
 
     def torch_gradients(self, parts: Parts, param_grads: Any, rest: Any) -> dict[str, Any]:
         """Parameter gradients (shaped like ``parts.params``) under torch's names: through the plan, tied copies
