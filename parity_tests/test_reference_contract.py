@@ -44,6 +44,8 @@ def read(path):
 def write(path, metadata, tensors, *, redigest=True, text=None):
     """Save an edited reference; ``redigest``: with a digest of the edit (as if it had been written so)."""
     text = json.dumps(metadata) if text is None else text
+    # safetensors' numpy writer stores a non-contiguous view's buffer, not its values: save what is digested
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     stored = {METADATA_KEY: text}
     if redigest:
         stored[DIGEST_KEY] = digest(json.loads(text), tensors)
