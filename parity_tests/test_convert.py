@@ -22,6 +22,7 @@ from flax_ln.convert import (
     torch_activation,
     torch_module_paths,
 )
+from flax_ln.parity import compare_modules
 
 
 class TorchToy(torch.nn.Module):
@@ -648,3 +649,85 @@ def test_engine_pairs_renamed_submodules_by_their_torch_path(rules):
     assert report.first_divergence is not None and report.first_divergence.module == "layers.1"
     assert report.first_divergence.flax_module == "blocks.1"  # the renamed path, dotted
     assert report.first_divergence.describe().startswith("first divergence: layers.1  (")  # no key map: one path
+
+
+class TorchTiedLM(torch.nn.Module):
+    """A head that IS the embedding (one Parameter, two keys)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(7, 4)
+        self.lm_head = torch.nn.Linear(4, 7, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(self.wte(idx))
+
+
+class FlaxTiedLM(nnx.Module):
+    """Its twin: one embedding variable, the head through ``attend``."""
+
+    def __init__(self):
+        self.wte = nnx.Embed(7, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, idx):
+        return self.wte.attend(self.wte(idx))
+
+
+class TorchSharedLinear(torch.nn.Module):
+    """One Linear under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = self.a
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class FlaxSharedLinear(nnx.Module):
+    def __init__(self):
+        self.a = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.b = self.a
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize(
+    ("make_torch", "make_flax", "inputs", "ties"),
+    [
+        (
+            TorchTiedLM,
+            FlaxTiedLM,
+            lambda: (np.array([[0, 3, 6]]),),
+            {"wte.weight": (("wte.weight", "lm_head.weight"), ("wte.embedding",))},
+        ),
+        (
+            TorchSharedLinear,
+            FlaxSharedLinear,
+            lambda: (np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32),),
+            {"a.weight": (("a.weight", "b.weight"), ("a.kernel",)), "a.bias": (("a.bias", "b.bias"), ("a.bias",))},
+        ),
+    ],
+    ids=["a head that reuses the embedding", "a module shared under two names"],
+)
+def test_ties_and_shared_modules_of_mirrored_twins_go_through_the_rule_table(make_torch, make_flax, inputs, ties):
+    """A tie kept as one variable on both sides loads through the rules (the alias's key fills the variable its
+    tie's key fills) and is compared, report.ties filled as a key map's plan fills it."""
+    torch.manual_seed(0)
+    torch_model, flax_model = make_torch(), make_flax()
+    state_dict = torch_model.state_dict()
+    load_torch_state_dict(flax_model, state_dict)
+    for key, value in to_torch_state_dict(flax_model).items():
+        np.testing.assert_array_equal(value, state_dict[key].numpy(), err_msg=key)
+    report = compare_modules(torch_model, make_flax(), inputs())
+    assert report.passed, report
+    assert {name: (tie.torch_aliases, tie.flax_paths) for name, tie in report.ties.items()} == ties
+    # an alias of another shape than its tie's key is refused, naming both
+    alias = next(iter(ties.values()))[0][1]
+    bad = {k: v.clone() for k, v in state_dict.items()}
+    bad[alias] = state_dict[alias][:1]  # a view: still the same memory, a tie of another shape is none
+    with pytest.raises(ConversionError, match=f"unexpected key '{alias}'"):
+        load_torch_state_dict(make_flax(), bad)

@@ -6,15 +6,17 @@ import enum
 import re
 import warnings
 
+import jax
 import numpy as np
 import pytest
 import torch
-from flax import nnx
+from flax import linen, nnx
 
 import flax_ln
 import torch_ref.gpt as tg
 from flax_ln import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
-from flax_ln.convert import Tie, fill_tree, find_ties, keymap_transfer
+from flax_ln.convert import LinenTree, PytreeTree, Tie, fill_tree, find_ties, keymap_transfer
+from flax_ln.parity import Function, Linen
 
 V, D, N, H = 11, 6, 2, 3  # vocabulary, width, heads, head size
 
@@ -118,6 +120,35 @@ def test_bad_rules_are_all_listed_when_the_map_is_built():
         assert f"rule {index} " in text
 
 
+def test_a_repeated_axis_and_templates_naming_missing_groups_are_bad_rules_listed_together():
+    """Every bad rule in one ValueError naming its index and regex, when the map is built: a layout einops
+    cannot parse, and templates naming groups their regex lacks (which would fail only after the torch run)."""
+    with pytest.raises(ValueError) as info:
+        KeyMap(
+            [
+                (r"a\.weight", "x.kernel", "o i -> i o o"),  # a repeated axis
+                (r"b\.(\d+)\.weight", r"x.\3.kernel", None),  # the regex has one group
+                (r"c\.(?P<layer>\d+)\.weight", r"x.\g<foo>.kernel", None),  # no group named foo
+                (r"d\.weight", r"x.\1", None),  # no group at all
+                (r"e\.(\d+)", (r"x.\1", r"y.\2"), None),  # the second of two templates
+                (r"f\.(\d+)\.(?P<kind>w|b)", (r"x.\1.\g<kind>", r"y.\g<2>"), None),  # a good rule
+            ]
+        )
+    text = str(info.value)
+    assert "5 bad rule(s)" in text
+    lines = text.splitlines()[1:]
+    for index, regex, says in [
+        (0, r"a\\.weight", 'duplicate dimension "o"'),
+        (1, r"b\\.(\\d+)", "invalid group reference 3"),
+        (2, "foo", "unknown group name 'foo'"),
+        (3, r"d\\.weight", "the regex has no groups"),
+        (4, r"e\\.(\\d+)", "invalid group reference 2"),
+    ]:
+        line = next(line for line in lines if line.strip().startswith(f"rule {index} "))
+        assert regex in line and says in line, line
+    assert not any(line.strip().startswith("rule 5 ") for line in lines)
+
+
 def snapshot(model):
     return {k: v.copy() for k, v in params(model).items()}
 
@@ -184,6 +215,22 @@ def test_two_keys_into_one_variable_must_be_aliases_or_equal():
         for t in (untied, TorchToy(tied=True)):
             port = load_torch_state_dict(SharedPort(), t.state_dict(), weights=KeyMap(rules))
     np.testing.assert_array_equal(port.emb.embedding[...], t.embed.weight.detach().numpy())
+
+
+def test_aliases_into_one_variable_through_different_layouts_must_agree_after_them():
+    """One tied tensor into one variable by two layouts (two rules, or one rule's tuple template): a square
+    matrix fits both, so only the values after the layouts tell whether the variable is filled once."""
+    w = np.arange(16.0, dtype=np.float32).reshape(4, 4)
+    two_rules = KeyMap([(r"wte\.weight", "emb", None), (r"lm_head\.weight", "emb", "v d -> d v")])
+    one_rule = KeyMap([(r"wte\.weight", ("emb", "emb"), (None, "v d -> d v")), (r"lm_head\.weight", None, None)])
+    for key_map in (two_rules, one_rule):
+        tree = PytreeTree({"emb": np.zeros((4, 4), np.float32)})
+        with pytest.raises(ConversionError, match=r"flax variable 'emb': filled by .*through different layouts"):
+            fill_tree(tree, {"wte.weight": w, "lm_head.weight": w}, key_map)  # one array: a tie
+        np.testing.assert_array_equal(tree.read("emb"), 0)  # nothing written
+        symmetric = w + w.T
+        fill_tree(tree, {"wte.weight": symmetric, "lm_head.weight": symmetric}, key_map)
+        np.testing.assert_array_equal(tree.read("emb"), symmetric)
 
 
 def test_unfilled_variables_are_errors_and_strict_false_allows_them():
@@ -398,6 +445,32 @@ def test_a_regex_that_is_not_a_literal_needs_like():
 def test_without_weights_like_is_refused():
     with pytest.raises(TypeError, match="like= goes with weights="):
         to_torch_state_dict(Port(), like={})
+
+
+def test_linen_variables_and_parameter_pytrees_export_through_a_key_map():
+    """Every variable tree exports through a key map (it came back empty); a bare pytree, and anything but an
+    nnx.Module without a key map or for an in-place load, is a TypeError saying what to pass."""
+    torch_linear = torch.nn.Linear(3, 2)
+    sd = torch_linear.state_dict()
+    module = linen.Dense(2)
+    key_map = KeyMap([(r"weight", "kernel", "o i -> i o"), (r"bias", "bias", None)])
+    tree = LinenTree(module.init(jax.random.key(0), np.zeros((1, 3), np.float32)))
+    fill_tree(tree, sd, key_map)
+    variables = tree.tree()
+    function = Function(lambda p, x: x @ p["kernel"] + p["bias"], variables["params"])
+    for model in (Linen(module, variables), LinenTree(variables), function, PytreeTree(variables["params"])):
+        for like in (sd, None):
+            back = to_torch_state_dict(model, weights=key_map, like=like)
+            assert list(back) == ["weight", "bias"], type(model).__name__
+            for k, v in sd.items():
+                np.testing.assert_array_equal(back[k], v.numpy(), err_msg=k)
+    with pytest.raises(TypeError, match=r"got dict: wrap a pytree in LinenTree\(\.\.\.\) or PytreeTree"):
+        to_torch_state_dict(variables, weights=key_map)
+    with pytest.raises(TypeError, match=r"to_torch_state_dict without weights= takes an nnx.Module, got Function"):
+        to_torch_state_dict(function)
+    for weights in (key_map, None):
+        with pytest.raises(TypeError, match=r"load_torch_state_dict takes an nnx.Module, got dict; fill a copy"):
+            load_torch_state_dict(variables, sd, weights=weights)
 
 
 GPT_MAP = KeyMap(

@@ -44,6 +44,8 @@ def read(path):
 def write(path, metadata, tensors, *, redigest=True, text=None):
     """Save an edited reference; ``redigest``: with a digest of the edit (as if it had been written so)."""
     text = json.dumps(metadata) if text is None else text
+    # safetensors' numpy writer stores a non-contiguous view's buffer, not its values: save what is digested
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     stored = {METADATA_KEY: text}
     if redigest:
         stored[DIGEST_KEY] = digest(json.loads(text), tensors)
@@ -302,12 +304,53 @@ def test_altered_metadata_is_reported_altered(references, tmp_path, capsys):
     assert code == 1 and "ALTERED" in out and "PASS" not in out, out + err
 
 
-def test_a_reference_without_digest_is_read_with_a_note(references, tmp_path, capsys):
+def _flip_low_bit(meta, tensors):
+    key = next(k for k in tensors if "/state_dict/" in k)
+    tensors[key] = (tensors[key].view(np.uint32) ^ np.uint32(1)).view(np.float32)  # the last mantissa bit
+
+
+@pytest.mark.parametrize("edit", [lambda meta, tensors: None, _flip_low_bit], ids=["as written", "a low bit flipped"])
+def test_a_reference_without_digest_is_refused_with_the_fix(references, tmp_path, capsys, edit):
     meta, tensors, _ = read(references["layernorm"])
+    edit(meta, tensors)
     path = write(tmp_path / "old.safetensors", meta, tensors, redigest=False)
     code, out, err = run(capsys, "--reference", path, "--quiet")
-    assert code == 0, out + err
-    assert "no digest" in err and "PASS" in out
+    assert code == 2, out + err
+    assert "PASS" not in out and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("flax-ln parity: error:")]
+    assert str(path) in line and "no 'flax_ln_reference_sha256' digest" in line, line
+    assert "write the file again with --save-reference" in line, line
+
+
+def _retype_a_gradient(meta, tensors):
+    side = meta["models"][0]["side"]
+    kinds = dict((k, v["value"]) for k, v in entry(side, "kinds"))
+    name = next(k for k, kind in kinds.items() if kind != "output")
+    key = dict(entry(side, "expected"))[name]["tensor"]
+    tensors[key] = tensors[key].astype(np.float16)  # a dtype the schema refuses
+
+
+def _an_extra_output(meta, tensors):
+    side = meta["models"][0]["side"]
+    output = next(k for k, v in entry(side, "kinds") if v["value"] == "output")
+    tensors["0/expected/extra"] = tensors[dict(entry(side, "expected"))[output]["tensor"]].copy()
+    side["expected"]["dict"].append(["extra", {"tensor": "0/expected/extra"}])
+
+
+@pytest.mark.parametrize("edit", [_retype_a_gradient, _an_extra_output], ids=["a re-typed gradient", "an extra output"])
+def test_an_altered_file_that_also_breaks_the_schema_is_reported_altered(references, tmp_path, capsys, edit):
+    """The digest is checked before the schema: an edit after writing is ALTERED (exit 1), whatever it breaks."""
+    meta, tensors, stored = read(references["layernorm"])
+    edit(meta, tensors)
+    path = tmp_path / "altered.safetensors"
+    save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(meta), DIGEST_KEY: stored[DIGEST_KEY]})
+    code, out, err = run(capsys, "--reference", path)
+    assert code == 1, out + err
+    assert "ALTERED" in out and "altered" in err and "PASS" not in out and "field" not in err, out + err
+    # the same edit, written with its own digest, is a usage error (exit 2)
+    write(path, meta, tensors)
+    code, out, err = run(capsys, "--reference", path)
+    assert code == 2 and "flax-ln parity: error:" in err and "ALTERED" not in out, out + err
 
 
 def test_a_wrong_twin_in_a_consistent_file_is_a_parity_fail(references, tmp_path, capsys):

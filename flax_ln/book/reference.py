@@ -206,17 +206,19 @@ def save_reference(path: str, models: Sequence[ReferenceModel], settings: Mappin
     write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=stored))
 
 
-def load_reference(path: str, notes: list[str] | None = None) -> tuple[dict[str, Any], list[ReferenceModel]]:
+def load_reference(path: str) -> tuple[dict[str, Any], list[ReferenceModel]]:
     """The settings and models of a reference file written by :func:`save_reference`.
 
-    The metadata is checked against the schema (:func:`flax_ln.book.reference_schema.validate`)
-    before anything is unpacked or built, then the digest written with the file. A file
-    without a digest (written by flax-ln before digests) is read, and a line saying so is
-    appended to ``notes``.
+    The digest written with the file is checked first (after the metadata's nesting depth, which
+    bounds the walk), then the metadata against the schema
+    (:func:`flax_ln.book.reference_schema.validate`), before anything is unpacked or built: a file
+    edited after it was written is reported altered, whatever the edit. A file without a digest
+    is refused: nothing could tell its edits from a comparison.
 
     Raises:
       ReferenceFileError: the file is missing, not safetensors, a safetensors file without
-        flax-ln's reference metadata, or metadata that breaks the schema (naming the field).
+        flax-ln's reference metadata or without a digest, or metadata that breaks the schema
+        (naming the field).
       ReferenceAlteredError: the tensors or metadata do not match the file's digest.
     """
     import os
@@ -248,22 +250,24 @@ def load_reference(path: str, notes: list[str] | None = None) -> tuple[dict[str,
     except ValueError as err:
         raise ReferenceFileError(f"--reference {path!r}: its metadata is not JSON ({err}); {hint}") from err
     try:
+        reference_schema.check_depth(data)  # bounded before the digest walks it
+    except reference_schema.SchemaError as err:
+        raise ReferenceFileError(f"--reference {path!r}: field {err}; {hint}") from err
+    expected = stored.get(DIGEST_KEY)
+    if expected is None:
+        raise ReferenceFileError(
+            f"--reference {path!r} has no {DIGEST_KEY!r} digest, so an alteration since it was written cannot "
+            "be told from a comparison; write the file again with --save-reference"
+        )
+    actual = digest(data, tensors)
+    if actual != expected:
+        raise ReferenceAlteredError(path, expected, actual)
+    try:
         reference_schema.validate(
             data, tensors, forwards=FORWARDS, build=build_flax_model, file_format=FORMAT, version=VERSION
         )
     except reference_schema.SchemaError as err:
         raise ReferenceFileError(f"--reference {path!r}: field {err}; {hint}") from err
-    expected = stored.get(DIGEST_KEY)
-    if expected is None:
-        if notes is not None:
-            notes.append(
-                f"note: --reference {path!r} has no digest (written by an older flax-ln), so an alteration "
-                "cannot be detected; write it again with --save-reference to add one"
-            )
-    else:
-        actual = digest(data, tensors)
-        if actual != expected:
-            raise ReferenceAlteredError(path, expected, actual)
     models = []
     for entry in data["models"]:
         fields = {name: _unpack(packed, tensors) for name, packed in entry["side"].items()}

@@ -79,6 +79,12 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
+def check_depth(data: Any) -> None:
+    """Raise :class:`SchemaError` when ``data`` nests deeper than :data:`MAX_DEPTH` levels."""
+    depth = nesting_depth(data)
+    _require(depth <= MAX_DEPTH, "(top level)", f"nests {depth} levels deep, at most {MAX_DEPTH} allowed")
+
+
 def _type_name(value: Any) -> str:
     return type(value).__name__
 
@@ -438,8 +444,7 @@ def validate(data: Any, tensors: Mapping[str, np.ndarray], *, forwards, build, f
             else ""
         ),
     )
-    depth = nesting_depth(data)
-    _require(depth <= MAX_DEPTH, "(top level)", f"nests {depth} levels deep, at most {MAX_DEPTH} allowed")
+    check_depth(data)
     settings = _mapping(data.get("settings"), "settings")
     dtype = str(settings.get("dtype"))
     _require(

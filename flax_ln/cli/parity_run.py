@@ -66,9 +66,8 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
     (its digest); every other error, from reading the file to the verdict, is a one-line
     error and exit code 2.
     """
-    notes: list[str] = []
     try:
-        settings, models = reference.load_reference(args.reference, notes)
+        settings, models = reference.load_reference(args.reference)
     except reference.ReferenceFileError as err:
         return _reference_error(args, str(err))
     except reference.ReferenceAlteredError as err:
@@ -89,8 +88,6 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
         return 1
     except Exception as err:  # noqa: BLE001 - any other failure to read the file is a usage error, never a FAIL
         return _reference_error(args, f"--reference {args.reference!r} cannot be read ({type(err).__name__}: {err})")
-    for note in notes:
-        print(f"flax-ln parity: {note}", file=sys.stderr)
     if mesh is not None and settings["batch"] % mesh.shape[DATA]:
         return _reference_error(
             args,

@@ -38,10 +38,11 @@ into several variables (a checkpoint that stores a tied weight once).
 
 **Strict.** Every torch key matches exactly one rule; every ``nnx.Param`` and
 ``nnx.BatchStat`` is filled exactly once (other variables only where a rule names them);
-one variable may be filled twice only by aliases of one torch tensor (a tie) or by equal
-values. Every problem is listed in one :class:`~flax_ln.convert.ConversionError`
-and nothing is loaded. A rule that matches no key only warns, so the map that loads a
-full state dict also loads a checkpoint saved without an alias.
+one variable may be filled twice only by aliases of one torch tensor (a tie) through one
+layout, or by values equal after their layouts (aliases through different layouts included).
+Every problem is listed in one :class:`~flax_ln.convert.ConversionError` and nothing is loaded.
+A rule that matches no key only warns, so the map that loads a full state dict also loads a
+checkpoint saved without an alias.
 
 **For comparisons.** :meth:`KeyMap.resolve` gives a :class:`KeyPlan`: for every torch key
 its :class:`Target` variables (canonical dotted path, slice, layout), both directions of
@@ -200,7 +201,27 @@ def _parse_rule(index: int, item: Any) -> Rule:
     for t in templates:
         if not t or t.startswith(".") or t.endswith("."):
             raise ValueError(f"template {t!r} is not a dotted path")
+        _check_template(pattern, t)
     return Rule(index, pattern, tuple(templates), layouts)
+
+
+def _check_template(pattern: str, template: str) -> None:
+    """A ``ValueError`` unless ``template`` expands with ``pattern``'s groups (``\\1``, ``\\g<name>``, escapes).
+
+    ``pattern|`` has the same groups as ``pattern`` and matches the empty string, so its match
+    expands ``template`` exactly as a key's match will (unmatched groups give ``""``).
+    """
+    regex = re.compile(pattern + "|")
+    match = regex.match("")
+    assert match is not None  # the empty alternative always matches
+    try:
+        match.expand(template)
+    except (re.error, IndexError) as error:
+        groups = [str(i) for i in range(1, regex.groups + 1)] + [f"<{name}>" for name in regex.groupindex]
+        has = f"its groups are {', '.join(groups)}" if groups else "the regex has no groups"
+        raise ValueError(
+            f"template {template!r} does not expand with the regex: {error} ({has}); name only the regex's groups"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,15 +21,17 @@ from flax import nnx
 from flax_ln.convert.assign import ModuleT, as_numpy, dtype_problem
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.keymap import KeyMap, KeyPlan, Target, array_specs, key_map_error, match_targets, target_labels
-from flax_ln.convert.layouts import NeedsTorchShape, Shape
+from flax_ln.convert.layouts import ArrayLayout, NeedsTorchShape, Shape
 from flax_ln.convert.ties import find_ties
-from flax_ln.convert.trees import NNXTree, VariableTree
+from flax_ln.convert.trees import NNXTree, VariableTree, as_variable_tree, require_module
 
 _EXPORT = "the model does not export through its key map"
 
 
 def _double_fills(plan: KeyPlan, ties: Mapping[str, Sequence[str]], value: Callable[[Target], np.ndarray]) -> list:
-    """Variables (or slices) filled by several keys that are neither aliases of one tensor nor equal in value."""
+    """Variables (or slices) filled more than once with values that differ: by keys that are not aliases of one
+    tensor, or by aliases (one key's tuple template too) through different layouts. Aliases through one layout
+    are the same value and are not compared."""
     alias_group = {k: name for name, keys in ties.items() for k in keys}
     fills: dict[tuple[str, int | None], list[Target]] = {}
     for ts in plan.targets.values():
@@ -37,18 +39,20 @@ def _double_fills(plan: KeyPlan, ties: Mapping[str, Sequence[str]], value: Calla
             fills.setdefault((t.path, t.index), []).append(t)
     problems = []
     for filled in fills.values():
-        keys = {t.key for t in filled}
-        if len(filled) < 2 or len({alias_group.get(k, k) for k in keys}) == 1:
+        aliases = len({alias_group.get(t.key, t.key) for t in filled}) == 1
+        if len(filled) < 2 or (aliases and len({t.layout for t in filled}) == 1):
             continue
         first = value(filled[0])
         if not all(np.array_equal(first, value(t)) for t in filled[1:]):
+            why = (
+                "aliases of one torch tensor through different layouts ("
+                + ", ".join(str(t.layout) for t in filled)
+                + "), whose values differ after the layouts; give every alias the same layout"
+                if aliases
+                else "which are not aliases of one torch tensor and differ in value"
+            )
             problems.append(
-                (
-                    filled[0].name,
-                    f"filled by {target_labels(filled)}, which are not aliases of one torch tensor "
-                    "and differ in value; "
-                    "map only one of them to this variable (or None the other)",
-                )
+                (filled[0].name, f"filled by {target_labels(filled)}, {why}; map only one of them to this variable")
             )
     return problems
 
@@ -59,7 +63,7 @@ def load_with_key_map(
     """:func:`~flax_ln.convert.load_torch_state_dict` with ``weights=key_map``: check all, then write."""
     if not isinstance(key_map, KeyMap):
         raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")
-    fill_tree(NNXTree(model), state_dict, key_map, strict=strict)
+    fill_tree(NNXTree(require_module(model, "load_torch_state_dict")), state_dict, key_map, strict=strict)
     return model
 
 
@@ -99,12 +103,13 @@ def fill_tree(
     else:
         _check_fits(plan, tree, arrays, strict=strict)
         problems = {}
-    converted: dict[tuple[str, str, int | None], np.ndarray] = {}
+    converted: dict[tuple[str, str, int | None, ArrayLayout], np.ndarray] = {}
 
     def value(t: Target) -> np.ndarray:
-        if (t.key, t.path, t.index) not in converted:
-            converted[(t.key, t.path, t.index)] = np.asarray(t.to_flax(arrays[t.key]))
-        return converted[(t.key, t.path, t.index)]
+        at = (t.key, t.path, t.index, t.layout)  # one key may fill one variable through two layouts
+        if at not in converted:
+            converted[at] = np.asarray(t.to_flax(arrays[t.key]))
+        return converted[at]
 
     doubles = _double_fills(plan, ties, value)
     if doubles:
@@ -174,11 +179,12 @@ def _check_fits(plan: KeyPlan, tree: VariableTree, arrays: Mapping[str, np.ndarr
         )
 
 
-def export_with_key_map(model: nnx.Module, key_map: KeyMap, like: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
-    """:func:`~flax_ln.convert.to_torch_state_dict` with ``weights=key_map`` (and ``like=``)."""
+def export_with_key_map(model: Any, key_map: KeyMap, like: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """:func:`~flax_ln.convert.to_torch_state_dict` with ``weights=key_map`` (and ``like=``), from any variable tree
+    (:func:`~flax_ln.convert.trees.as_variable_tree`)."""
     if not isinstance(key_map, KeyMap):
         raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")
-    tree = NNXTree(model)
+    tree = as_variable_tree(model, "to_torch_state_dict(weights=KeyMap(...))")
     if like is not None:
         like_arrays = {k: as_numpy(v) for k, v in like.items()}
         ties = find_ties(like_arrays)

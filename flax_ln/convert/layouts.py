@@ -208,7 +208,10 @@ def parse_layout(layout: Any) -> ArrayLayout:
     if isinstance(layout, str):
         if layout.count("->") != 1:
             raise ValueError(f"layout {layout!r} must be an einops rearrange pattern 'torch axes -> flax axes'")
-        lhs, rhs = (ParsedExpression(side) for side in layout.split("->"))
+        try:
+            lhs, rhs = (ParsedExpression(side) for side in layout.split("->"))
+        except einops.EinopsError as error:
+            raise ValueError(f"layout {layout!r} is not a rearrange pattern: {_einops_reason(error)}") from None
         if lhs.identifiers != rhs.identifiers:
             raise ValueError(f"layout {layout!r} must name the same axes on both sides")
         return ArrayLayout(pattern=layout.strip())

@@ -37,6 +37,8 @@ from flax import nnx
 from flax_ln.convert.assign import SAVED_KINDS, ModuleT, as_numpy, assign, dtype_problem
 from flax_ln.convert.errors import ConversionError, MissingRuleError
 from flax_ln.convert.layouts import Permute
+from flax_ln.convert.ties import Tie, find_ties
+from flax_ln.convert.trees import NNXTree, require_module
 from flax_ln.models.encoder_decoder import PositionalEncoding
 from flax_ln.models.gpt import GPT, CausalSelfAttention, causal_mask_buffer
 from flax_ln.models.layernorm import LayerNorm, TorchLayerNorm
@@ -409,12 +411,56 @@ def _torch_layout(entry: _Entry, host_values: dict[int, np.ndarray]) -> np.ndarr
     return np.array(value)
 
 
-def load_with_rules(model: ModuleT, state_dict: Mapping[str, Any], *, strict: bool = True) -> ModuleT:
-    """:func:`~flax_ln.convert.load_torch_state_dict` through the rule table: check all, then write."""
-    entries = _entries(model)
+def _aliases(expected: Iterable[str], keys: Iterable[str], ties: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """``{torch key: the key of its tie the rule table fills}`` for ``keys`` that no rule names but that torch
+    ties to one a rule names: a tie kept as one variable on the flax side (a head that reuses the embedding, a
+    module shared under two names), which the rules reach under one of the names."""
+    expected, keys = set(expected), set(keys)
+    out = {}
+    for group in ties.values():
+        filled = next((k for k in group if k in expected and k in keys), None)
+        if filled is not None:
+            out.update({k: filled for k in group if k in keys and k not in expected})
+    return out
+
+
+def rule_ties(model: nnx.Module, ties: Mapping[str, Iterable[str]]) -> dict[str, Tie]:
+    """The :class:`~flax_ln.convert.Tie` s of torch's ``ties`` (as :func:`~flax_ln.convert.find_ties` gives them)
+    through the rule table, as a key map's plan lists them: each tie's torch keys, and the canonical paths of the
+    flax variables (``path[i]`` for a layer of a stacked one) its keys fill."""
+    canonical = {id(v): path for path, v in NNXTree(model).variable_items()}
+    filled: dict[str, list[str]] = {}
+    for e in _entries(model):
+        if isinstance(e.leaf, Leaf):
+            path = canonical[id(getattr(e.module, e.leaf.flax))]
+            filled.setdefault(e.key, []).append(path if e.layer is None else f"{path}[{e.layer}]")
+    out = {}
+    for name, group in ties.items():
+        keys = tuple(group)
+        if len(keys) > 1 and any(k in filled for k in keys):
+            out[name] = Tie(keys, tuple(dict.fromkeys(p for k in keys for p in filled.get(k, ()))))
+    return out
+
+
+def load_with_rules(
+    model: ModuleT,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    ties: Mapping[str, Iterable[str]] | None = None,
+) -> ModuleT:
+    """:func:`~flax_ln.convert.load_torch_state_dict` through the rule table: check all, then write.
+
+    A key no rule names that torch ties to one a rule names (``ties``, by default
+    :func:`~flax_ln.convert.find_ties` of ``state_dict``) is that key's alias: checked for its
+    shape and dtype, and filled through the key the rules name.
+    """
+    entries = _entries(require_module(model, "load_torch_state_dict"))
     expected = {e.key for e in entries}
+    extra = state_dict.keys() - expected  # ties are looked for only where a key needs one
+    aliases = _aliases(expected, state_dict.keys(), find_ties(state_dict) if ties is None else ties) if extra else {}
     missing = expected - state_dict.keys() if strict else set()
-    unexpected = state_dict.keys() - expected if strict else set()
+    unexpected = state_dict.keys() - expected - aliases.keys() if strict else set()
     mismatched: list[tuple[str, str]] = []
     per_variable: dict[int, tuple[nnx.Variable, dict[int | None, np.ndarray]]] = {}
     for entry in entries:
@@ -438,6 +484,16 @@ def load_with_rules(model: ModuleT, state_dict: Mapping[str, Any], *, strict: bo
             got = got.transpose(entry.leaf.layout.to_flax(got.ndim))
         var = getattr(entry.module, entry.leaf.flax)
         per_variable.setdefault(id(var), (var, {}))[1][entry.layer] = got
+    for alias, key in aliases.items():
+        got, want = as_numpy(state_dict[alias]), as_numpy(state_dict[key])
+        if got.shape != want.shape or got.dtype != want.dtype:
+            mismatched.append(
+                (
+                    alias,
+                    f"tied to {key!r}, which the rules fill, so its {want.shape} {want.dtype} was expected, "
+                    f"got {got.shape} {got.dtype}",
+                )
+            )
     if missing or unexpected or mismatched:
         raise ConversionError(missing, unexpected, mismatched)
 
@@ -470,5 +526,10 @@ def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None,
 
 def export_with_rules(model: nnx.Module) -> dict[str, np.ndarray]:
     """:func:`~flax_ln.convert.to_torch_state_dict` through the rule table."""
+    fix = (
+        "the rule table reads the modules of an NNX model that mirrors its torch twin; export a Linen module's "
+        "variables or a parameter pytree with weights=KeyMap(...)"
+    )
+    entries = _entries(require_module(model, "to_torch_state_dict without weights=", fix))
     host_values: dict[int, np.ndarray] = {}
-    return {entry.key: _torch_layout(entry, host_values) for entry in _entries(model)}
+    return {entry.key: _torch_layout(entry, host_values) for entry in entries}

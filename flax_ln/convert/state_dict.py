@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from flax import nnx
 
 from flax_ln.convert.assign import ModuleT
 from flax_ln.convert.keymap import KeyMap
@@ -54,7 +53,7 @@ def load_torch_state_dict(
 
 
 def to_torch_state_dict(
-    model: nnx.Module, *, weights: KeyMap | None = None, like: Mapping[str, Any] | None = None
+    model: Any, *, weights: KeyMap | None = None, like: Mapping[str, Any] | None = None
 ) -> dict[str, np.ndarray]:
     """The model's weights as a dict of NumPy arrays with torch names and layouts.
 
@@ -70,8 +69,13 @@ def to_torch_state_dict(
     torch's shapes is an error naming it. A tie (torch keys sharing one tensor) whose
     port copies differ raises :class:`ConversionError` naming it.
 
+    With a key map the model may also be any variable tree: a Linen module's variables
+    (``LinenTree(variables)`` or ``flax_ln.parity.Linen``), a parameter pytree
+    (``PytreeTree(params)`` or ``flax_ln.parity.Function``). Anything else, a bare pytree
+    included, is a ``TypeError`` saying what to pass.
+
     Args:
-      model: the NNX model.
+      model: the NNX model; with ``weights=``, any variable tree as above.
       weights: the port's key map; ``None``: the rule table.
       like: a torch state dict to match; only with ``weights=``.
     """

@@ -59,6 +59,10 @@ class NNXTree:
                 self._vars[name] = node
                 self._canonical[id(node)] = name
 
+    def variable_items(self) -> list[tuple[str, nnx.Variable]]:
+        """``(canonical path, variable)`` of every variable, each once."""
+        return list(self._vars.items())
+
     def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
         """See :meth:`VariableTree.variables`."""
         return {
@@ -195,6 +199,46 @@ class LinenTree(PytreeTree):
     def collection(self, name: str) -> str:
         """The collection of the variable ``name``."""
         return self._steps[self._names.index(name)][0]
+
+
+_KINDS = (
+    "an nnx.Module, a VariableTree (flax_ln.convert.LinenTree(variables) for a Linen module's variables, "
+    "flax_ln.convert.PytreeTree(params) for a parameter pytree), or a flax_ln.parity.Linen or Function"
+)
+
+
+def as_variable_tree(model: Any, caller: str) -> VariableTree:
+    """The :class:`VariableTree` of ``model``: an ``nnx.Module``'s :class:`NNXTree`, a tree itself, or what the
+    model's ``variable_tree()`` gives (``flax_ln.parity.Linen`` and ``Function``); a ``TypeError`` naming
+    ``caller`` and the kinds it takes for anything else (a bare pytree does not say how its paths are named)."""
+    if isinstance(model, nnx.Module):
+        return NNXTree(model)
+    if isinstance(model, VariableTree):
+        return model
+    make = getattr(model, "variable_tree", None)
+    if callable(make):
+        tree = make()
+        if isinstance(tree, VariableTree):
+            return tree
+    raise TypeError(
+        f"{caller} takes {_KINDS}; got {type(model).__name__}"
+        + (
+            ": wrap a pytree in LinenTree(...) or PytreeTree(...) to say how its variables are named"
+            if isinstance(model, (Mapping, list, tuple))
+            else ""
+        )
+    )
+
+
+def require_module(model: Any, caller: str, fix: str = "") -> nnx.Module:
+    """``model`` when it is an ``nnx.Module``, else a ``TypeError`` naming ``caller``, what came in and ``fix``."""
+    if isinstance(model, nnx.Module):
+        return model
+    fix = fix or (
+        "fill a copy of a Linen module's variables or a parameter pytree with flax_ln.convert.fill_tree("
+        "LinenTree(variables) or PytreeTree(params), state_dict, key_map) and take the tree's .tree()"
+    )
+    raise TypeError(f"{caller} takes an nnx.Module, got {type(model).__name__}; {fix}")
 
 
 def _shape_dtype(leaf: Any) -> tuple[Shape, np.dtype]:

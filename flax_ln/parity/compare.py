@@ -161,7 +161,7 @@ def _load_and_judge(
     and compare it, add the ties, LM metrics and attribution."""
     flax = kind.load(flax_module, side, flax_inputs, weights, plan)
     report, actual, zero = _judge(side, flax, call, tolerances, mesh, zero_evidence)
-    report.ties = {} if flax.plan is None else dict(flax.plan.ties)
+    report.ties = flax.ties()
     if lm_logits is not None:
         _lm_metrics(report, side, actual, lm_logits)
     if side.truth is not None:

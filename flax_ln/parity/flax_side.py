@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen
 
-from flax_ln.convert import KeyMap, KeyPlan, find_ties
+from flax_ln.convert import KeyMap, KeyPlan, Tie, find_ties
 from flax_ln.convert.keymap_transfer import write_by_plan
 from flax_ln.convert.layouts import Permute
-from flax_ln.convert.trees import VariableTree
+from flax_ln.convert.trees import LinenTree, PytreeTree, VariableTree
 from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, run_forward, with_floats
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.islands import Island, float32_rounded
@@ -63,6 +63,10 @@ class Linen:
     variables: Any
     method: Any = None
 
+    def variable_tree(self) -> LinenTree:
+        """Its variables as the converter names them (``to_torch_state_dict(linen, weights=...)`` exports them)."""
+        return LinenTree(self.variables)
+
 
 @dataclasses.dataclass(frozen=True)
 class Function:
@@ -77,6 +81,10 @@ class Function:
 
     apply: Callable[..., Any]
     params: Any
+
+    def variable_tree(self) -> PytreeTree:
+        """Its params as the converter names them (``to_torch_state_dict(function, weights=...)`` exports them)."""
+        return PytreeTree(self.params)
 
 
 @dataclasses.dataclass
@@ -406,6 +414,10 @@ class FlaxSide(abc.ABC):
     @abc.abstractmethod
     def parts(self) -> Parts:
         """Its split for differentiation."""
+
+    def ties(self) -> dict[str, Tie]:
+        """The ties of torch's weights and the flax variables their keys fill (``report.ties``): the plan's."""
+        return {} if self.plan is None else dict(self.plan.ties)
 
     def torch_gradients(self, parts: Parts, param_grads: Any, rest: Any) -> dict[str, Any]:
         """Parameter gradients (shaped like ``parts.params``) under torch's names: through the plan, tied copies

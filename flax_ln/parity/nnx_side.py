@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from flax_ln.convert import KeyMap, KeyPlan, fill_tree, load_torch_state_dict, rules, to_torch_state_dict
+from flax_ln.convert import KeyMap, KeyPlan, Tie, fill_tree, rules, to_torch_state_dict
 from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import NNXTree
 from flax_ln.parity.call import is_float
@@ -215,6 +215,7 @@ class NNXSide(FlaxSide):
     module: nnx.Module
     model: nnx.Module
     own_calls: dict[str, OwnCall] = dataclasses.field(default_factory=dict)  # by flax path, from record()
+    aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # torch's ties, by the rules
 
     needs_key_map: ClassVar[bool] = False
     buffers_as_values: ClassVar[bool] = True  # the converter checks the buffers flax recomputes against their values
@@ -250,18 +251,23 @@ class NNXSide(FlaxSide):
         if side.dtype == "float64" and _floating_param_dtypes(flax_module) == {np.dtype(np.float32)}:
             flax_module = _float64_twin(flax_module, compute_dtypes=False)  # a copy: the caller's port is unchanged
         _check_flax_params(flax_module, side.dtype)
+        aliases = torch_ties(side)
         if weights is None:
             plan = None
-            load_torch_state_dict(flax_module, side.state_dict)
+            rules.load_with_rules(flax_module, side.state_dict, ties=aliases)
         else:
             key_map = require_key_map(weights)
             plan = fill_tree(NNXTree(flax_module), side.state_dict, key_map, ties=torch_ties(side), plan=plan)
         model = nnx.clone(flax_module)
         model.eval()
-        return cls(inputs, orders, plan, flax_module, model)
+        return cls(inputs, orders, plan, flax_module, model, aliases)
 
     def variable_tree(self) -> NNXTree:
         return NNXTree(self.model)
+
+    def ties(self) -> dict[str, Tie]:
+        """Through the rules without a key map, as a plan lists them."""
+        return rules.rule_ties(self.model, self.aliases) if self.plan is None else super().ties()
 
     def parts(self) -> Parts:
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)  # type: ignore[misc]  # nnx.split's result is typed as a variadic tuple
@@ -276,7 +282,7 @@ class NNXSide(FlaxSide):
     def param_tangents(self, state_dict: Mapping[str, np.ndarray]) -> Any:
         holder = nnx.clone(self.model)
         if self.plan is None:
-            load_torch_state_dict(holder, state_dict)
+            rules.load_with_rules(holder, state_dict, ties=self.aliases)
         else:
             write_through(self.plan, NNXTree(holder), state_dict)
         return nnx.split(holder, nnx.Param, ...)[1]
