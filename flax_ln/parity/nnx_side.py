@@ -260,7 +260,7 @@ class NNXSide(FlaxSide):
             plan = fill_tree(NNXTree(flax_module), side.state_dict, key_map, ties=torch_ties(side), plan=plan)
         model = nnx.clone(flax_module)
         model.eval()
-        return cls(inputs, orders, plan, flax_module, model, aliases)
+        return cls(inputs, orders, plan, flax_module, model, aliases=aliases)
 
     def variable_tree(self) -> NNXTree:
         return NNXTree(self.model)
