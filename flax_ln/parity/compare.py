@@ -5,6 +5,7 @@ reference file's torch side needs no torch)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,13 +25,13 @@ from flax_ln.parity.localize import localize
 from flax_ln.parity.nnx_side import NNXSide
 from flax_ln.parity.policy import (
     HALF_PRECISION,
-    TOLERANCES,
     Tolerance,
     compare_tensors,
     lm_metrics,
     numerics,
     parameter_dtype,
     relative_error,
+    tolerances_for,
     whole_norm,
     zero_gradient_names,
 )
@@ -91,7 +92,7 @@ def _judge(
         in_compute_dtype = kind in ("output", "tangent")
         check_dtype = (
             str(v.dtype)
-            if np.issubdtype(v.dtype, np.floating) and kind != "loss" and (exact or not in_compute_dtype)
+            if np.issubdtype(v.dtype, np.inexact) and kind != "loss" and (exact or not in_compute_dtype)
             else None
         )
         judged = functools.partial(
@@ -169,6 +170,20 @@ def _load_and_judge(
     return report, flax, zero
 
 
+def check_torch_paths(torch_module, modules: Mapping[str, Any] | None) -> None:
+    """Raise ``ValueError`` (before any compute) for a key of ``modules=`` that names no torch submodule (a typo
+    would otherwise pair or remove nothing, silently), listing the nearest known paths."""
+    known = [path for path, _ in torch_module.named_modules() if path]
+    for path in modules or {}:
+        if path not in known:
+            near = difflib.get_close_matches(path, known, n=5, cutoff=0.5) or known[:5]
+            raise ValueError(
+                f"modules={{{path!r}: ...}}: the torch module {type(torch_module).__name__} has no submodule "
+                f"{path!r}; the nearest of its module paths (named_modules()): {near}. Give a torch path as "
+                "named_modules() names it"
+            )
+
+
 def _stamp(report: ParityReport, started: float) -> ParityReport:
     """The one place a report is timed (from ``started``, a ``time.perf_counter()``)."""
     report.seconds = time.perf_counter() - started
@@ -204,7 +219,7 @@ def compare_side(
             "compare_side (a stored reference file) takes an NNX module; Linen and Function flax sides are "
             "compared live, with compare_modules(..., weights=KeyMap(...))"
         )
-    tolerances = TOLERANCES[side.dtype] if tolerances is None else tolerances
+    tolerances = tolerances_for(side.dtype, tolerances)
     call = side.call(forward, loss)
     flax_inputs = None if flax_inputs is None else as_inputs(flax_inputs)
     stored_zero = set(side.float64_zero or ())  # a reference file carries float64's word on each gradient
@@ -283,7 +298,10 @@ def compare_modules(
         derivatives are taken).
       loss: ``(torch_fn, flax_fn)``, each mapping that side's outputs to a scalar, instead
         of the random projection. The loss value is compared too.
-      tolerances: ``{"output": Tolerance, "grad": Tolerance}`` to override the policy.
+      tolerances: ``{"output": Tolerance, "grad": Tolerance}`` (and, in half precision, ``"grads"``: every
+        parameter gradient as one vector) to override the policy; a partial dict overrides the kinds it names
+        and the policy fills the rest (``{"output": ...}`` keeps the policy's ``"grad"``). Another key is a
+        ``ValueError``.
       dtype: ``"float32"`` or ``"float64"``, or ``"bfloat16"``/``"float16"`` for a flax module
         that computes in half precision with float32 parameters, against the float32 torch
         module. ``"float64"`` takes float32 modules too: both sides then run on float64
@@ -355,6 +373,7 @@ def compare_modules(
     kind = flax_side_kind(flax_module)
     kind.check(flax_module, weights, mesh)
     check_island_mode(islands)
+    check_torch_paths(torch_module, modules)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     comparison = Comparison(
@@ -427,7 +446,7 @@ class Comparison:
             mode=opts["mode"],
         )
         casts = {call.input_names[i]: how for i, how in cast.items()}
-        tolerances = TOLERANCES[dtype] if self.tolerances is None else self.tolerances
+        tolerances = tolerances_for(dtype, self.tolerances)
         found = Found()
         with (
             numerics(dtype),
