@@ -716,6 +716,60 @@ def test_a_linen_port_that_ties_in_its_call_counts_the_tie_once():
     assert report.ties["embed.weight"].flax_paths == ("embed.embedding",)
 
 
+class TorchTwoEqual(torch.nn.Module):
+    """Two Linears whose weights are set equal (two Parameters, not one): the port holds one variable for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(WIDTH, WIDTH)
+        self.second = torch.nn.Linear(WIDTH, WIDTH)
+        with torch.no_grad():
+            self.second.weight.copy_(self.first.weight)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+class FlaxOneWeight(nnx.Module):
+    """:class:`TorchTwoEqual` with one kernel used twice."""
+
+    def __init__(self):
+        self.kernel = nnx.Param(jnp.zeros((WIDTH, WIDTH)))
+        self.first_bias = nnx.Param(jnp.zeros(WIDTH))
+        self.second_bias = nnx.Param(jnp.zeros(WIDTH))
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.kernel + self.first_bias) @ self.kernel + self.second_bias
+
+
+TWO_EQUAL_MAP = KeyMap(
+    [
+        (r"(first|second)\.weight", "kernel", "o i -> i o"),
+        (r"first\.bias", "first_bias", None),
+        (r"second\.bias", "second_bias", None),
+    ]
+)
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_distinct_equal_torch_tensors_filling_one_variable_compare_as_one(mode):
+    """Two torch Parameters of equal value fill one flax variable: in jvp both take one tangent (torch runs with it),
+    in grad the variable's gradient is compared against the sum of theirs, under the first key, the group in
+    ``report.shared``. float32 and its float64 check."""
+    torch.manual_seed(0)
+    x = np.random.default_rng(0).standard_normal((3, WIDTH)).astype(np.float32)
+    report = compare_modules(TorchTwoEqual(), FlaxOneWeight(), x, weights=TWO_EQUAL_MAP, mode=mode, attribute=True)
+    assert report.passed, str(report)
+    assert report.shared["first.weight"].torch_aliases == ("first.weight", "second.weight")
+    assert report.shared["first.weight"].flax_paths == ("kernel",)
+    names = {r.name for r in report.results}
+    if mode == "grad":
+        assert {"first.weight", "first.bias", "second.bias"} <= names and "second.weight" not in names
+    else:
+        assert "tangent output" in names
+    assert all(r.flax_vs_float64 is not None for r in report.results if r.kind != "output" or mode == "grad")
+
+
 # ---- what a comparison must never pass silently -------------------------------------------------
 
 

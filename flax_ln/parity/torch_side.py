@@ -338,7 +338,9 @@ def run_torch_side(
         if mode == "jvp"
         else {}
     )
-    expected, kinds, cotangents, dropped = torch_results(torch_module, call, mode, None, tangents, dtype=dtype)
+    expected, kinds, cotangents, dropped, truth = _results_and_truth(
+        torch_module, call, mode, tangents, dtype, attribute
+    )
     side = TorchSide(
         name or type(torch_module).__name__,
         dtype,
@@ -352,15 +354,35 @@ def run_torch_side(
         kinds,
         cotangents,
         tangents,
+        truth=truth,
         frozen=frozen,
         dropped_outputs=dropped,
     )
-    if attribute:
-        with torch_in_float64(torch_module):
-            side.truth = torch_results(torch_module, call, mode, cotangents, tangents, double=True)[0]
     if record:
         record_torch_side(side, torch_module, call.forward[0])
     return side
+
+
+def _results_and_truth(torch_module, call: Call, mode: str, tangents, dtype: str, attribute: bool):
+    """:func:`torch_results` of one run and, with ``attribute``, the expected values of a float64 run (the same
+    cotangents or tangents in float64; ``None`` without)."""
+    expected, kinds, cotangents, dropped = torch_results(torch_module, call, mode, None, tangents, dtype=dtype)
+    truth = None
+    if attribute:
+        with torch_in_float64(torch_module):
+            truth = torch_results(torch_module, call, mode, cotangents, tangents, double=True)[0]
+    return expected, kinds, cotangents, dropped, truth
+
+
+def with_tangents(side: TorchSide, torch_module, call: Call, tangents: Mapping[str, np.ndarray]) -> TorchSide:
+    """``side`` (a ``"jvp"`` one) run again on ``torch_module`` with ``tangents`` instead of its own (torch-named; a
+    frozen parameter named in them takes its tangent too): its expected values, and its truth when it has one."""
+    expected, kinds, _, dropped, truth = _results_and_truth(
+        torch_module, call, "jvp", dict(tangents), side.dtype, side.truth is not None
+    )
+    return dataclasses.replace(
+        side, expected=expected, kinds=kinds, tangents=dict(tangents), truth=truth, dropped_outputs=dropped
+    )
 
 
 def float64_zero_gradients(side: TorchSide, torch_module, call: Call) -> list[str]:
