@@ -2,6 +2,7 @@
 same way on both sides, and what never passes (nothing compared, frozen parameters, the blame of a mismatch)."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import torch
 from flax import linen, nnx
 
 from flax_ln.parity import (
+    TOLERANCES,
     Case,
     Function,
     KeyMap,
@@ -712,3 +714,180 @@ def test_a_linen_port_that_ties_in_its_call_counts_the_tie_once():
     assert {r.name for r in report.results if r.kind == "param grad"} == {"embed.weight", "mix.weight", "mix.bias"}
     assert report.ties["embed.weight"].torch_aliases == ("embed.weight", "out.weight")
     assert report.ties["embed.weight"].flax_paths == ("embed.embedding",)
+
+
+class TorchTwoEqual(torch.nn.Module):
+    """Two Linears whose weights are set equal (two Parameters, not one): the port holds one variable for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(WIDTH, WIDTH)
+        self.second = torch.nn.Linear(WIDTH, WIDTH)
+        with torch.no_grad():
+            self.second.weight.copy_(self.first.weight)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+class FlaxOneWeight(nnx.Module):
+    """:class:`TorchTwoEqual` with one kernel used twice."""
+
+    def __init__(self):
+        self.kernel = nnx.Param(jnp.zeros((WIDTH, WIDTH)))
+        self.first_bias = nnx.Param(jnp.zeros(WIDTH))
+        self.second_bias = nnx.Param(jnp.zeros(WIDTH))
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.kernel + self.first_bias) @ self.kernel + self.second_bias
+
+
+TWO_EQUAL_MAP = KeyMap(
+    [
+        (r"(first|second)\.weight", "kernel", "o i -> i o"),
+        (r"first\.bias", "first_bias", None),
+        (r"second\.bias", "second_bias", None),
+    ]
+)
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_distinct_equal_torch_tensors_filling_one_variable_compare_as_one(mode):
+    """Two torch Parameters of equal value fill one flax variable: in jvp both take one tangent (torch runs with it),
+    in grad the variable's gradient is compared against the sum of theirs, under the first key, the group in
+    ``report.shared``. float32 and its float64 check."""
+    torch.manual_seed(0)
+    x = np.random.default_rng(0).standard_normal((3, WIDTH)).astype(np.float32)
+    report = compare_modules(TorchTwoEqual(), FlaxOneWeight(), x, weights=TWO_EQUAL_MAP, mode=mode, attribute=True)
+    assert report.passed, str(report)
+    assert report.shared["first.weight"].torch_aliases == ("first.weight", "second.weight")
+    assert report.shared["first.weight"].flax_paths == ("kernel",)
+    names = {r.name for r in report.results}
+    if mode == "grad":
+        assert {"first.weight", "first.bias", "second.bias"} <= names and "second.weight" not in names
+    else:
+        assert "tangent output" in names
+    assert all(r.flax_vs_float64 is not None for r in report.results if r.kind != "output" or mode == "grad")
+
+
+# ---- what a comparison must never pass silently -------------------------------------------------
+
+
+class TorchLin(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class FlaxLinearCut(nnx.Module):
+    """A wrong port: the kernel's gradient is cut, its outputs are right."""
+
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return x @ jax.lax.stop_gradient(self.lin.kernel[...]) + self.lin.bias[...]
+
+
+def _no_grad(module, x):
+    with torch.no_grad():
+        return module(x)
+
+
+def _inference_mode(module, x):
+    with torch.inference_mode():
+        return module(x)
+
+
+@pytest.mark.parametrize("torch_forward", [_no_grad, _inference_mode, lambda m, x: m(x).detach()])
+def test_a_torch_forward_without_an_autograd_graph_is_an_error_naming_it_not_a_pass(torch_forward):
+    torch.manual_seed(0)
+    x = np.random.default_rng(5).standard_normal((2, WIDTH)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"forward= \(.*\) returned outputs with no autograd graph") as err:
+        compare_modules(TorchLin(), FlaxLinearCut(rngs=nnx.Rngs(0)), x, forward=(torch_forward, None))
+    assert "torch.no_grad()" in str(err.value) and "weight" in str(err.value)
+
+
+def test_complex_outputs_compare_both_parts_without_a_complex_warning():
+    torch_model, flax_model, x = linear_pair()
+
+    def torch_forward(m, x):
+        y = m(x)
+        return {"z": torch.complex(y, y), "y": y}
+
+    def flax_forward(sign):
+        return lambda m, x: {"z": jax.lax.complex(m(x), sign * m(x)), "y": m(x)}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", np.exceptions.ComplexWarning)
+        right = compare_modules(torch_model, flax_model, x, forward=(torch_forward, flax_forward(1.0)))
+        wrong = compare_modules(torch_model, flax_model, x, forward=(torch_forward, flax_forward(-1.0)))
+    assert right.passed and right["z"].relative_error < 1e-6, str(right)
+    assert (
+        not wrong.passed and not wrong["z"].passed and wrong["z"].relative_error == pytest.approx(np.sqrt(2))
+    )  # |2iy| / |y + iy|
+    assert right["z"].tolerance == TOLERANCES["float32"]["output"]  # complex64: float32's bound
+
+
+def test_python_numbers_compare_in_the_comparisons_dtype_with_x64_off():
+    torch_model, flax_model, x = linear_pair()
+    assert not jax.config.jax_enable_x64
+    report = compare_modules(torch_model, flax_model, x, forward=lambda m, x: {"y": m(x), "scale": 0.5})
+    assert report.passed, str(report)
+    assert report["scale"].relative_error == 0.0 and report.float64_check.passed
+
+
+def test_dict_outputs_are_matched_by_key_and_missing_keys_are_named():
+    torch_model, flax_model, x = linear_pair()
+    torch_forward = lambda m, x: {"a": m(x), "b": 2 * m(x)}  # noqa: E731
+    report = compare_modules(
+        torch_model, flax_model, x, forward=(torch_forward, lambda m, x: {"b": 2 * m(x), "a": m(x)})
+    )
+    assert report.passed and [r.name for r in report.results if r.kind == "output"] == ["a", "b"], str(report)
+    with pytest.raises(ValueError) as err:
+        compare_modules(torch_model, flax_model, x, forward=(torch_forward, lambda m, x: {"b": 2 * m(x), "c": m(x)}))
+    assert "missing on the flax side: a" in str(err.value) and "only on the flax side: c" in str(err.value)
+
+
+def test_a_partial_tolerances_dict_is_filled_from_the_policy_and_an_unknown_key_named():
+    torch_model, flax_model, x = linear_pair()
+    loose = Tolerance(1e-3)
+    report = compare_modules(torch_model, flax_model, x, dtype="float32", tolerances={"output": loose})
+    assert report.passed and report["output"].tolerance == loose, str(report)
+    assert report["weight"].tolerance == TOLERANCES["float32"]["grad"]
+    with pytest.raises(ValueError, match=r"unknown keys \['outputs'\].*'output', 'grad', 'grads'"):
+        compare_modules(torch_model, flax_model, x, tolerances={"outputs": loose})
+
+
+class FlaxWithIntegerParam(nnx.Module):
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.count = nnx.Param(jnp.array([1, 2]))  # an integer declared as a parameter
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def test_a_parameter_that_cannot_be_differentiated_is_named_before_any_compute():
+    x = np.random.default_rng(6).standard_normal((2, WIDTH)).astype(np.float32)
+    with pytest.raises(TypeError, match=r"nnx.Param 'count' holds an array of int32.*nnx.Variable"):
+        compare_modules(TorchLin(), FlaxWithIntegerParam(rngs=nnx.Rngs(0)), x)
+    weights = KeyMap([(r"lin\.weight", "w", "o i -> i o"), (r"lin\.bias", "b", None)])
+    params = {"w": np.zeros((WIDTH, WIDTH), np.float32), "b": np.zeros(WIDTH, np.float32), "act": "tanh"}
+    with pytest.raises(TypeError, match=r"params leaf 'act' holds str 'tanh'.*functools.partial"):
+        compare_modules(TorchLin(), Function(lambda p, x: jnp.tanh(x @ p["w"] + p["b"]), params), x, weights=weights)
+    module = linen.Dense(WIDTH, name="lin")
+    variables = {"params": {"kernel": np.zeros((WIDTH, WIDTH), np.float32), "bias": np.zeros(WIDTH, np.float32)}}
+    variables["params"]["count"] = np.array([1, 2])
+    with pytest.raises(TypeError, match=r"variable 'params.count' holds an array of int64.*'params' collection"):
+        compare_modules(TorchLin(), Linen(module, variables), x, weights=weights)
+
+
+def test_a_torch_path_in_modules_that_names_no_submodule_is_an_error_listing_the_nearest():
+    torch_model, x = TorchInPlaceStack(), stack_input()
+    flax_model, options = stack("linen")
+    with pytest.raises(ValueError, match=r"no submodule 'blocks.0.linn'.*\['blocks.0.lin'"):
+        compare_modules(torch_model, flax_model, x, modules={"blocks.0.linn": None}, **options)

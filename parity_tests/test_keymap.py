@@ -523,3 +523,23 @@ def test_stacked_templates_load_a_scanned_gpt_as_the_converter_does():
     extra = {**sd, "transformer.h.3.ln_1.weight": sd["transformer.h.0.ln_1.weight"]}
     with pytest.raises(ConversionError, match=r"slice '3' is not an index"):
         load_torch_state_dict(abstract(), extra, weights=GPT_MAP)
+
+
+class _OneKernel(nnx.Module):
+    def __init__(self):
+        self.kernel = nnx.Param(np.zeros((3, 2), np.float32))
+
+
+def test_distinct_equal_keys_in_other_layouts_share_one_gradient_in_the_first_ones_layout():
+    """Two distinct torch tensors, equal once in flax's layout (one transposed, one not), fill one variable: the
+    plan groups them (``shared``), carries a tensor between their layouts, and gives the variable's gradient once,
+    under the first key, in its layout."""
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    sd = {"a.weight": w, "b.weight": w.T.copy()}
+    plan = KeyMap([(r"a\.weight", "kernel", "o i -> i o"), (r"b\.weight", "kernel", None)]).resolve(_OneKernel(), sd)
+    assert plan.shared() == {"a.weight": Tie(("a.weight", "b.weight"), ("kernel",))}
+    np.testing.assert_array_equal(plan.carry("a.weight", "b.weight", w), w.T)
+    np.testing.assert_array_equal(plan.carry("b.weight", "a.weight", w.T), w)
+    grads = plan.torch_gradients({"kernel": w.T})
+    assert list(grads) == ["a.weight"]
+    np.testing.assert_array_equal(grads["a.weight"], w)

@@ -309,25 +309,67 @@ class KeyPlan:
         target = self.targets[key][0]
         return target.to_torch(target.take(flax_values[target.path]))
 
+    def shared(self) -> dict[str, Tie]:
+        """Distinct torch tensors (equal in value: loading checks it) that fill one flax variable or slice.
+
+        ``{first key: Tie((first key, *others), flax names they fill)}``, each key under its canonical name,
+        in the state dict's order; keys linked through a chain of shared variables form one group. The
+        flax variable takes one value, one tangent and one gradient for all of them: the gradient is
+        compared, under the first key, against the sum of torch's gradients (:meth:`carry`); ``{}`` when
+        none.
+        """
+        fills: dict[tuple[str, int | None], list[str]] = {}
+        for key, targets in self.targets.items():
+            for t in targets:
+                keys = fills.setdefault((t.path, t.index), [])
+                if self.canonical(key) not in keys:
+                    keys.append(self.canonical(key))
+        group: dict[str, list[str]] = {}
+        for keys in fills.values():
+            merged = list(dict.fromkeys(k for key in keys for k in group.get(key, [key])))
+            for k in merged if len(merged) > 1 else ():
+                group[k] = merged
+        order = {self.canonical(k): i for i, k in reversed(list(enumerate(self.targets)))}
+        out = {}
+        for keys in {id(g): g for g in group.values()}.values():
+            keys = sorted(keys, key=order.__getitem__)
+            names = (t.name for key, ts in self.targets.items() if self.canonical(key) in keys for t in ts)
+            out[keys[0]] = Tie(tuple(keys), tuple(dict.fromkeys(names)))
+        return out
+
+    def carry(self, source: str, dest: str, array):
+        """Torch key ``source``'s ``array`` (a value, tangent or gradient) in torch key ``dest``'s layout, through
+        a flax variable (or slice) both fill: ``source``'s layout into flax, then ``dest``'s back to torch."""
+        into = {(t.path, t.index): t for t in self.targets[dest]}
+        via = next((t for t in self.targets[source] if (t.path, t.index) in into), None)
+        if via is None:
+            raise ValueError(f"torch keys {source!r} and {dest!r} fill no flax variable in common")
+        return into[(via.path, via.index)].to_torch(via.to_flax(array))
+
     def torch_gradients(self, flax_grads: Mapping[str, Any]) -> dict[str, Any]:
         """Flax gradients (canonical path -> array) under torch's names, tied copies summed.
 
         One entry per torch tensor, under its canonical name (``named_parameters()``'s):
         the sum, over every distinct flax variable (or slice) that any of its aliases
         fills, of that variable's gradient mapped back through its inverse layout. A
-        variable that two aliases share counts once. Ignored keys, and keys whose
-        variables have no entry in ``flax_grads`` (running statistics), are left out.
+        variable that two aliases share counts once. Distinct torch tensors that fill one
+        variable (:meth:`shared`) have one entry, under the first one's name, in its layout
+        where it fills the variable. Ignored keys, and keys whose variables have no entry in
+        ``flax_grads`` (running statistics), are left out.
         """
+        first = {k: name for name, tie in self.shared().items() for k in tie.torch_aliases}
         out: dict[str, Any] = {}
         seen: dict[str, set[tuple[str, int | None]]] = {}
         for key, targets in self.targets.items():
-            name = self.canonical(key)
+            name = first.get(self.canonical(key), self.canonical(key))
             for t in targets:
                 done = seen.setdefault(name, set())
                 if t.path not in flax_grads or (t.path, t.index) in done:
                     continue
                 done.add((t.path, t.index))
                 g = t.to_torch(t.take(flax_grads[t.path]))
+                if name != self.canonical(key):  # a variable the first of the shared keys does not fill
+                    g = self.carry(key, name, g)
                 out[name] = g if name not in out else out[name] + g
         return out
 

@@ -129,7 +129,7 @@ def flatten_outputs(tree: Any, name: str | None = None) -> tuple[list[tuple[str,
         items = [(f"{base}[{i}]", v) for i, v in enumerate(tree)]
     else:
         leaf_name = "output" if name is None else name
-        if _is_array(tree) or isinstance(tree, (bool, int, float, np.generic)):
+        if _is_array(tree) or isinstance(tree, (bool, int, float, complex, np.generic)):
             return [(leaf_name, tree)], {}
         return [], {leaf_name: "None" if tree is None else type(tree).__name__}
     named: list[tuple[str, Any]] = []
@@ -139,6 +139,19 @@ def flatten_outputs(tree: Any, name: str | None = None) -> tuple[list[tuple[str,
         named += leaves
         dropped.update(skipped)
     return named, dropped
+
+
+def numbers_as_arrays(named: Sequence[tuple[str, Any]], dtype: str) -> list[tuple[str, Any]]:
+    """``named`` leaves with every Python float as a 0-d NumPy array of ``dtype`` (the comparison's parameter
+    dtype) and every Python complex in its complex twin, the same on both sides whatever x64 says: torch's
+    ``np.array(0.5)`` would be float64 and JAX's float32 with x64 off. Other leaves are as they are."""
+    complex_dtype = np.result_type(np.dtype(dtype), np.complex64)
+    return [
+        (k, np.asarray(v, complex_dtype if isinstance(v, complex) else dtype))
+        if isinstance(v, (float, complex)) and not isinstance(v, np.generic)
+        else (k, v)
+        for k, v in named
+    ]
 
 
 def named_outputs(tree: Any, name: str | None = None) -> list[tuple[str, Any]]:
@@ -152,15 +165,27 @@ def describe_outputs(shapes: Mapping[str, tuple[int, ...]]) -> str:
 
 
 def check_same_outputs(torch_shapes: Mapping[str, tuple[int, ...]], flax_shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Raise ``ValueError`` unless both sides' forwards give the same output names with the same shapes."""
-    if list(torch_shapes) == list(flax_shapes) and all(
-        tuple(torch_shapes[k]) == tuple(flax_shapes[k]) for k in torch_shapes
-    ):
+    """Raise ``ValueError`` unless both sides' forwards give the same output names with the same shapes, matched by
+    name (a dict built in another order matches): the names missing on either side and the shapes that differ are
+    listed."""
+    torch_shapes = {k: tuple(v) for k, v in torch_shapes.items()}
+    flax_shapes = {k: tuple(v) for k, v in flax_shapes.items()}
+    if torch_shapes == flax_shapes:
         return
+    missing = [k for k in torch_shapes if k not in flax_shapes]
+    extra = [k for k in flax_shapes if k not in torch_shapes]
+    lines = [f"  missing on the flax side: {', '.join(missing)}"] if missing else []
+    lines += [f"  only on the flax side: {', '.join(extra)}"] if extra else []
+    lines += [
+        f"  {k}: torch {torch_shapes[k]}, flax {flax_shapes[k]}"
+        for k in torch_shapes
+        if k in flax_shapes and torch_shapes[k] != flax_shapes[k]
+    ]
     raise ValueError(
         "the two sides' output names or shapes differ, so they cannot be compared:\n"
         f"  torch: {describe_outputs(torch_shapes)}\n  flax: {describe_outputs(flax_shapes)}\n"
-        f"To compare some outputs, or to give them the same names, {SELECT_OUTPUTS}."
+        + "".join(line + "\n" for line in lines)
+        + f"To compare some outputs, or to give them the same names, {SELECT_OUTPUTS}."
     )
 
 

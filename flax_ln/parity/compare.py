@@ -5,6 +5,7 @@ reference file's torch side needs no torch)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import KeyMap, KeyPlan
+from flax_ln.convert import KeyMap, KeyPlan, Tie
 from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
 from flax_ln.parity.flax_side import FlaxSide, Function, Linen
 from flax_ln.parity.function_side import FunctionSide
@@ -24,13 +25,13 @@ from flax_ln.parity.localize import localize
 from flax_ln.parity.nnx_side import NNXSide
 from flax_ln.parity.policy import (
     HALF_PRECISION,
-    TOLERANCES,
     Tolerance,
     compare_tensors,
     lm_metrics,
     numerics,
     parameter_dtype,
     relative_error,
+    tolerances_for,
     whole_norm,
     zero_gradient_names,
 )
@@ -42,6 +43,7 @@ from flax_ln.parity.torch_side import (
     record_torch_side,
     resolve_dtype,
     run_torch_side,
+    with_tangents,
 )
 
 # The kinds of flax side: a user's flax side is of the first that takes it (NNX takes any other object).
@@ -91,7 +93,7 @@ def _judge(
         in_compute_dtype = kind in ("output", "tangent")
         check_dtype = (
             str(v.dtype)
-            if np.issubdtype(v.dtype, np.floating) and kind != "loss" and (exact or not in_compute_dtype)
+            if np.issubdtype(v.dtype, np.inexact) and kind != "loss" and (exact or not in_compute_dtype)
             else None
         )
         judged = functools.partial(
@@ -144,6 +146,58 @@ def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.nd
         )
 
 
+def _zero_shared(zero: set[str], shared: Mapping[str, Tie]) -> set[str]:
+    """``zero`` (gradients float64 shows are zero) with each group of :meth:`~flax_ln.convert.KeyPlan.shared` keys
+    as its summed gradient, under the first key: zero when every one of them is."""
+    members = {k for tie in shared.values() for k in tie.torch_aliases}
+    return {k for k in zero if k not in members} | {
+        first for first, tie in shared.items() if all(k in zero for k in tie.torch_aliases)
+    }
+
+
+def _as_shared(side: TorchSide, plan: KeyPlan, rerun: Callable[[dict[str, np.ndarray]], TorchSide] | None) -> TorchSide:
+    """``side`` as the flax side can match it where distinct torch tensors fill one flax variable
+    (:meth:`~flax_ln.convert.KeyPlan.shared`), which takes one tangent and one gradient for all of them.
+
+    ``"jvp"``: every one of them takes the tangent of the first that has one, carried through the layouts
+    (:meth:`~flax_ln.convert.KeyPlan.carry`), and torch runs again with them (``rerun``). ``"grad"``: their
+    gradients (and float64 truths) are summed, in the first one's layout, under its name."""
+    shared = plan.shared()
+    if side.mode == "jvp":
+        tangents = dict(side.tangents)
+        for tie in shared.values():
+            source = next((k for k in tie.torch_aliases if k in tangents), "")
+            for k in tie.torch_aliases if source else ():
+                if k != source:
+                    tangents[k] = np.asarray(plan.carry(source, k, tangents[source]), side.state_dict[k].dtype)
+        if all(k in side.tangents and np.array_equal(v, side.tangents[k]) for k, v in tangents.items()):
+            return side
+        if rerun is None:
+            raise ValueError(
+                "distinct torch tensors fill one flax variable ("
+                + "; ".join(", ".join(tie.torch_aliases) for tie in shared.values())
+                + "): a stored torch side's independent tangents cannot be compared; run compare_modules"
+            )
+        return rerun(tangents)
+
+    def summed(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = dict(values)
+        for first, tie in shared.items():
+            for k in tie.torch_aliases[1:] if first in out else ():
+                if k in out:
+                    out[first] = out[first] + np.asarray(plan.carry(k, first, out.pop(k)), out[first].dtype)
+        return out
+
+    expected = summed(side.expected)
+    return dataclasses.replace(
+        side,
+        expected=expected,
+        kinds={k: kind for k, kind in side.kinds.items() if k in expected},
+        param_names=[k for k in side.param_names if k in expected],
+        truth=None if side.truth is None else summed(side.truth),
+    )
+
+
 def _load_and_judge(
     kind: type[FlaxSide],
     side: TorchSide,
@@ -156,17 +210,39 @@ def _load_and_judge(
     weights,
     zero_evidence: Callable[[], set[str]],
     plan=None,
+    rerun: Callable[[dict[str, np.ndarray]], TorchSide] | None = None,
 ):
     """Load the flax side of ``kind`` with ``side``'s weights (through ``weights``, a key map, when given), run
-    and compare it, add the ties, LM metrics and attribution."""
+    and compare it, add the ties, LM metrics and attribution. ``rerun``: the torch side again with other tangents
+    (:func:`~flax_ln.parity.torch_side.with_tangents`), for :func:`_as_shared`."""
     flax = kind.load(flax_module, side, flax_inputs, weights, plan)
+    shared = {} if flax.plan is None else flax.plan.shared()
+    if flax.plan is not None and shared:
+        side = _as_shared(side, flax.plan, rerun)
+        evidence = zero_evidence
+        zero_evidence = lambda: _zero_shared(evidence(), shared)  # noqa: E731
     report, actual, zero = _judge(side, flax, call, tolerances, mesh, zero_evidence)
     report.ties = flax.ties()
+    report.shared = shared
     if lm_logits is not None:
         _lm_metrics(report, side, actual, lm_logits)
     if side.truth is not None:
         _attribute(report, side, actual, flax, call)
     return report, flax, zero
+
+
+def check_torch_paths(torch_module, modules: Mapping[str, Any] | None) -> None:
+    """Raise ``ValueError`` (before any compute) for a key of ``modules=`` that names no torch submodule (a typo
+    would otherwise pair or remove nothing, silently), listing the nearest known paths."""
+    known = [path for path, _ in torch_module.named_modules() if path]
+    for path in modules or {}:
+        if path not in known:
+            near = difflib.get_close_matches(path, known, n=5, cutoff=0.5) or known[:5]
+            raise ValueError(
+                f"modules={{{path!r}: ...}}: the torch module {type(torch_module).__name__} has no submodule "
+                f"{path!r}; the nearest of its module paths (named_modules()): {near}. Give a torch path as "
+                "named_modules() names it"
+            )
 
 
 def _stamp(report: ParityReport, started: float) -> ParityReport:
@@ -204,7 +280,7 @@ def compare_side(
             "compare_side (a stored reference file) takes an NNX module; Linen and Function flax sides are "
             "compared live, with compare_modules(..., weights=KeyMap(...))"
         )
-    tolerances = TOLERANCES[side.dtype] if tolerances is None else tolerances
+    tolerances = tolerances_for(side.dtype, tolerances)
     call = side.call(forward, loss)
     flax_inputs = None if flax_inputs is None else as_inputs(flax_inputs)
     stored_zero = set(side.float64_zero or ())  # a reference file carries float64's word on each gradient
@@ -283,7 +359,10 @@ def compare_modules(
         derivatives are taken).
       loss: ``(torch_fn, flax_fn)``, each mapping that side's outputs to a scalar, instead
         of the random projection. The loss value is compared too.
-      tolerances: ``{"output": Tolerance, "grad": Tolerance}`` to override the policy.
+      tolerances: ``{"output": Tolerance, "grad": Tolerance}`` (and, in half precision, ``"grads"``: every
+        parameter gradient as one vector) to override the policy; a partial dict overrides the kinds it names
+        and the policy fills the rest (``{"output": ...}`` keeps the policy's ``"grad"``). Another key is a
+        ``ValueError``.
       dtype: ``"float32"`` or ``"float64"``, or ``"bfloat16"``/``"float16"`` for a flax module
         that computes in half precision with float32 parameters, against the float32 torch
         module. ``"float64"`` takes float32 modules too: both sides then run on float64
@@ -322,7 +401,12 @@ def compare_modules(
         model unchanged on error), parameter gradients come back under ``named_parameters()``'s
         names through each layout's inverse (tied copies summed), ``jvp`` parameter tangents go
         into the flax layout through it, ``report.ties`` lists the ties, and localisation pairs
-        modules by their parameters (:func:`~flax_ln.parity.localize.pair_modules`). ``None``:
+        modules by their parameters (:func:`~flax_ln.parity.localize.pair_modules`). Distinct
+        torch tensors of equal value that fill one flax variable (``report.shared``,
+        :meth:`~flax_ln.convert.KeyPlan.shared`) are compared as one: in ``"jvp"`` they all take
+        the first one's tangent, carried through the layouts (torch runs again with it); in
+        ``"grad"`` the variable's gradient is compared, under the first key, against the sum of
+        torch's gradients in that key's layout, and the others have no result. ``None``:
         the converter's rules and mirrored trees.
       modules: with ``weights``, ``{torch_path: flax_path | (flax_path, layout) | None}``: add a
         pair (a parameter-free module), give a pair's activation layout (an einops pattern,
@@ -355,6 +439,7 @@ def compare_modules(
     kind = flax_side_kind(flax_module)
     kind.check(flax_module, weights, mesh)
     check_island_mode(islands)
+    check_torch_paths(torch_module, modules)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     comparison = Comparison(
@@ -427,7 +512,7 @@ class Comparison:
             mode=opts["mode"],
         )
         casts = {call.input_names[i]: how for i, how in cast.items()}
-        tolerances = TOLERANCES[dtype] if self.tolerances is None else self.tolerances
+        tolerances = tolerances_for(dtype, self.tolerances)
         found = Found()
         with (
             numerics(dtype),
@@ -444,6 +529,10 @@ class Comparison:
                     name=opts["name"] or type(self.torch_module).__name__,
                 )
 
+            def rerun(tangents: dict[str, np.ndarray]) -> TorchSide:
+                with torch_lifted(model, dtype, self.islands, found):
+                    return with_tangents(side, model, call, tangents)
+
             with flax_lifted(dtype, self.islands, found):
                 report, flax, zero_found = _load_and_judge(
                     self.kind,
@@ -457,6 +546,7 @@ class Comparison:
                     self.weights,
                     (lambda: zero) if zero is not None else (lambda: set(float64_zero_gradients(side, model, call))),
                     plan,
+                    rerun,
                 )
             if dtype == "float64":
                 found.add(flax.rounded_tables())

@@ -38,10 +38,19 @@ from flax_ln.convert import KeyMap, KeyPlan, Tie, find_ties
 from flax_ln.convert.keymap_transfer import write_by_plan
 from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import LinenTree, PytreeTree, VariableTree
-from flax_ln.parity.call import Call, check_same_outputs, flatten_outputs, is_float, run_forward, with_floats
+from flax_ln.parity.call import (
+    Call,
+    check_same_outputs,
+    flatten_outputs,
+    is_float,
+    numbers_as_arrays,
+    run_forward,
+    with_floats,
+)
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.islands import Island, float32_rounded
 from flax_ln.parity.pairing import Pairs, ParameterGroups
+from flax_ln.parity.policy import parameter_dtype
 from flax_ln.parity.torch_side import TorchSide
 
 
@@ -129,6 +138,26 @@ def write_through(plan: KeyPlan, tree: VariableTree, state_dict: Mapping[str, np
     """Write a torch-named ``state_dict`` (tangents of the weights ``plan`` loaded) into ``tree`` through ``plan``,
     each value in its targets' flax layouts, with no second plan: the plan checked the keys, shapes and dtypes."""
     write_by_plan(plan, tree, lambda target: np.asarray(target.to_flax(state_dict[target.key])))
+
+
+def require_differentiable(tree: Any, noun: str, fix: str, floating_only: bool = True) -> None:
+    """Raise ``TypeError``, before any compute, naming the first leaf of ``tree`` (a pytree of parameters) that
+    cannot be differentiated: one that is no array or number (a string), or, with ``floating_only``, an array
+    whose dtype is not floating or complex (an integer). ``fix`` says how to keep it out of the parameters."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        name = name.removesuffix(".value")  # an nnx.Variable's own attribute
+        dtype = getattr(leaf, "dtype", None)
+        numeric = dtype is not None and getattr(dtype, "kind", "V") not in "USO"  # not strings or objects
+        if dtype is None and isinstance(leaf, (bool, int, float, complex)):
+            numeric, dtype = True, np.result_type(type(leaf))
+        if numeric and dtype is not None and not (floating_only and not jnp.issubdtype(dtype, jnp.inexact)):
+            continue
+        found = f"an array of {dtype}" if numeric else f"{type(leaf).__name__} {leaf!r:.40}"
+        raise TypeError(
+            f"flax {noun} {name!r} holds {found}, expected a floating (or complex) array: parameters are "
+            f"differentiated. {fix}"
+        )
 
 
 def as_float64(tree: Any) -> Any:
@@ -250,6 +279,7 @@ class _Split:
         model = self.parts.build(params, self.rest)
         raw = run_forward(forward, model, args, {**array_kwargs, **self.static_kwargs})
         named, skipped = flatten_outputs(raw)
+        named = numbers_as_arrays(named, parameter_dtype(side.dtype))
         check_same_outputs(_torch_output_shapes(side), {k: tuple(np.shape(v)) for k, v in named})
         dropped.update(skipped)
         return {k: jnp.asarray(v) for k, v in named}, raw

@@ -29,6 +29,7 @@ class FunctionSide(TreeSide):
     wrapper_type: ClassVar[type] = Function
     tree_type: ClassVar[type[PytreeTree]] = PytreeTree
     variable_noun: ClassVar[str] = "params leaf"
+    differentiated: ClassVar[str | None] = None
     localization_note: ClassVar[str | None] = NEEDS_MODULES
 
     @classmethod

@@ -38,6 +38,7 @@ from flax_ln.parity.flax_side import (
     Run,
     as_float64,
     paired_inputs,
+    require_differentiable,
     require_key_map,
     torch_ties,
     write_through,
@@ -235,6 +236,8 @@ class NNXSide(FlaxSide):
                 f"{type(flax_module).__name__} is a Linen module: pass flax_ln.parity.Linen(module, variables, "
                 "method=None) with weights=KeyMap(...)"
             )
+        fix = "Hold it in an nnx.Variable that is not an nnx.Param (e.g. nnx.Variable(...)), so that it is state"
+        require_differentiable(nnx.state(flax_module, nnx.Param), "nnx.Param", fix)
 
     @classmethod
     def load(

@@ -17,15 +17,20 @@ import jax
 import numpy as np
 
 
+def widest(x) -> np.ndarray:
+    """``x`` as float64, or as complex128 when it is complex (its imaginary part compared too, never dropped)."""
+    x = np.asarray(x)
+    return x.astype(np.complex128) if np.iscomplexobj(x) else x.astype(np.float64)
+
+
 def relative_error(actual, expected) -> float:
-    """Relative Frobenius error ``||actual - expected|| / ||expected||`` in float64.
+    """Relative Frobenius error ``||actual - expected|| / ||expected||`` in float64 (complex128 for complex arrays).
 
     NaN or Inf anywhere in either array gives ``inf`` unless both arrays have them at
     the same positions with the same values (NaN matching NaN), in which case the error
     of the finite entries is returned. ``expected == 0`` falls back to the absolute norm.
     """
-    a = np.asarray(actual, dtype=np.float64)
-    b = np.asarray(expected, dtype=np.float64)
+    a, b = widest(actual), widest(expected)
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch: actual {a.shape} vs expected {b.shape}")
     finite_a, finite_b = np.isfinite(a), np.isfinite(b)
@@ -79,6 +84,20 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
     "float16": {"output": Tolerance(2.5e-3), "grad": Tolerance(5e-3, gtol=1.25e-4), "grads": Tolerance(3.75e-3)},
 }
 HALF_PRECISION = ("bfloat16", "float16")  # compared against a float32 torch reference
+TOLERANCE_KINDS = ("output", "grad", "grads")  # the keys a tolerances dict may hold ("grads": all at once)
+
+
+def tolerances_for(dtype: str, overrides: Mapping[str, Tolerance] | None = None) -> dict[str, Tolerance]:
+    """The policy's tolerances for ``dtype`` (:data:`TOLERANCES`), with ``overrides`` in place of the kinds it
+    names: a partial dict (``{"output": ...}`` alone) keeps the policy's bound for every kind it leaves out."""
+    unknown = sorted(set(overrides or {}) - set(TOLERANCE_KINDS))
+    if unknown:
+        raise ValueError(
+            f"tolerances= has unknown keys {unknown}; it takes {list(TOLERANCE_KINDS)} (each a Tolerance), and "
+            f"the policy's bound for {dtype} fills every key left out"
+        )
+    return {**TOLERANCES[dtype], **(overrides or {})}
+
 
 # A float64 gradient whose norm is at most this fraction of the whole float64 gradient's norm is zero in the
 # mathematics: float64 rounds each op at 1.1e-16, so a structurally zero gradient holds noise a few orders
@@ -175,8 +194,7 @@ def compare_tensors(
         return unusable("missing on the flax side")
     if dtype is not None and np.dtype(np.asarray(actual).dtype) != np.dtype(dtype):
         return unusable(f"dtype: flax {np.asarray(actual).dtype}, expected {dtype}")
-    a = np.asarray(actual, dtype=np.float64)
-    b = np.asarray(expected, dtype=np.float64)
+    a, b = widest(actual), widest(expected)  # complex compares as complex: |a - b| over both parts
     if a.shape != b.shape:
         return unusable(f"shape: flax {a.shape}, torch {b.shape}")
     if b.size == 0:

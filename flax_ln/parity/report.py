@@ -136,6 +136,7 @@ class ParityReport:
     frozen: list[str] = dataclasses.field(default_factory=list)  # torch parameters without requires_grad
     dropped_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # output leaves not compared: types
     ties: dict[str, Tie] = dataclasses.field(default_factory=dict)  # torch keys holding one tensor -> flax copies
+    shared: dict[str, Tie] = dataclasses.field(default_factory=dict)  # distinct torch tensors filling one variable
     module_skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # pairs localisation could not compare
     localization_note: str | None = None  # why localisation did not run (a Function has no modules)
     islands: list[Island] = dataclasses.field(default_factory=list)  # float32 computations found in float64
@@ -193,6 +194,7 @@ class ParityReport:
             "frozen": self.frozen,
             "dropped_outputs": self.dropped_outputs,
             "ties": {name: tie.to_json() for name, tie in self.ties.items()},
+            "shared": {name: tie.to_json() for name, tie in self.shared.items()},
             "localization_note": self.localization_note,
             "islands": [dataclasses.asdict(island) for island in self.islands],
             "input_casts": self.input_casts,

@@ -13,7 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from flax_ln.parity.call import Call, flatten_outputs, is_float, named_outputs, run_forward, with_floats
+from flax_ln.parity.call import (
+    Call,
+    flatten_outputs,
+    is_float,
+    named_outputs,
+    numbers_as_arrays,
+    run_forward,
+    with_floats,
+)
 from flax_ln.parity.capture import Calls, Records, capture_torch
 from flax_ln.parity.policy import HALF_PRECISION, TOLERANCES, parameter_dtype, zero_gradient_names
 from flax_ln.parity.torch_islands import lift_float32
@@ -38,9 +46,11 @@ def to_numpy(value: Any) -> np.ndarray:
     return np.array(value)
 
 
-def torch_outputs(outputs: Any) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, str]]:
-    """A torch forward's result: its compared leaves as NumPy copies and as they are (tensors), and the dropped."""
+def torch_outputs(outputs: Any, numbers: str) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, str]]:
+    """A torch forward's result: its compared leaves as NumPy copies and as they are (tensors), and the dropped.
+    Python numbers become 0-d arrays of ``numbers``, the comparison's parameter dtype (as on the flax side)."""
     named, dropped = flatten_outputs(outputs)
+    named = numbers_as_arrays(named, numbers)
     return {k: to_numpy(v) for k, v in named}, dict(named), dropped
 
 
@@ -83,20 +93,57 @@ def trainable_and_frozen(module) -> tuple[list[str], list[str]]:
     return [n for n, p in named if p.requires_grad], [n for n, p in named if not p.requires_grad]
 
 
-def _run_torch(module, call: Call, cotangents=None, *, double=False):
+def _forward_name(forward: Any) -> str:
+    """How an error names the torch function of ``forward=``."""
+    if forward is None:
+        return "the torch module's own forward (forward=None)"
+    return f"the torch function of forward= ({getattr(forward, '__qualname__', repr(forward))})"
+
+
+def _check_graph(value, module, tensors, call: Call, differentiated: bool) -> None:
+    """Raise when the differentiated scalar has no autograd graph though something should have a gradient
+    (a trainable parameter or a floating input) and the outputs it weighs are floating (``differentiated``):
+    a forward run under ``torch.no_grad()``/``torch.inference_mode()``, or detached outputs, would otherwise
+    compare no gradient at all and pass a port whose gradients are wrong."""
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    floating = [n for n, t in zip(call.input_names, tensors) if t.requires_grad]
+    if value.requires_grad or not differentiated or not (trainable or floating):
+        return
+    what = " or the ".join(
+        part
+        for part in (
+            f"{len(trainable)} trainable parameters ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''})"
+            if trainable
+            else "",
+            f"floating inputs ({', '.join(floating)})" if floating else "",
+        )
+        if part
+    )
+    source = _forward_name(call.forward[0]) + (" with the torch loss= function" if call.loss is not None else "")
+    raise ValueError(
+        f"{source} returned outputs with no autograd graph: the differentiated scalar depends on none of the "
+        f"{what}, so no gradient could be compared. Was it run under torch.no_grad() or torch.inference_mode(), "
+        "or were its outputs .detach()ed? Remove that, so the outputs keep their graph; to compare outputs only, "
+        "freeze the parameters (torch_module.requires_grad_(False)) and give no floating input"
+    )
+
+
+def _run_torch(module, call: Call, cotangents=None, *, double=False, numbers="float32"):
     """Outputs, dropped outputs, cotangents, loss and gradients (inputs by ``grad <name>``, trainable parameters
     by name) of the torch side.
 
     ``cotangents`` (default: drawn by :func:`_cotangents`) weight the outputs in the
-    differentiated scalar; ``double`` runs in float64 (the module must be float64 then).
-    When that scalar depends on nothing that requires a gradient (every parameter frozen,
-    no floating input), there are no gradients.
+    differentiated scalar; ``double`` runs in float64 (the module must be float64 then);
+    ``numbers``: the dtype of Python numbers among the outputs. When that scalar depends on
+    nothing that requires a gradient (every parameter frozen, no floating input, or no
+    floating output), there are no gradients; a forward whose floating outputs lost their
+    graph is an error (:func:`_check_graph`).
     """
     torch = _torch()
     tensors, t_kwargs = torch_tensors(call.inputs, call.kwargs, grad=True, double=double)
     with _torch_eval_untouched(module):
         outputs = run_forward(call.forward[0], module, tensors, t_kwargs)
-        named, raw, dropped = torch_outputs(outputs)
+        named, raw, dropped = torch_outputs(outputs, "float64" if double else numbers)
         if call.loss is None:
             if cotangents is None:
                 cotangents = _cotangents({k: v for k, v in named.items() if hasattr(raw[k], "detach")})
@@ -106,6 +153,7 @@ def _run_torch(module, call: Call, cotangents=None, *, double=False):
         else:
             cotangents = {}
             value = call.loss[0](outputs)
+        _check_graph(value, module, tensors, call, call.loss is not None or bool(cotangents))
         grads: dict[str, np.ndarray] = {}
         if value.requires_grad:
             value.backward()
@@ -130,7 +178,7 @@ def _tangents(
     return tangents
 
 
-def _run_torch_jvp(module, call: Call, tangents, *, double=False):
+def _run_torch_jvp(module, call: Call, tangents, *, double=False, numbers="float32"):
     """Outputs and output tangents (``tangent <output>``) of the torch side by ``torch.func.jvp``.
 
     The forward runs through ``torch.func.functional_call`` over the parameters named in
@@ -169,7 +217,7 @@ def _run_torch_jvp(module, call: Call, tangents, *, double=False):
     )
     with _torch_eval_untouched(module), torch.no_grad():
         outputs, output_tangents = jvp(run, primal_in, tangent_in)  # type: ignore[misc]  # jvp returns a pair here (no has_aux)
-    named, _, dropped = torch_outputs(outputs)
+    named, _, dropped = torch_outputs(outputs, "float64" if double else numbers)
     named.update({f"tangent {k}": to_numpy(v) for k, v in named_outputs(output_tangents) if is_float(named[k])})
     return named, dropped
 
@@ -236,13 +284,15 @@ class TorchSide:
 MODES = ("grad", "jvp")
 
 
-def torch_results(module, call: Call, mode, cotangents, tangents, *, double=False):
-    """``(expected, kinds, cotangents, dropped outputs)`` of one torch run (see :class:`TorchSide`)."""
+def torch_results(module, call: Call, mode, cotangents, tangents, *, double=False, dtype="float32"):
+    """``(expected, kinds, cotangents, dropped outputs)`` of one torch run (see :class:`TorchSide`) in a comparison at
+    ``dtype`` (``double``: in float64)."""
+    numbers = parameter_dtype(dtype)
     if mode == "jvp":
-        expected, dropped = _run_torch_jvp(module, call, tangents, double=double)
+        expected, dropped = _run_torch_jvp(module, call, tangents, double=double, numbers=numbers)
         return expected, {k: "tangent" if k.startswith("tangent ") else "output" for k in expected}, {}, dropped
     param_names = trainable_and_frozen(module)[0]
-    outputs, dropped, cotangents, value, grads = _run_torch(module, call, cotangents, double=double)
+    outputs, dropped, cotangents, value, grads = _run_torch(module, call, cotangents, double=double, numbers=numbers)
     expected, kinds = dict(outputs), dict.fromkeys(outputs, "output")
     if call.loss is not None:
         expected["loss"], kinds["loss"] = value, "loss"
@@ -288,7 +338,9 @@ def run_torch_side(
         if mode == "jvp"
         else {}
     )
-    expected, kinds, cotangents, dropped = torch_results(torch_module, call, mode, None, tangents)
+    expected, kinds, cotangents, dropped, truth = _results_and_truth(
+        torch_module, call, mode, tangents, dtype, attribute
+    )
     side = TorchSide(
         name or type(torch_module).__name__,
         dtype,
@@ -302,15 +354,35 @@ def run_torch_side(
         kinds,
         cotangents,
         tangents,
+        truth=truth,
         frozen=frozen,
         dropped_outputs=dropped,
     )
-    if attribute:
-        with torch_in_float64(torch_module):
-            side.truth = torch_results(torch_module, call, mode, cotangents, tangents, double=True)[0]
     if record:
         record_torch_side(side, torch_module, call.forward[0])
     return side
+
+
+def _results_and_truth(torch_module, call: Call, mode: str, tangents, dtype: str, attribute: bool):
+    """:func:`torch_results` of one run and, with ``attribute``, the expected values of a float64 run (the same
+    cotangents or tangents in float64; ``None`` without)."""
+    expected, kinds, cotangents, dropped = torch_results(torch_module, call, mode, None, tangents, dtype=dtype)
+    truth = None
+    if attribute:
+        with torch_in_float64(torch_module):
+            truth = torch_results(torch_module, call, mode, cotangents, tangents, double=True)[0]
+    return expected, kinds, cotangents, dropped, truth
+
+
+def with_tangents(side: TorchSide, torch_module, call: Call, tangents: Mapping[str, np.ndarray]) -> TorchSide:
+    """``side`` (a ``"jvp"`` one) run again on ``torch_module`` with ``tangents`` instead of its own (torch-named; a
+    frozen parameter named in them takes its tangent too): its expected values, and its truth when it has one."""
+    expected, kinds, _, dropped, truth = _results_and_truth(
+        torch_module, call, "jvp", dict(tangents), side.dtype, side.truth is not None
+    )
+    return dataclasses.replace(
+        side, expected=expected, kinds=kinds, tangents=dict(tangents), truth=truth, dropped_outputs=dropped
+    )
 
 
 def float64_zero_gradients(side: TorchSide, torch_module, call: Call) -> list[str]:

@@ -11,7 +11,15 @@ from typing import Any, ClassVar
 import numpy as np
 
 from flax_ln.convert import KeyMap, KeyPlan, PytreeTree, fill_tree
-from flax_ln.parity.flax_side import FlaxSide, as_float64, paired_inputs, require_key_map, torch_ties, write_through
+from flax_ln.parity.flax_side import (
+    FlaxSide,
+    as_float64,
+    paired_inputs,
+    require_differentiable,
+    require_key_map,
+    torch_ties,
+    write_through,
+)
 from flax_ln.parity.policy import parameter_dtype
 from flax_ln.parity.torch_side import TorchSide
 
@@ -40,6 +48,9 @@ class TreeSide(FlaxSide):
     wrapper_type: ClassVar[type]  # what the user passes: Linen or Function
     tree_type: ClassVar[type[PytreeTree]]  # how its variables are named: LinenTree or PytreeTree
     variable_noun: ClassVar[str]  # how an error names one of its variables
+    # the variables that are differentiated, for require_differentiable: the "params" collection (a Linen
+    # module's); None: every leaf, integer ones being state (a Function's)
+    differentiated: ClassVar[str | None] = "params"
 
     @classmethod
     def variables_of(cls, wrapper: Any) -> Any:
@@ -60,6 +71,16 @@ class TreeSide(FlaxSide):
                 "converter's rules to mirror)"
             )
         require_key_map(weights)
+        variables = cls.variables_of(flax_module)
+        if cls.differentiated is None:
+            fix = "A Function's params hold arrays only: pass a setting like this to apply itself (functools.partial)"
+            require_differentiable(variables, cls.variable_noun, fix, floating_only=False)
+        elif isinstance(variables, Mapping) and cls.differentiated in variables:
+            fix = (
+                f"Keep it out of the {cls.differentiated!r} collection (self.variable('constants', name, ...)), "
+                "so that it is state"
+            )
+            require_differentiable({cls.differentiated: variables[cls.differentiated]}, cls.variable_noun, fix)
 
     @classmethod
     def load(
