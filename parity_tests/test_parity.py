@@ -133,14 +133,15 @@ def test_kwargs_and_custom_loss_leave_the_modules_as_they_were():
     )
     assert report["loss"].kind == "loss" and report["loss"].shape == ()
     assert torch_model.head.bias.grad is sentinel and torch_model.training  # restored after the call
-    # the kwarg reaches both forwards: a mistake in how flax applies it is found, right
-    # after the last module that still agrees (head is the first fed the scaled hidden state)
+    # the kwarg reaches both forwards: a mistake in how flax applies it is found in the model's own code, right
+    # before the first module fed the scaled hidden state (head), which is where it is seen
     flax_model.scale_power = 2
     report = compare_modules(
         torch_model, flax_model, (ids, features), flax_inputs=(ids, features_nlc), kwargs={"scale": scale}, loss=loss
     )
-    assert not report.passed and report.first_divergence.module == "head"
-    assert not all(r.passed for r in report.first_divergence.inputs)  # fed diverged data
+    fd = report.first_divergence
+    assert not report.passed and (fd.module, fd.seen_at, fd.between[1]) == (WHOLE_MODEL, "head", "head"), str(report)
+    assert not all(r.passed for r in fd.inputs)  # head is fed diverged data
 
 
 def test_planted_mistake_is_named_and_reported():
