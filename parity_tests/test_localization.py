@@ -83,7 +83,7 @@ class TorchLayer(torch.nn.Module):
         )
 
     def forward(self, x, mask):
-        x = x + self.attn(self.ln_1(x), mask)
+        x = x + self.attn(x=self.ln_1(x), mask=mask)  # by keyword, as transformers calls its attention
         return x + self.mlp(self.ln_2(x))
 
 

@@ -58,7 +58,8 @@ def floating_leaves(tree: Any) -> list[np.ndarray]:
 def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None) -> Records:
     """Run ``call`` with forward hooks on every submodule of the torch ``model``: path -> (inputs, outputs).
 
-    Dict order is execution order (a module is recorded when its forward returns). With
+    Dict order is execution order (a module is recorded when its forward returns). A module's inputs are its
+    positional floating arrays, or, when it was given none, its keyword arguments' (in call order). With
     ``calls``, each module's first call is also stored there whole (every positional and
     keyword argument, by :func:`plain_value`), so the module can be called again on it.
     """
@@ -71,7 +72,8 @@ def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None) ->
         def hook(mod, args, kwargs, output, name=name or WHOLE_MODEL):
             if name not in records and calls is not None:
                 calls[name] = ([plain_value(a) for a in args], {k: plain_value(v) for k, v in kwargs.items()})
-            records.setdefault(name, (floating_leaves(args), floating_leaves(output)))
+            inputs = floating_leaves(args) or floating_leaves(kwargs)  # transformers passes hidden_states by name
+            records.setdefault(name, (inputs, floating_leaves(output)))
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:

@@ -341,14 +341,21 @@ def _permutation(
     )
 
 
+def _is_floating_array(leaf) -> bool:
+    return hasattr(leaf, "dtype") and hasattr(leaf, "shape") and np.issubdtype(leaf.dtype, np.floating)
+
+
 def substitute_floats(pairs: Pairs, path: str, leaves: list, torch_inputs: Sequence[np.ndarray]) -> list | str:
     """The flax call's argument ``leaves`` with its floating arrays replaced, in order, by torch's recorded
     floating inputs put into the flax layout (each onto the shape and dtype flax's own had); a floating
     argument torch has no counterpart for, or one whose shape torch's does not fit after the first, keeps the
-    port's own value (a mask, a cache, a rotary table); or why the first cannot be replaced."""
+    port's own value (a mask, a cache, a rotary table); or why the first cannot be replaced (torch's call
+    recorded no floating input: the port's own would not make the run one of the module alone)."""
     out, k = list(leaves), 0
+    if not torch_inputs and any(map(_is_floating_array, leaves)):  # on the port's own activations: not alone
+        return "torch's call recorded no floating input to put in the flax call's place"
     for i, leaf in enumerate(leaves):
-        if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape") and np.issubdtype(leaf.dtype, np.floating)):
+        if not _is_floating_array(leaf):
             continue
         if k >= len(torch_inputs):
             break
