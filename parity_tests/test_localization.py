@@ -19,7 +19,7 @@ import torch
 from flax import linen, nnx
 
 from flax_ln.convert import KeyMap
-from flax_ln.parity import Linen, compare_modules
+from flax_ln.parity import Linen, compare_modules, localize
 from flax_ln.parity.capture import WHOLE_MODEL
 
 VOCAB, WIDTH, HEADS, HEAD, SEQ, BATCH = 32, 24, 3, 8, 6, 2  # sqrt(24) is not a bfloat16 number
@@ -128,9 +128,11 @@ class MLP(nnx.Module):
         self.fc1 = nnx.Linear(WIDTH, 2 * WIDTH, param_dtype=param_dtype, rngs=rngs)
         self.fc2 = nnx.Linear(2 * WIDTH, WIDTH, param_dtype=param_dtype, rngs=rngs)
         self.approximate = False
+        self.traced_scale = 1.0  # a planted mistake that only a traced (jit) run makes
 
     def __call__(self, x):
-        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=self.approximate))
+        scale = self.traced_scale if isinstance(x, jax.core.Tracer) else 1.0
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=self.approximate)) * scale
 
 
 class Layer(nnx.Module):
@@ -302,6 +304,34 @@ def test_an_activation_inline_between_two_linears_is_named_between_them(dtype):
     assert report.first_divergence.flax_between == ("layers.0.mlp.fc1", "layers.0.mlp.fc2")
     assert report.isolation.own_code == ["layers.0.mlp"]
     assert "in layers.0.mlp <-> layers.0.mlp, between layers.0.mlp.fc1 and layers.0.mlp.fc2" in str(report)
+
+
+def test_an_error_in_localisation_keeps_the_verdict_and_every_result(monkeypatch):
+    """Pairing raises: the report still holds the verdict and every tensor's result, and says what failed."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("pairing broke")
+
+    monkeypatch.setattr(localize, "pair_modules", broken)
+    report = lm_parity("float32", _plant_ln_eps)
+    assert not report.passed and report.first_divergence is None and report.isolation is None
+    assert {r.name for r in report.results} >= {"output", "embed_tokens.weight", "lm_head.weight"}
+    assert not report["output"].passed
+    assert "pairing torch's modules with flax's failed (RuntimeError: pairing broke)" in report.localization_note
+    assert "pairing broke" in str(report) and "pairing broke" in report.to_json()["localization_note"]
+
+
+def _plant_traced_only(port):
+    port.layers[0].mlp.traced_scale = 1.01
+
+
+def test_a_failure_the_eager_localisation_run_does_not_reproduce_is_said_so():
+    """The port differs only when traced (the verdict's compiled run): localisation, which records an eager run, sees
+    every module agree, and the report says that it did not reproduce the failure rather than naming nothing."""
+    report = lm_parity("float64", _plant_traced_only)
+    assert not report.passed and report.first_divergence is None
+    assert "does not reproduce the failure of output" in report.localization_note
+    assert "does not reproduce" in str(report)
 
 
 # --- the image model -------------------------------------------------------------------------------------------------
