@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from flax_ln.convert.assign import as_numpy
 
 
-def find_ties(tensors: Any) -> dict[str, tuple[str, ...]]:
+def find_ties(tensors: Any, named: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
     """Torch keys that hold one tensor: ``{canonical: (canonical, *aliases)}``, ``{}`` when none.
 
     ``tensors`` is a ``torch.nn.Module`` (its ``state_dict(keep_vars=True)``; the
     canonical name is the one ``named_parameters()`` / ``named_buffers()`` lists) or a
     state dict of tensors or arrays (keys sharing memory: the same data pointer, shape,
-    strides and dtype; the canonical name is the first key, as ``state_dict()`` orders
-    them, which is ``named_parameters()``'s choice).
+    strides and dtype; the canonical name is the first of ``named`` among them, else the
+    first key, as ``state_dict()`` orders them, which is ``named_parameters()``'s choice).
     """
-    named: set[str] = set()
+    named = set(named)
     if hasattr(tensors, "state_dict") and hasattr(tensors, "named_parameters"):
         named = {n for n, _ in tensors.named_parameters()} | {n for n, _ in tensors.named_buffers()}
         tensors = tensors.state_dict(keep_vars=True)

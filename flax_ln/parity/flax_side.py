@@ -126,12 +126,7 @@ def require_key_map(weights: Any) -> KeyMap:
 def torch_ties(side: TorchSide) -> dict[str, tuple[str, ...]]:
     """The torch side's ties (keys holding one tensor), each under the name ``named_parameters()`` gives it, first
     among its aliases: the name its gradient is compared under (a state dict alone names the first key)."""
-    named = set(side.param_names) | set(side.frozen)
-    ties = {}
-    for keys in find_ties(side.state_dict).values():
-        canonical = next((k for k in keys if k in named), keys[0])
-        ties[canonical] = (canonical, *[k for k in keys if k != canonical])
-    return ties
+    return find_ties(side.state_dict, named=[*side.param_names, *side.frozen])
 
 
 def write_through(plan: KeyPlan, tree: VariableTree, state_dict: Mapping[str, np.ndarray]) -> None:
