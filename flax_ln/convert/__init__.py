@@ -14,6 +14,7 @@ a mesh if given) and writes them back, on the lazy safetensors reader of
 :mod:`~flax_ln.convert.tensor_files`.
 """
 
+from flax_ln.convert.discover import Discovery
 from flax_ln.convert.errors import ConversionError, MissingRuleError
 from flax_ln.convert.hf import (
     HF_GPT2_KEYS,
@@ -44,6 +45,7 @@ from flax_ln.convert.trees import LinenTree, PytreeTree
 __all__ = [
     "ConversionError",
     "DerivedBuffer",
+    "Discovery",
     "HF_GPT2_KEYS",
     "KeyMap",
     "KeyPlan",

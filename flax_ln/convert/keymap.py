@@ -58,7 +58,7 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flax import nnx
@@ -68,6 +68,9 @@ from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.layouts import IDENTITY, ArrayLayout, Shape, parse_layout, shape_only
 from flax_ln.convert.ties import Tie, find_ties
 from flax_ln.convert.trees import NNXTree, VariableTree
+
+if TYPE_CHECKING:
+    from flax_ln.convert.discover import Discovery
 
 _FIX = (
     "each torch key must match exactly one rule: add (regex, template, layout) for an unexpected key, or "
@@ -138,8 +141,48 @@ class KeyMap:
     def __len__(self) -> int:
         return len(self.rules)
 
+    discovery: Discovery | None = None  # what KeyMap.discover saw the loader do; None for a map written by hand
+
     def __repr__(self) -> str:
         return f"KeyMap({len(self.rules)} rules)"
+
+    def __str__(self) -> str:
+        return repr(self) if self.discovery is None else f"{self!r}, {self.discovery}"
+
+    @classmethod
+    def discover(
+        cls,
+        loader,
+        like,
+        *,
+        takes: str = "state_dict",
+        kind: str | None = None,
+        allow_unfilled: Iterable[str] = (),
+        allow_dropped: Iterable[str] = (),
+    ) -> KeyMap:
+        """The key map that ``loader`` (a port's own weight loader) implements, measured by running it on probes.
+
+        Args:
+          loader: takes a torch-keyed dict of NumPy arrays (``takes="state_dict"``) or the path of a folder holding
+            ``model.safetensors`` (and ``config.json`` when ``like`` has a Hugging Face config; ``takes="folder"``),
+            and returns the loaded flax side: an ``nnx.Module``, or a dict that ``kind`` names.
+          like: the torch module; its ``state_dict()`` gives the keys, shapes, dtypes and ties.
+          kind: for a dict: ``"linen"`` (Linen variables, collections at the top) or ``"function"`` (a pytree).
+          allow_unfilled: regexes (full match) of flax paths the loader may leave at init: they become constants.
+          allow_dropped: regexes of torch parameters the loader may never read: they become ignore rules.
+
+        The map's :attr:`discovery` (:class:`~flax_ln.convert.Discovery`) says what was dropped, left at init,
+        offset and tied. A loader that is not a gather of torch elements raises one
+        :class:`~flax_ln.convert.ConversionError` naming every variable and key at fault.
+        """
+        from flax_ln.convert.discover import measure
+
+        measured = measure(
+            loader, like, takes=takes, kind=kind, allow_unfilled=allow_unfilled, allow_dropped=allow_dropped
+        )
+        key_map = cls(measured.rules, constants=measured.constants) if measured.constants else cls(measured.rules)  # type: ignore[call-arg]
+        key_map.discovery = measured.discovery
+        return key_map
 
     def matches(self, key: str) -> list[tuple[Rule, re.Match]]:
         """Every rule whose regex matches ``key`` in full, with its match (strictness wants exactly one)."""

@@ -1,0 +1,220 @@
+r"""What a loader did to one flax variable, read from the torch element ids it holds.
+
+:func:`regions` splits a variable's id array into the slabs each torch tensor fills (a
+fused q/k/v kernel, a stacked scan axis); :func:`layout_of` names, as an einops pattern
+torch -> flax, the permutation and reshape that puts a whole tensor's elements where the
+ids say; :func:`fold_families` writes keys that differ only by layer number as one rule.
+Nothing here loads anything: :mod:`flax_ln.convert.discover` measures, this explains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import string
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from flax_ln.convert.layouts import parse_layout
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One slab of a flax variable that one torch tensor fills: ``index`` (the slice suffix, ``""`` for the whole
+    variable), ``selector`` (the NumPy index of the slab) and ``tensor`` (its position among the torch tensors)."""
+
+    index: str
+    selector: tuple
+    tensor: int
+
+
+def regions(tensor_of: np.ndarray) -> list[Region] | None:
+    """The slabs of a variable, from ``tensor_of`` (each element's torch tensor, flax shape).
+
+    One tensor: the whole variable. Several: the first axis along which every index holds one tensor, cut into
+    runs of equal tensors; a run of length one drops the axis (``[:, 2]``), a longer one is a slice
+    (``[:, 0:768]``). ``None`` when no axis separates them.
+    """
+    first = tensor_of.flat[0]
+    if (tensor_of == first).all():
+        return [Region("", (), int(first))]
+    for axis in range(tensor_of.ndim):
+        rows = np.moveaxis(tensor_of, axis, 0).reshape(tensor_of.shape[axis], -1)  # (n, rest)
+        if not (rows == rows[:, :1]).all():
+            continue
+        along = rows[:, 0]
+        cuts = [0, *(np.flatnonzero(along[1:] != along[:-1]) + 1).tolist(), len(along)]
+        out = []
+        lead = ":, " * axis
+        for start, stop in zip(cuts[:-1], cuts[1:]):
+            at: Any = start if stop - start == 1 else slice(start, stop)
+            text = str(start) if stop - start == 1 else f"{start}:{stop}"
+            out.append(Region(f"[{lead}{text}]", (slice(None),) * axis + (at,), int(along[start])))
+        return out
+    return None
+
+
+def _factors(profile: np.ndarray) -> list[tuple[int, int]] | None:
+    """``profile`` (ids along one flax axis, less the first) as elementary axes ``(size, stride)``, outer first:
+    runs of one stride, the axis split where the stride breaks. ``None`` when it is no such product."""
+    n = len(profile)
+    if n == 1:
+        return []
+    stride = int(profile[1])
+    run = 1
+    while run < n and profile[run] == run * stride:
+        run += 1
+    while n % run:  # the run must tile the axis
+        run -= 1
+    if run < 2:
+        return None
+    tiles = profile.reshape(n // run, run)  # (outer, run)
+    if not (tiles == tiles[:, :1] + np.arange(run) * stride).all():
+        return None
+    outer = _factors(tiles[:, 0])
+    return None if outer is None else [*outer, (run, stride)]
+
+
+def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
+    """The einops pattern ``torch -> flax`` that takes an array of ``torch_shape`` to ``ids`` (each element's
+    flat position in the tensor), ``"identity"`` for none; ``None`` when no permutation-and-reshape does."""
+    flax_shape = ids.shape
+    if ids.size == 0 or ids.flat[0] != ids.min():
+        return None
+    axes: list[list[tuple[int, int]]] = []  # per flax axis: its elementary (size, stride), outer first
+    for j, n in enumerate(flax_shape):
+        profile = np.moveaxis(ids, j, 0).reshape(n, -1)[:, 0] - ids.flat[0]  # (n,)
+        found = _factors(profile)
+        if found is None:
+            return None
+        axes.append(found)
+    strides = [int(np.prod(torch_shape[k + 1 :], dtype=np.int64)) for k in range(len(torch_shape))]
+    owner: dict[tuple[int, int], int] = {}  # (flax axis, factor) -> torch axis
+    per_torch: list[list[tuple[int, int, int, int]]] = [[] for _ in torch_shape]  # (stride, size, j, f)
+    for j, found in enumerate(axes):
+        for f, (size, stride) in enumerate(found):
+            k = next((k for k in range(len(torch_shape)) if torch_shape[k] > 1 and strides[k] <= stride), None)
+            if k is None or stride % strides[k]:
+                return None
+            owner[(j, f)] = k
+            per_torch[k].append((stride, size, j, f))
+    letters = iter(string.ascii_lowercase)
+    name: dict[tuple[int, int], str] = {}
+    left = []
+    for k, parts in enumerate(per_torch):
+        parts.sort(reverse=True)  # outer (largest stride) first
+        expect = strides[k]
+        for stride, size, _, _ in reversed(parts):  # inner first: each stride the product of the ones inside
+            if stride != expect:
+                return None
+            expect *= size
+        if expect != strides[k] * torch_shape[k]:
+            return None
+        if not parts:
+            left.append("1")
+            continue
+        names = [name.setdefault((j, f), next(letters)) for _, _, j, f in parts]
+        left.append(names[0] if len(names) == 1 else f"({' '.join(names)})")
+    right = []
+    for j, found in enumerate(axes):
+        names = [name[(j, f)] for f in range(len(found))]
+        right.append("1" if not names else names[0] if len(names) == 1 else f"({' '.join(names)})")
+    lhs, rhs = " ".join(left), " ".join(right)
+    pattern = "identity" if lhs == rhs else f"{lhs} -> {rhs}"
+    return pattern if reproduces(pattern, ids, torch_shape) else None
+
+
+def reproduces(pattern: str, ids: np.ndarray, torch_shape: Shape) -> bool:
+    """Whether ``pattern`` (or ``"identity"``) takes ``np.arange`` of ``torch_shape`` to exactly ``ids``."""
+    source = np.arange(int(np.prod(torch_shape, dtype=np.int64))).reshape(torch_shape)
+    if pattern == "identity":
+        return source.shape == ids.shape and bool((source == ids).all())
+    try:
+        out = parse_layout(pattern).to_flax(source, ids.shape)
+    except ValueError:
+        return False
+    return bool((np.asarray(out) == ids).all())
+
+
+def describe_part(mask: np.ndarray, what: str) -> str:
+    """Which part of an array ``mask`` marks: ``"rows 8:16 of 32"`` or ``"index 2:4 of axis 1 (size 6)"`` for a
+    slab, else ``"12 of 64 elements"``; ``what`` says what the part is (``"read"``, ``"left at init"``)."""
+    for axis in range(mask.ndim):
+        rows = np.moveaxis(mask, axis, 0).reshape(mask.shape[axis], -1)  # (n, rest)
+        if not (rows == rows[:, :1]).all():
+            continue
+        on = np.flatnonzero(rows[:, 0])
+        if len(on) and on[-1] - on[0] + 1 == len(on):
+            n = mask.shape[axis]
+            span = f"{on[0]}:{on[-1] + 1}"
+            return f"rows {span} of {n} {what}" if axis == 0 else f"index {span} of axis {axis} (size {n}) {what}"
+    return f"{int(mask.sum())} of {mask.size} elements {what}"
+
+
+_NUMBER = re.compile(r"(?<![A-Za-z0-9])\d+(?![0-9])")
+
+
+def _skeleton(key: str) -> str:
+    """``key`` as a regex with every number (``layers.3.``, ``blocks_3``) a group: ``layers\\.(\\d+)\\.``."""
+    parts = _NUMBER.split(key)
+    return r"(\d+)".join(re.escape(p) for p in parts)
+
+
+def _generalise(template: str, numbers: Sequence[str]) -> str:
+    r"""``template`` with each number that is one of ``numbers`` written as its group (``\1``, ``\2``)."""
+
+    def swap(m: re.Match) -> str:
+        return "\\" + str(numbers.index(m.group()) + 1) if m.group() in numbers else m.group()
+
+    return _NUMBER.sub(swap, template)
+
+
+def fold_families(rules: list[tuple], keys: Sequence[str]) -> list[tuple]:
+    r"""Rules whose keys differ only by numbers, with one layout and affine, as one rule with ``(\d+)`` groups.
+
+    ``rules`` are ``(escaped key, template, layout[, affine])``, one per key, in ``keys``' order. A family folds
+    only when its regex matches no other key of ``keys`` and its template expands back to every member's.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, rule in enumerate(rules):
+        key = re.sub(r"\\(.)", r"\1", rule[0])
+        groups.setdefault((_skeleton(key), repr(rule[2:])), []).append(i)
+    out: list[tuple] = []
+    done: set[int] = set()
+    for i, rule in enumerate(rules):
+        if i in done:
+            continue
+        key = re.sub(r"\\(.)", r"\1", rule[0])
+        skeleton = _skeleton(key)
+        members = groups[(skeleton, repr(rule[2:]))]
+        folded = _fold(skeleton, [rules[m] for m in members], keys) if len(members) > 1 else None
+        if folded is None:
+            out.append(rule)
+            done.add(i)
+        else:
+            out.append(folded)
+            done.update(members)
+    return out
+
+
+def _fold(skeleton: str, members: list[tuple], keys: Sequence[str]) -> tuple | None:
+    regex = re.compile(skeleton)
+    raw = [re.sub(r"\\(.)", r"\1", m[0]) for m in members]
+    if sum(1 for k in keys if regex.fullmatch(k)) != len(members):
+        return None  # the family's regex would take a key outside it
+    for source in members:  # the first member whose numbers make a template that expands back for all
+        numbers = regex.fullmatch(re.sub(r"\\(.)", r"\1", source[0])).groups()  # type: ignore[union-attr]
+        if len(set(numbers)) != len(numbers):
+            continue
+        templates = source[1] if isinstance(source[1], tuple) else (source[1],)
+        general = tuple(_generalise(t, list(numbers)) for t in templates)
+        if all(
+            tuple(regex.fullmatch(k).expand(t) for t in general) == (m[1] if isinstance(m[1], tuple) else (m[1],))  # type: ignore[union-attr]
+            for k, m in zip(raw, members)
+        ):
+            return (skeleton, general if isinstance(source[1], tuple) else general[0], *source[2:])
+    return None
