@@ -65,7 +65,22 @@ from flax import nnx
 
 from flax_ln.convert.assign import as_numpy, dtype_problem
 from flax_ln.convert.errors import ConversionError
-from flax_ln.convert.layouts import IDENTITY, ArrayLayout, Shape, parse_layout, shape_only
+from flax_ln.convert.keymap_syntax import (
+    NO_AFFINE,
+    Affine,
+    Region,
+    Rule,
+    constant_value,
+    key_map_source,
+    parse_region,
+    parse_rule,
+    region_index,
+    region_name,
+    split_template,
+    tiling_problems,
+    whole_region,
+)
+from flax_ln.convert.layouts import ArrayLayout, Shape, shape_only
 from flax_ln.convert.ties import Tie, find_ties
 from flax_ln.convert.trees import NNXTree, VariableTree
 
@@ -78,32 +93,6 @@ _FIX = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One parsed rule of a :class:`KeyMap`: ``pattern`` (matched in full) to ``templates`` with ``layouts``.
-
-    ``templates`` is empty for a rule that ignores its keys. ``index`` is the rule's position in the map.
-    """
-
-    index: int
-    pattern: str
-    templates: tuple[str, ...]
-    layouts: tuple[ArrayLayout, ...]
-
-    @property
-    def regex(self) -> re.Pattern:
-        """The compiled ``pattern``."""
-        return re.compile(self.pattern)
-
-    @property
-    def label(self) -> str:
-        """How errors name the rule: ``rule 3 r'model\\.norm\\.weight'``."""
-        return f"rule {self.index} r'{self.pattern}'"
-
-
-_STACKED = re.compile(r"(.*)\[(\w+)\]")
-
-
 class KeyMap:
     """A port's ordered table from torch state-dict keys (regexes, matched in full) to its variables.
 
@@ -112,14 +101,26 @@ class KeyMap:
     is listed in one ``ValueError``.
 
     Args:
-      rules: ``[(regex, template, layout), ...]`` or ``{regex: (template, layout)}``;
-        ``template`` is a dotted path template, ``None`` (the key is ignored) or a tuple
-        of templates; ``layout`` as in the module docstring.
+      rules: ``[(regex, template, layout), ...]`` (or ``(regex, template, layout, affine)``) or
+        ``{regex: (template, layout)}`` (or ``(template, layout, affine)``); ``template`` is a dotted path
+        template (with an optional ``[items]`` region), ``None`` (the key is ignored) or a tuple of templates;
+        ``layout`` and ``affine`` as in the module docstring.
+      constants: ``{flax path regex: value}``: flax-only variables (matched in full against each variable's
+        canonical dotted path) filled with ``value`` (a number, broadcast, or an array of the variable's shape)
+        rather than from a torch key.
+
+    Attributes:
+      discovery: ``None`` for a hand-written map; a map measured from a port's loader carries the object that
+        describes how (``str()`` of it is shown in a comparison's report).
     """
 
-    def __init__(self, rules: Iterable[tuple[str, Any, Any]] | Mapping[str, tuple[Any, Any]]):
+    def __init__(
+        self,
+        rules: Iterable[tuple] | Mapping[str, tuple],
+        constants: Mapping[str, Any] | None = None,
+    ):
         if isinstance(rules, Mapping):
-            items = [(k, *v) if isinstance(v, tuple) and len(v) == 2 else (k, v) for k, v in rules.items()]
+            items = [(k, *v) if isinstance(v, tuple) and len(v) in (2, 3) else (k, v) for k, v in rules.items()]
         elif isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
             raise TypeError(
                 f"KeyMap takes a list of (regex, template, layout) or a {{regex: (template, layout)}} "
@@ -130,13 +131,32 @@ class KeyMap:
         parsed, problems = [], []
         for index, item in enumerate(items):
             try:
-                parsed.append(_parse_rule(index, item))
+                parsed.append(parse_rule(index, item))
             except ValueError as error:
                 problems.append(f"rule {index} {item!r}: {error}")
+        if constants is not None and not isinstance(constants, Mapping):
+            problems.append(f"constants= takes a {{flax path regex: value}} dict, got {type(constants).__name__}")
+        for regex, value in dict(constants or {}).items():
+            try:
+                re.compile(regex)
+                np.asarray(value, np.float64)
+            except (re.error, TypeError, ValueError) as error:
+                problems.append(f"constant {regex!r}: {error}; give a regex and a number or array")
         if problems:
             raise ValueError(f"KeyMap: {len(problems)} bad rule(s):\n  " + "\n  ".join(problems))
         self.rules: tuple[Rule, ...] = tuple(parsed)
+        self.constants: dict[str, Any] = dict(constants or {})
+        self.discovery: Any = None
         self._compiled = [(rule, rule.regex) for rule in self.rules]
+
+    def to_source(self, comments: Mapping[int, str] | None = None) -> str:
+        """Python source that rebuilds this map: ``KeyMap([...], constants={...})``, one rule a line.
+
+        Evaluated with ``from flax_ln.convert import KeyMap`` and ``import numpy as np`` in scope, it
+        loads exactly as this map does. ``comments``: ``{rule index: text}``, written as a comment line
+        above that rule. ``discovery`` is not part of the source.
+        """
+        return key_map_source(self.rules, self.constants, comments)
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -210,101 +230,77 @@ class KeyMap:
         return plan
 
 
-def _parse_rule(index: int, item: Any) -> Rule:
-    if not (isinstance(item, tuple) and len(item) == 3):
-        raise ValueError("a rule is a (regex, template, layout) triple")
-    pattern, template, layout = item
-    if not isinstance(pattern, str):
-        raise ValueError(f"the regex must be a str, got {type(pattern).__name__}")
-    try:
-        re.compile(pattern)
-    except re.error as error:
-        raise ValueError(f"the regex does not compile: {error}") from None
-    if template is None:
-        if layout is not None:
-            raise ValueError("an ignored key (template None) takes no layout; write (regex, None, None)")
-        return Rule(index, pattern, (), ())
-    templates: tuple[str, ...]
-    layouts: tuple[ArrayLayout, ...]
-    if isinstance(template, str):
-        templates, layouts = (template,), (parse_layout(layout),)
-    elif isinstance(template, tuple) and template and all(isinstance(t, str) for t in template):
-        templates = template
-        if layout is None:
-            layouts = (IDENTITY,) * len(templates)
-        elif isinstance(layout, tuple) and len(layout) == len(templates):
-            layouts = tuple(parse_layout(one) for one in layout)
-        else:
-            raise ValueError(
-                f"a tuple of {len(templates)} templates takes None or a tuple of {len(templates)} layouts, "
-                f"got {layout!r}"
-            )
-    else:
-        raise ValueError(f"the template must be a str, None or a non-empty tuple of str, got {template!r}")
-    for t in templates:
-        if not t or t.startswith(".") or t.endswith("."):
-            raise ValueError(f"template {t!r} is not a dotted path")
-        _check_template(pattern, t)
-    return Rule(index, pattern, tuple(templates), layouts)
-
-
-def _check_template(pattern: str, template: str) -> None:
-    """A ``ValueError`` unless ``template`` expands with ``pattern``'s groups (``\\1``, ``\\g<name>``, escapes).
-
-    ``pattern|`` has the same groups as ``pattern`` and matches the empty string, so its match
-    expands ``template`` exactly as a key's match will (unmatched groups give ``""``).
-    """
-    regex = re.compile(pattern + "|")
-    match = regex.match("")
-    assert match is not None  # the empty alternative always matches
-    try:
-        match.expand(template)
-    except (re.error, IndexError) as error:
-        groups = [str(i) for i in range(1, regex.groups + 1)] + [f"<{name}>" for name in regex.groupindex]
-        has = f"its groups are {', '.join(groups)}" if groups else "the regex has no groups"
-        raise ValueError(
-            f"template {template!r} does not expand with the regex: {error} ({has}); name only the regex's groups"
-        ) from None
-
-
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One flax variable (or slice of one) that a torch key fills.
+    """One flax variable (or region of one) that a torch key fills.
 
     Args:
       key: the torch key.
       rule: the rule that matched it.
       path: the variable's canonical dotted path (as ``nnx.state`` names it).
-      index: the slice along a stacked variable's leading axis, or ``None``.
+      region: the part it fills, one item per axis of the variable (an index, or a ``(start, stop)`` range).
       layout: torch -> flax.
       torch_shape: the torch tensor's shape.
-      flax_shape: the shape of what it fills (the slice's, for a stacked variable).
+      flax_shape: the shape of what it fills (the region's).
+      affine: the value change after the layout (``flax = scale * layout(torch) + offset``).
+      variable_shape: the whole variable's shape.
     """
 
     key: str
     rule: Rule
     path: str
-    index: int | None
+    region: Region
     layout: ArrayLayout
     torch_shape: Shape
     flax_shape: Shape
+    affine: Affine = NO_AFFINE
+    variable_shape: Shape = ()
 
     @property
     def name(self) -> str:
-        """``path``, or ``path[index]`` for a slice."""
-        return self.path if self.index is None else f"{self.path}[{self.index}]"
+        """``path``, ``path[i]`` for a slice of its leading axis, or ``path[:, 0:768]`` for another region."""
+        return region_name(self.path, self.region, self.variable_shape)
+
+    @property
+    def at(self) -> tuple[str, Region]:
+        """``(path, region)``: what it fills, as a key."""
+        return self.path, self.region
+
+    @property
+    def index(self) -> int | None:
+        """The slice of a variable stacked along its leading axis, or ``None`` for any other region."""
+        rest = whole_region(self.variable_shape)[1:]
+        if self.region and isinstance(self.region[0], int) and self.region[1:] == rest:
+            return self.region[0]
+        return None
 
     def to_flax(self, array):
-        """A torch-layout array of this key in this target's flax layout."""
-        return self.layout.to_flax(array, self.flax_shape)
+        """A torch-layout value of this key in this target's flax layout, its affine change applied."""
+        return self.affine.value_to_flax(self.layout.to_flax(array, self.flax_shape))
 
     def to_torch(self, array):
-        """A flax-layout array of this target (the slice, if stacked) in torch's layout."""
-        return self.layout.to_torch(array, self.torch_shape)
+        """A flax-layout value of this target (the region) in torch's layout, its affine change undone."""
+        return self.layout.to_torch(self.affine.value_to_torch(array), self.torch_shape)
+
+    def tangent_to_flax(self, array):
+        """A torch-layout tangent of this key in flax's layout: ``scale * layout(t)`` (an offset has no tangent)."""
+        return self.affine.scaled(self.layout.to_flax(array, self.flax_shape))
+
+    def gradient_to_torch(self, array):
+        """A flax gradient of this target's region under torch's layout: ``scale * inverse layout(g)``."""
+        return self.affine.scaled(self.layout.to_torch(array, self.torch_shape))
+
+    def tangent_to_torch(self, array):
+        """The inverse of :meth:`tangent_to_flax`."""
+        return self.layout.to_torch(array, self.torch_shape) / np.asarray(self.affine.scale, np.asarray(array).dtype)
+
+    def gradient_to_flax(self, array):
+        """The inverse of :meth:`gradient_to_torch`."""
+        return self.layout.to_flax(array, self.flax_shape) / np.asarray(self.affine.scale, np.asarray(array).dtype)
 
     def take(self, value):
-        """This target's part of the whole variable's ``value``: the slice, if stacked."""
-        return value if self.index is None else value[self.index]
+        """This target's part of the whole variable's ``value``: its region."""
+        return value[region_index(self.region)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,11 +313,13 @@ class KeyPlan:
       ties: canonical torch name -> :class:`Tie`, for keys that share one torch tensor and
         for keys copied into several flax variables; ``{}`` when there are none.
       unmatched_rules: the rules that matched no key.
+      constants: canonical flax path -> the value of a flax-only constant (the variable's shape and dtype).
     """
 
     targets: Mapping[str, tuple[Target, ...]]
     ties: Mapping[str, Tie]
     unmatched_rules: tuple[Rule, ...] = ()
+    constants: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def ignored(self) -> tuple[str, ...]:
@@ -361,10 +359,10 @@ class KeyPlan:
         compared, under the first key, against the sum of torch's gradients (:meth:`carry`); ``{}`` when
         none.
         """
-        fills: dict[tuple[str, int | None], list[str]] = {}
+        fills: dict[tuple[str, Region], list[str]] = {}
         for key, targets in self.targets.items():
             for t in targets:
-                keys = fills.setdefault((t.path, t.index), [])
+                keys = fills.setdefault(t.at, [])
                 if self.canonical(key) not in keys:
                     keys.append(self.canonical(key))
         group: dict[str, list[str]] = {}
@@ -380,14 +378,20 @@ class KeyPlan:
             out[keys[0]] = Tie(tuple(keys), tuple(dict.fromkeys(names)))
         return out
 
-    def carry(self, source: str, dest: str, array):
-        """Torch key ``source``'s ``array`` (a value, tangent or gradient) in torch key ``dest``'s layout, through
-        a flax variable (or slice) both fill: ``source``'s layout into flax, then ``dest``'s back to torch."""
-        into = {(t.path, t.index): t for t in self.targets[dest]}
-        via = next((t for t in self.targets[source] if (t.path, t.index) in into), None)
+    def carry(self, source: str, dest: str, array, kind: str = "value"):
+        """Torch key ``source``'s ``array`` in torch key ``dest``'s layout, through a flax variable (or region) both
+        fill: ``source``'s layout into flax, then ``dest``'s back to torch. ``kind``: ``"value"``, ``"tangent"``
+        or ``"gradient"``, which an affine change maps differently (see :class:`Target`)."""
+        into = {t.at: t for t in self.targets[dest]}
+        via = next((t for t in self.targets[source] if t.at in into), None)
         if via is None:
             raise ValueError(f"torch keys {source!r} and {dest!r} fill no flax variable in common")
-        return into[(via.path, via.index)].to_torch(via.to_flax(array))
+        back = into[via.at]
+        if kind == "tangent":
+            return back.tangent_to_torch(via.tangent_to_flax(array))
+        if kind == "gradient":
+            return back.gradient_to_torch(via.gradient_to_flax(array))
+        return back.to_torch(via.to_flax(array))
 
     def torch_gradients(self, flax_grads: Mapping[str, Any]) -> dict[str, Any]:
         """Flax gradients (canonical path -> array) under torch's names, tied copies summed.
@@ -402,17 +406,17 @@ class KeyPlan:
         """
         first = {k: name for name, tie in self.shared().items() for k in tie.torch_aliases}
         out: dict[str, Any] = {}
-        seen: dict[str, set[tuple[str, int | None]]] = {}
+        seen: dict[str, set[tuple[str, Region]]] = {}
         for key, targets in self.targets.items():
             name = first.get(self.canonical(key), self.canonical(key))
             for t in targets:
                 done = seen.setdefault(name, set())
-                if t.path not in flax_grads or (t.path, t.index) in done:
+                if t.path not in flax_grads or t.at in done:
                     continue
-                done.add((t.path, t.index))
-                g = t.to_torch(t.take(flax_grads[t.path]))
+                done.add(t.at)
+                g = t.gradient_to_torch(t.take(flax_grads[t.path]))
                 if name != self.canonical(key):  # a variable the first of the shared keys does not fill
-                    g = self.carry(key, name, g)
+                    g = self.carry(key, name, g, "gradient")
                 out[name] = g if name not in out else out[name] + g
         return out
 
@@ -437,12 +441,12 @@ def match_targets(
 
     ``specs`` are the torch keys' shapes and dtypes (:func:`array_specs`), ``ties`` as
     :func:`~flax_ln.convert.find_ties` gives them. ``stacklevel`` points the warning about
-    rules that matched no key at the user's call.
+    rules (and constants) that matched nothing at the user's call.
     """
     unexpected: list[str] = []
     mismatched: list[tuple[str, str]] = []
-    unfilled: list[tuple[str, str]] = []
     variables = tree.variables()
+    constants, unfilled = _constants(key_map, variables, warn_unmatched, stacklevel + 1)
     used: set[int] = set()
     attempted: set[str] = set()  # variables a key tried to fill: reported once, under that key
     targets: dict[str, tuple[Target, ...]] = {}
@@ -459,29 +463,27 @@ def match_targets(
         rule, match = found[0]
         used.add(rule.index)
         resolved = []
-        for template, layout in zip(rule.templates, rule.layouts):
+        for template, layout, affine in zip(rule.templates, rule.layouts, rule.affines):
             written = match.expand(template)
             where = f"{rule.label} -> {written!r}"
-            stacked = _STACKED.fullmatch(written)
+            dotted, items = split_template(written)
             try:
-                path = tree.lookup(stacked.group(1) if stacked else written)
+                path = tree.lookup(dotted)
             except KeyError as error:
                 mismatched.append((key, f"{where}: the model has no such variable: {error.args[0]}"))
                 continue
-            shape, dtype, _ = variables[path]
+            variable_shape, dtype, _ = variables[path]
             attempted.add(path)
-            index = None
-            if stacked:
-                if not stacked.group(2).isdigit() or not shape or int(stacked.group(2)) >= shape[0]:
-                    mismatched.append(
-                        (
-                            key,
-                            f"{where}: slice {stacked.group(2)!r} is not an index of the stacked variable's "
-                            f"leading axis (shape {shape})",
-                        )
-                    )
+            if path in constants:
+                mismatched.append((key, f"{where}: {path!r} is a constant of the key map (constants=); drop one"))
+                continue
+            region, shape = whole_region(variable_shape), variable_shape
+            if items is not None:
+                try:
+                    region, shape = parse_region(items, variable_shape)
+                except ValueError as error:
+                    mismatched.append((key, f"{where}: {error}"))
                     continue
-                index, shape = int(stacked.group(2)), shape[1:]
             try:
                 layout.to_flax(shape_only(torch_shape), shape)
             except ValueError as error:
@@ -491,7 +493,9 @@ def match_targets(
             if problem:
                 mismatched.append((key, f"{where}: {problem}"))
                 continue
-            resolved.append(Target(key, rule, path, index, layout, tuple(torch_shape), tuple(shape)))
+            resolved.append(
+                Target(key, rule, path, region, layout, tuple(torch_shape), tuple(shape), affine, variable_shape)
+            )
         targets[key] = tuple(resolved)
     if warn_unmatched:
         unmatched = [r for r in key_map.rules if r.index not in used]
@@ -504,29 +508,16 @@ def match_targets(
     unmatched_rules = tuple(r for r in key_map.rules if r.index not in used)
 
     alias_group = {k: name for name, keys in ties.items() for k in keys}
-    fills: dict[str, dict[int | None, list[Target]]] = {}
+    fills: dict[str, dict[Region, list[Target]]] = {}
     for ts in targets.values():
         for t in ts:
-            fills.setdefault(t.path, {}).setdefault(t.index, []).append(t)
+            fills.setdefault(t.path, {}).setdefault(t.region, []).append(t)
     for path, (shape, _, required) in variables.items():
-        slices = fills.get(path, {})
-        if None in slices and len(slices) > 1:
-            unfilled.append(
-                (
-                    path,
-                    "filled whole by "
-                    + target_labels(slices[None])
-                    + " and by slices from "
-                    + target_labels([t for i, ts in slices.items() if i is not None for t in ts]),
-                )
-            )
-        elif slices and None not in slices:
-            missing = sorted(set(range(shape[0])) - set(slices))
-            if missing and strict:
-                unfilled.append(
-                    (path, f"slices {missing} of this stacked variable (shape {shape}) are filled by no rule")
-                )
-        elif not slices and required and strict and path not in attempted:
+        regions = fills.get(path, {})
+        if regions and (len(regions) > 1 or strict) and list(regions) != [whole_region(shape)]:
+            labels = {region: target_labels(ts) for region, ts in regions.items()}
+            unfilled.extend((path, why) for why in tiling_problems(path, shape, labels, strict))
+        elif not regions and required and strict and path not in attempted and path not in constants:
             unfilled.append((path, f"no rule fills this variable (shape {shape}); name it in a rule's template"))
     ties_out: dict[str, Tie] = {}
     for name, keys in ties.items():
@@ -539,7 +530,33 @@ def match_targets(
         if len(names) > 1 and key not in alias_group:
             ties_out[key] = Tie((key,), names)
     problems: dict[str, list] = {"unexpected": unexpected, "mismatched": mismatched, "unfilled": unfilled}
-    return KeyPlan(targets, ties_out, unmatched_rules), {k: v for k, v in problems.items() if v}
+    return KeyPlan(targets, ties_out, unmatched_rules, constants), {k: v for k, v in problems.items() if v}
+
+
+def _constants(
+    key_map: KeyMap, variables: Mapping[str, tuple[Shape, np.dtype, bool]], warn: bool, stacklevel: int
+) -> tuple[dict[str, np.ndarray], list[tuple[str, str]]]:
+    """The values of the map's constants for these variables (canonical path -> array), and the problems."""
+    values: dict[str, np.ndarray] = {}
+    problems: list[tuple[str, str]] = []
+    unused = []
+    for regex, value in key_map.constants.items():
+        hits = [path for path in variables if re.fullmatch(regex, path)]
+        if not hits:
+            unused.append(repr(regex))
+        for path in hits:
+            shape, dtype, _ = variables[path]
+            try:
+                values[path] = constant_value(value, shape, dtype)
+            except ValueError as error:
+                problems.append((path, f"constant {regex!r}: {error}"))
+    if unused and warn:
+        warnings.warn(
+            "key map: these constants matched no flax variable (check the regex against the variables' dotted "
+            "paths): " + ", ".join(unused),
+            stacklevel=stacklevel,
+        )
+    return values, problems
 
 
 def key_map_error(problems: Mapping[str, list], header: str | None = None) -> ConversionError:

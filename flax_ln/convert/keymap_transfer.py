@@ -10,6 +10,7 @@ with ``weights=``. Without ``like=``, export writes torch's keys from each rule'
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +22,8 @@ from flax import nnx
 from flax_ln.convert.assign import ModuleT, as_numpy, dtype_problem
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.keymap import KeyMap, KeyPlan, Target, array_specs, key_map_error, match_targets, target_labels
-from flax_ln.convert.layouts import ArrayLayout, NeedsTorchShape, Shape
+from flax_ln.convert.keymap_syntax import Region, parse_region, region_index, region_name, split_template, whole_region
+from flax_ln.convert.layouts import NeedsTorchShape, Shape
 from flax_ln.convert.ties import find_ties
 from flax_ln.convert.trees import NNXTree, VariableTree, as_variable_tree, require_module
 
@@ -33,21 +35,21 @@ def _double_fills(plan: KeyPlan, ties: Mapping[str, Sequence[str]], value: Calla
     tensor, or by aliases (one key's tuple template too) through different layouts. Aliases through one layout
     are the same value and are not compared."""
     alias_group = {k: name for name, keys in ties.items() for k in keys}
-    fills: dict[tuple[str, int | None], list[Target]] = {}
+    fills: dict[tuple[str, Region], list[Target]] = {}
     for ts in plan.targets.values():
         for t in ts:
-            fills.setdefault((t.path, t.index), []).append(t)
+            fills.setdefault(t.at, []).append(t)
     problems = []
     for filled in fills.values():
         aliases = len({alias_group.get(t.key, t.key) for t in filled}) == 1
-        if len(filled) < 2 or (aliases and len({t.layout for t in filled}) == 1):
+        if len(filled) < 2 or (aliases and len({(t.layout, t.affine) for t in filled}) == 1):
             continue
         first = value(filled[0])
         if not all(np.array_equal(first, value(t)) for t in filled[1:]):
             why = (
-                "aliases of one torch tensor through different layouts ("
-                + ", ".join(str(t.layout) for t in filled)
-                + "), whose values differ after the layouts; give every alias the same layout"
+                "aliases of one torch tensor through different layouts or affine changes ("
+                + ", ".join(f"{t.layout} {t.affine}" for t in filled)
+                + "), whose values differ after them; give every alias the same layout and affine"
                 if aliases
                 else "which are not aliases of one torch tensor and differ in value"
             )
@@ -103,10 +105,10 @@ def fill_tree(
     else:
         _check_fits(plan, tree, arrays, strict=strict)
         problems = {}
-    converted: dict[tuple[str, str, int | None, ArrayLayout], np.ndarray] = {}
+    converted: dict[tuple, np.ndarray] = {}
 
     def value(t: Target) -> np.ndarray:
-        at = (t.key, t.path, t.index, t.layout)  # one key may fill one variable through two layouts
+        at = (t.key, t.at, t.layout, t.affine)  # one key may fill one variable through two layouts
         if at not in converted:
             converted[at] = np.asarray(t.to_flax(arrays[t.key]))
         return converted[at]
@@ -116,36 +118,45 @@ def fill_tree(
         problems["unfilled"] = problems.get("unfilled", []) + doubles
     if problems:
         raise key_map_error(problems)
-    write_by_plan(plan, tree, value)
+    write_by_plan(plan, tree, value, lambda path: plan.constants[path])
     return plan
 
 
-def write_by_plan(plan: KeyPlan, tree: VariableTree, value: Callable[[Target], np.ndarray]) -> None:
-    """Write ``value(target)`` (in the target's flax layout) into every variable ``plan`` fills, with no checks.
+def write_by_plan(
+    plan: KeyPlan,
+    tree: VariableTree,
+    value: Callable[[Target], np.ndarray],
+    constant: Callable[[str], np.ndarray] | None = None,
+) -> None:
+    """Write ``value(target)`` (in the target's flax layout) into every variable ``plan`` fills, with no checks,
+    and ``constant(path)`` into each of its constants (``None``: constants are left as they are).
 
     The write step of :func:`fill_tree`, for values the plan already fits: the weights it checked, or
-    the tangents of those weights (torch-named, the same keys, shapes and dtypes). A stacked
-    variable is written whole from its slices; with slices absent (a plan of ``strict=False``) the
-    others keep their values.
+    the tangents of those weights (torch-named, the same keys, shapes and dtypes). A variable filled by
+    regions is written whole from them; with regions absent (a plan of ``strict=False``) the rest keep
+    their values.
     """
     variables = tree.variables()
-    new: dict[str, dict[int | None, np.ndarray]] = {}
+    new: dict[str, dict[Region, np.ndarray]] = {}
     for ts in plan.targets.values():
         for t in ts:
-            new.setdefault(t.path, {})[t.index] = value(t)
+            new.setdefault(t.path, {})[t.region] = value(t)
     values = {}
-    for path, slices in new.items():
-        if None in slices:
-            values[path] = slices[None]
-        else:
-            shape = variables[path][0]
-            if len(slices) == shape[0]:
-                values[path] = np.stack([slices[i] for i in range(shape[0])])  # (layers, ...)
-            else:  # strict=False with slices absent: the rest keep their values
-                whole = np.array(tree.read(path))
-                for i, arr in slices.items():
-                    whole[i] = arr
-                values[path] = whole
+    for path, regions in new.items():
+        shape = variables[path][0]
+        if list(regions) == [whole_region(shape)]:
+            values[path] = regions[whole_region(shape)]
+            continue
+        parts = [np.asarray(v) for v in regions.values()]
+        if sum(p.size for p in parts) == int(np.prod(shape, dtype=np.int64)):  # they tile it (checked: no overlap)
+            whole = np.empty(shape, np.result_type(*parts))
+        else:  # strict=False with regions absent: the rest keep their values
+            whole = np.array(tree.read(path))
+        for region, part in zip(regions, parts):
+            whole[region_index(region)] = part
+        values[path] = whole
+    if constant is not None:
+        values.update({path: constant(path) for path in plan.constants})
     tree.write(values)
 
 
@@ -322,24 +333,20 @@ def _invert(key_map: KeyMap, tree: VariableTree) -> tuple[dict[str, tuple[Shape,
     variables = tree.variables()
     for rule in key_map.rules:
         for template, layout in zip(rule.templates, rule.layouts):
-            stacked = template.endswith("]")
-            regex = _template_regex(template)
+            dotted, items = split_template(template)
+            regex = _template_regex(dotted)
             for path, (shape, dtype, _) in variables.items():
-                names = (
-                    [(f"{path}[{i}]", shape[1:]) for i in range(shape[0] if shape else 0)]
-                    if stacked
-                    else [(path, shape)]
-                )
-                for name, flax_shape in names:
-                    m = regex.fullmatch(name)
-                    if m is None:
-                        continue
-                    key = _literal_key(rule.pattern, {g[2:]: v for g, v in m.groupdict().items()})
+                m = regex.fullmatch(path)
+                if m is None:
+                    continue
+                for region, flax_shape, groups in _regions(items, shape, {g[2:]: v for g, v in m.groupdict().items()}):
+                    name = region_name(path, region, shape)
+                    key = _literal_key(rule.pattern, groups)
                     if key is None:  # a regex that is not a literal with groups: its keys cannot be written
                         unwritable.setdefault(name, []).append(rule.label)
                         continue
                     check = rule.regex.fullmatch(key)
-                    if not check or check.expand(template) != name:
+                    if not check or _filled(check.expand(template), shape) != (path, region):
                         continue  # the template matches, but the regex does not: another rule's variable
                     produced.add(name)
                     try:
@@ -358,3 +365,41 @@ def _invert(key_map: KeyMap, tree: VariableTree) -> tuple[dict[str, tuple[Shape,
                 )
     need_like = list(dict.fromkeys(need_like))
     return specs, ({"unfilled": need_like} if need_like else {})
+
+
+def _filled(written: str, shape: Shape) -> tuple[str, Region] | None:
+    """``(dotted path, region)`` an expanded template fills in a variable of ``shape``; ``None`` if out of range."""
+    dotted, items = split_template(written)
+    if items is None:
+        return dotted, whole_region(shape)
+    try:
+        return dotted, parse_region(items, shape)[0]
+    except ValueError:
+        return None
+
+
+def _regions(items: str | None, shape: Shape, groups: Mapping[str, str]) -> list[tuple[Region, Shape, dict]]:
+    """Every region an unexpanded suffix ``items`` can name in a variable of ``shape``, with its shape and the group
+    values (``groups``, from the path, and one per reference among the items, each index of its axis)."""
+    if items is None:
+        return [(whole_region(shape), shape, dict(groups))]
+    texts = [t.strip() for t in items.split(",")]
+    choices = []
+    for axis, text in enumerate(texts):
+        ref = re.fullmatch(r"\\(\d+)|\\g<(\w+)>", text)
+        if ref is None:
+            choices.append([(text, None)])
+        else:
+            size = shape[axis] if axis < len(shape) else 0
+            choices.append([(str(i), ref.group(1) or ref.group(2)) for i in range(size)])
+    out = []
+    for combo in itertools.product(*choices):
+        values = dict(groups)
+        if any(g is not None and values.setdefault(g, v) != v for v, g in combo):
+            continue  # one group, two values
+        try:
+            region, region_shape = parse_region(", ".join(v for v, _ in combo), shape)
+        except ValueError:
+            continue
+        out.append((region, region_shape, values))
+    return out

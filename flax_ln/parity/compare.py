@@ -169,7 +169,9 @@ def _as_shared(side: TorchSide, plan: KeyPlan, rerun: Callable[[dict[str, np.nda
             source = next((k for k in tie.torch_aliases if k in tangents), "")
             for k in tie.torch_aliases if source else ():
                 if k != source:
-                    tangents[k] = np.asarray(plan.carry(source, k, tangents[source]), side.state_dict[k].dtype)
+                    tangents[k] = np.asarray(
+                        plan.carry(source, k, tangents[source], "tangent"), side.state_dict[k].dtype
+                    )
         if all(k in side.tangents and np.array_equal(v, side.tangents[k]) for k, v in tangents.items()):
             return side
         if rerun is None:
@@ -185,7 +187,7 @@ def _as_shared(side: TorchSide, plan: KeyPlan, rerun: Callable[[dict[str, np.nda
         for first, tie in shared.items():
             for k in tie.torch_aliases[1:] if first in out else ():
                 if k in out:
-                    out[first] = out[first] + np.asarray(plan.carry(k, first, out.pop(k)), out[first].dtype)
+                    out[first] = out[first] + np.asarray(plan.carry(k, first, out.pop(k), "gradient"), out[first].dtype)
         return out
 
     expected = summed(side.expected)

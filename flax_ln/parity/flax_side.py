@@ -131,8 +131,15 @@ def torch_ties(side: TorchSide) -> dict[str, tuple[str, ...]]:
 
 def write_through(plan: KeyPlan, tree: VariableTree, state_dict: Mapping[str, np.ndarray]) -> None:
     """Write a torch-named ``state_dict`` (tangents of the weights ``plan`` loaded) into ``tree`` through ``plan``,
-    each value in its targets' flax layouts, with no second plan: the plan checked the keys, shapes and dtypes."""
-    write_by_plan(plan, tree, lambda target: np.asarray(target.to_flax(state_dict[target.key])))
+    each value in its targets' flax layouts (scaled by an affine change, with no offset), with no second plan: the
+    plan checked the keys, shapes and dtypes. The key map's constants take a zero tangent."""
+    variables = tree.variables()
+    write_by_plan(
+        plan,
+        tree,
+        lambda target: np.asarray(target.tangent_to_flax(state_dict[target.key])),
+        lambda path: np.zeros(variables[path][0], variables[path][1]),
+    )
 
 
 def require_differentiable(tree: Any, noun: str, fix: str, floating_only: bool = True) -> None:

@@ -219,28 +219,24 @@ def filled_variables(plan: KeyPlan) -> set[str]:
     return {t.path for ts in plan.targets.values() for t in ts}
 
 
-def _stack_sizes(plan: KeyPlan) -> dict[str, int]:
-    """The number of slices of each stacked variable ``plan`` fills."""
-    sizes: dict[str, int] = {}
+def _region_names(plan: KeyPlan) -> dict[str, set[str]]:
+    """The names (``path[i]``, ``path[:, 0:768]``) of the regions that fill each variable ``plan`` fills by parts."""
+    names: dict[str, set[str]] = {}
     for targets in plan.targets.values():
         for target in targets:
-            if target.index is not None:
-                sizes[target.path] = max(sizes.get(target.path, 0), target.index + 1)
-    return sizes
+            if target.name != target.path:
+                names.setdefault(target.path, set()).add(target.name)
+    return names
 
 
-def _whole(names: frozenset, sizes: Mapping[str, int]) -> frozenset:
-    """Flax variable names with every slice ``path[i]`` of a stacked variable collapsed into ``path`` when all
-    its slices are there (a fused kernel filled from several torch keys); a part of a stack stays sliced."""
-    slices: dict[str, set[str]] = {}
-    for name in names:
-        if name.endswith("]") and "[" in name:
-            base, index = name[:-1].rsplit("[", 1)
-            slices.setdefault(base, set()).add(index)
+def _whole(names: frozenset, parts: Mapping[str, set[str]]) -> frozenset:
+    """Flax variable names with the regions of a variable filled by parts (``path[i]`` of a stack, ``path[:, 0:768]``
+    of a fused kernel) collapsed into ``path`` when all its parts are there (a fused kernel filled from several
+    torch keys); a part of a variable stays named as the part."""
     out = set(names)
-    for base, indices in slices.items():
-        if len(indices) == sizes.get(base, -1):
-            out -= {f"{base}[{i}]" for i in indices}
+    for base, regions in parts.items():
+        if regions <= out:
+            out -= regions
             out.add(base)
     return frozenset(out)
 
@@ -254,11 +250,11 @@ def pairs_by_parameters(
     module first. ``flax_groups``: each flax module's filled variables -> the modules' paths; a torch module that
     ``modules=`` removes (``None``) takes no part."""
     removed = {t for t, given in (modules or {}).items() if given is None}
-    sizes = _stack_sizes(plan)
+    parts = _region_names(plan)
     prefixes = {".".join(key.split(".")[:i]) for key in torch_keys for i in range(1, key.count(".") + 1)}
     torch_groups: dict[frozenset, list[str]] = {}
     for prefix in sorted(prefixes - removed):
-        names = _whole(plan.flax_names(k for k in torch_keys if k.startswith(prefix + ".")), sizes)
+        names = _whole(plan.flax_names(k for k in torch_keys if k.startswith(prefix + ".")), parts)
         if names:
             torch_groups.setdefault(names, []).append(prefix)
     found: dict[str, list[str]] = {}

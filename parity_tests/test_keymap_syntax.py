@@ -1,0 +1,146 @@
+"""KeyMap syntax past the (regex, template, layout) triple: affine changes, regions of a variable along any axis,
+flax-only constants and ``to_source()``. Each loads, exports and passes ``compare_modules`` (every gradient checked,
+which proves gradients are routed through regions and scaled through affine changes), and every misuse is listed
+in one error naming the rule or variable."""
+
+import re
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from flax_ln import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
+from flax_ln.parity import compare_modules
+
+D = 4  # width: q, k and v are D x D, the fused kernel D x 3D
+
+
+# ---- torch side: separate q/k/v projections and an RMSNorm
+
+
+class TorchAttn(torch.nn.Module):
+    """RMSNorm (its weight as is), then separate q, k and v projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(D, D)
+        self.k = torch.nn.Linear(D, D)
+        self.v = torch.nn.Linear(D, D)
+        self.norm_weight = torch.nn.Parameter(torch.randn(D))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn_like(p))
+
+    def forward(self, x):
+        x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return torch.tanh(q) * k + v
+
+
+class FusedPort(nnx.Module):
+    """One (D, 3D) kernel and a (3, D) bias for q/k/v; the norm stored as ``stored = scale * w + offset``."""
+
+    def __init__(self, scale=1.0, offset=0.0, dtype=jnp.float32):
+        self.kernel = nnx.Param(jnp.zeros((D, 3 * D), dtype))  # (in, q|k|v out)
+        self.bias = nnx.Param(jnp.zeros((3, D), dtype))  # (q|k|v, out)
+        self.norm = nnx.Param(jnp.zeros((D,), dtype))
+        self.scale, self.offset = scale, offset
+
+    def __call__(self, x):
+        w = (self.norm[...] - self.offset) / self.scale
+        x = x * jnp.reciprocal(jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)) * w
+        fused = x @ self.kernel[...]  # (..., 3D)
+        q, k, v = (fused[..., i * D : (i + 1) * D] + self.bias[i] for i in range(3))
+        return jnp.tanh(q) * k + v
+
+
+def qkv_map(affine=None, **extra):
+    """Three column blocks of the fused kernel, three rows of the bias, the norm through ``affine``."""
+    return KeyMap(
+        [
+            (r"q\.weight", f"kernel[:, 0:{D}]", "o i -> i o"),
+            (r"k\.weight", f"kernel[:, {D}:{2 * D}]", "o i -> i o"),
+            (r"v\.weight", f"kernel[:, {2 * D}:{3 * D}]", "o i -> i o"),
+            (r"q\.bias", "bias[0]", None),
+            (r"k\.bias", "bias[1, :]", None),
+            (r"v\.bias", "bias[2]", None),
+            (r"norm_weight", "norm", None, affine),
+        ],
+        **extra,
+    )
+
+
+def state_of(model):
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def port_for(dtype, **options):
+    return FusedPort(dtype=getattr(jnp, dtype), **options)
+
+
+def test_fused_qkv_loads_exports_and_passes_compare_modules_in_both_dtypes(x64):
+    """Three slice rules fill one (D, 3D) kernel: equal to the columns concatenated by hand, exported back equal
+    (strict), and the comparison checks q/k/v weight and bias gradients, each its region of the fused gradient."""
+    torch.manual_seed(0)
+    model = TorchAttn()
+    state = state_of(model)
+    port = load_torch_state_dict(port_for("float32"), state, weights=qkv_map())
+    expected = np.concatenate([state["q.weight"].T, state["k.weight"].T, state["v.weight"].T], axis=1)
+    np.testing.assert_array_equal(np.asarray(port.kernel[...]), expected)
+    np.testing.assert_array_equal(np.asarray(port.bias[...]), np.stack([state[f"{n}.bias"] for n in "qkv"]))
+    back = to_torch_state_dict(port, weights=qkv_map(), like=state)
+    assert back.keys() == state.keys()
+    for k in state:
+        np.testing.assert_array_equal(back[k], state[k])
+    x = np.random.default_rng(0).normal(size=(2, 3, D))
+    for dtype in ("float32", "float64"):
+        report = compare_modules(model.to(getattr(torch, dtype)), port_for(dtype), (x.astype(dtype),), weights=qkv_map())
+        assert report.passed, str(report)
+        checked = {r.name for r in report.results}
+        assert {f"{n}.{w}" for n in "qkv" for w in ("weight", "bias")} <= checked, checked
+
+
+def test_scanned_layers_on_axis_one_fill_by_group_reference():
+    """``layers.kernel[:, \\1]``: layer i is index i of axis 1 (that axis dropped); export gives each layer back."""
+    rng = np.random.default_rng(1)
+    state = {f"h.{i}.weight": rng.normal(size=(3, 2)).astype(np.float32) for i in range(4)}  # (out, in)
+
+    class Scanned(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.Dict(kernel=nnx.Param(jnp.zeros((2, 4, 3))))  # (in, layer, out)
+
+    key_map = KeyMap([(r"h\.(\d+)\.weight", r"layers.kernel[:, \1]", "o i -> i o")])
+    port = load_torch_state_dict(Scanned(), state, weights=key_map)
+    by_hand = np.stack([state[f"h.{i}.weight"].T for i in range(4)], axis=1)  # (in, layer, out)
+    np.testing.assert_array_equal(np.asarray(port.layers["kernel"][...]), by_hand)
+    back = to_torch_state_dict(port, weights=key_map)  # keys written from the regex and the axis's indices
+    assert sorted(back) == sorted(state)
+    for k in state:
+        np.testing.assert_array_equal(back[k], state[k])
+
+
+@pytest.mark.parametrize("affine, options", [({"offset": 1.0}, {"offset": 1.0}), ({"scale": 2.0}, {"scale": 2.0})])
+def test_affine_norm_loads_exports_and_passes(x64, affine, options):
+    """A port storing ``1 + w`` (offset) or ``2 * w`` (scale): loaded as such, exported back to ``w``, and compared
+    with every gradient: with scale 2 the torch-named gradient of ``w`` is twice the stored variable's, so a plan
+    that forgot the factor would fail the norm's gradient."""
+    torch.manual_seed(1)
+    model = TorchAttn()
+    state = state_of(model)
+    key_map = qkv_map(affine)
+    port = load_torch_state_dict(port_for("float32", **options), state, weights=key_map)
+    by_hand = state["norm_weight"].astype(np.float64) * affine.get("scale", 1.0) + affine.get("offset", 0.0)
+    np.testing.assert_array_equal(np.asarray(port.norm[...]), by_hand.astype(np.float32))
+    back = to_torch_state_dict(port, weights=key_map, like=state)
+    # float32 rounding of the stored value: w -> 1 + w -> w is exact to half an ulp of 1 + w (|w| < 4)
+    np.testing.assert_allclose(back["norm_weight"], state["norm_weight"], rtol=0, atol=5e-7)
+    x = np.random.default_rng(2).normal(size=(2, 3, D))
+    for dtype in ("float32", "float64"):
+        report = compare_modules(
+            model.to(getattr(torch, dtype)), port_for(dtype, **options), (x.astype(dtype),), weights=key_map
+        )
+        assert report.passed, str(report)
+        assert "norm_weight" in {r.name for r in report.results}
