@@ -23,6 +23,7 @@ the rules returned here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import tempfile
@@ -95,9 +96,9 @@ class _Var:
     dtype: np.dtype
     required: bool
     first: np.ndarray  # the value of the first constant load (float64)
-    scale: np.ndarray | None = None
-    offset: np.ndarray | None = None
-    ids: np.ndarray | None = None
+    scale: Any = None  # float64 arrays of the variable's shape once measured
+    offset: Any = None
+    ids: Any = None
     problem: str | None = None
     random: bool = False  # a different value at each load: initialised at random, never read from torch
 
@@ -204,9 +205,9 @@ def measure(
     first = _read(tree)
     del tree
     variables = {p: _Var(info[p][0], np.dtype(info[p][1]), info[p][2], v) for p, v in first.items()}
-    seen = {}
+    seen: dict[int, dict[str, np.ndarray]] = {}
     for c in (2, 3, 5):
-        seen[c] = _read(probe.run(lambda g, c=c: np.full(g.shape, c)))
+        seen[c] = _read(probe.run(functools.partial(_constant, c)))
     for path, var in variables.items():
         v2, v3, v5 = seen[2][path], seen[3][path], seen[5][path]
         tol = 4 * float(jnp.finfo(var.dtype).eps) * np.maximum(1.0, np.abs(v5))
@@ -241,11 +242,11 @@ def measure(
     for var in digits:
         var.ids = np.zeros(var.shape, index_dtype)
     for k in range(k_loads):
-        loaded = _read(probe.run(lambda g, k=k: (g // base**k) % base + 2))
+        loaded = _read(probe.run(functools.partial(_digit, base**k, base)))
         for path, var in variables.items():
             if var.ids is None:
                 continue
-            _decode(var, loaded[path], base, lambda d, k=k: d * base**k)
+            _decode(var, loaded[path], base, base**k)
         del loaded
     check = _read(probe.run(lambda g: (g.astype(np.int64) * 7919 + 13) % base + 2))
     for path, var in variables.items():
@@ -261,7 +262,16 @@ def measure(
     return _explain(probe, variables, allow_unfilled, allow_dropped)
 
 
-def _decode(var: _Var, value: np.ndarray, base: int, place: Callable) -> None:
+def _constant(c: int, g: np.ndarray) -> np.ndarray:
+    return np.full(g.shape, c)
+
+
+def _digit(place: int, base: int, g: np.ndarray) -> np.ndarray:
+    """Digit ``log_base(place)`` of each id, plus 2: never 0 or 1."""
+    return (g // place) % base + 2
+
+
+def _decode(var: _Var, value: np.ndarray, base: int, place: int) -> None:
     filled = var.scale != 0
     digit = (value - var.offset) / np.where(filled, var.scale, 1) - 2
     exact = np.rint(digit)
@@ -271,7 +281,7 @@ def _decode(var: _Var, value: np.ndarray, base: int, place: Callable) -> None:
         var.ids = None
         return
     assert var.ids is not None
-    var.ids += np.where(filled, place(exact.astype(var.ids.dtype)), 0).astype(var.ids.dtype)
+    var.ids += np.where(filled, exact.astype(var.ids.dtype) * place, 0).astype(var.ids.dtype)
 
 
 def _admitted(name: str, patterns: list[str]) -> bool:
@@ -281,7 +291,9 @@ def _admitted(name: str, patterns: list[str]) -> bool:
 def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dropped) -> Measured:
     mismatched: list[tuple[str, str]] = []
     unfilled_errors: list[tuple[str, str]] = []
-    unfilled, constants, offsets = {}, {}, {}
+    unfilled: dict[str, str] = {}
+    constants: dict[str, Any] = {}
+    offsets: dict[str, tuple[float, float]] = {}
     targets: dict[int, list[tuple[str, str, str, tuple[float, float]]]] = {}  # tensor -> (path, index, layout, affine)
     read = np.zeros(probe.total, bool)
     for path, var in variables.items():
@@ -310,7 +322,7 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
             unfilled_errors.append((path, f"partly filled: {describe_part(~filled, 'left at init')}"))
             continue
         tensor_of = np.searchsorted(probe.starts, var.ids, side="right") - 1
-        found = regions(tensor_of)
+        found = regions(tensor_of, np.diff(probe.starts))
         if found is None:
             unfilled_errors.append((path, "filled from several torch tensors, not in slabs along one axis"))
             continue
@@ -320,11 +332,15 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
                 unfilled_errors.append((path + region.index, problem))
         var.ids = var.scale = var.offset = None  # explained: free them
     for tensor, ts in targets.items():
-        layouts = {}
+        layouts: dict[str, str] = {}
         for p, _, layout, _ in ts:
             if layouts.setdefault(p, layout) != layout:
                 unfilled_errors.append(
-                    (p, f"filled by {probe.probed[tensor]!r} through two layouts ({layouts[p]}, {layout})")
+                    (
+                        p,
+                        f"filled by {probe.probed[tensor]!r} through two layouts ({layouts[p]!r} and {layout!r}); "
+                        "a key map copies one tensor into a variable through one layout",
+                    )
                 )
     dropped, rules, comments = {}, [], {}
     for i, key in enumerate(probe.probed):
@@ -355,9 +371,9 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if len(ts) > 1:
             ties[key] = names
         affine = ts[0][3]
-        layout = [None if t[2] == "identity" else t[2] for t in ts]
+        layouts_of = [None if t[2] == "identity" else t[2] for t in ts]
         template: Any = names[0] if len(ts) == 1 else tuple(names)
-        rule: tuple = (re.escape(key), template, layout[0] if len(ts) == 1 else tuple(layout))
+        rule: tuple = (re.escape(key), template, layouts_of[0] if len(ts) == 1 else tuple(layouts_of))
         if affine != (1.0, 0.0):
             rule += ({"scale": affine[0], "offset": affine[1]},)
         rules.append(rule)

@@ -32,25 +32,34 @@ class Region:
     tensor: int
 
 
-def regions(tensor_of: np.ndarray) -> list[Region] | None:
-    """The slabs of a variable, from ``tensor_of`` (each element's torch tensor, flax shape).
+def regions(tensor_of: np.ndarray, sizes: np.ndarray) -> list[Region] | None:
+    """The slabs of a variable, from ``tensor_of`` (each element's torch tensor, flax shape) and ``sizes`` (each
+    tensor's element count).
 
-    One tensor: the whole variable. Several: the first axis along which every index holds one tensor, cut into
-    runs of equal tensors; a run of length one drops the axis (``[:, 2]``), a longer one is a slice
+    One tensor of the variable's size: the whole variable. Otherwise the first axis along which every index holds
+    one tensor, cut into runs of equal tensors, and a run that holds a tensor more than once into runs of one copy
+    (a tensor copied twice into a stack); a run of length one drops the axis (``[:, 2]``), a longer one is a slice
     (``[:, 0:768]``). ``None`` when no axis separates them.
     """
     first = tensor_of.flat[0]
-    if (tensor_of == first).all():
+    if (tensor_of == first).all() and tensor_of.size == sizes[first]:
         return [Region("", (), int(first))]
     for axis in range(tensor_of.ndim):
         rows = np.moveaxis(tensor_of, axis, 0).reshape(tensor_of.shape[axis], -1)  # (n, rest)
         if not (rows == rows[:, :1]).all():
             continue
-        along = rows[:, 0]
+        along, rest = rows[:, 0], rows.shape[1]
         cuts = [0, *(np.flatnonzero(along[1:] != along[:-1]) + 1).tolist(), len(along)]
+        spans = []
+        for start, stop in zip(cuts[:-1], cuts[1:]):
+            size = int(sizes[along[start]])
+            step = size // rest if size % rest == 0 and size // rest else stop - start
+            if (stop - start) % step:
+                step = stop - start
+            spans += [(at, at + step) for at in range(start, stop, step)]
         out = []
         lead = ":, " * axis
-        for start, stop in zip(cuts[:-1], cuts[1:]):
+        for start, stop in spans:
             at: Any = start if stop - start == 1 else slice(start, stop)
             text = str(start) if stop - start == 1 else f"{start}:{stop}"
             out.append(Region(f"[{lead}{text}]", (slice(None),) * axis + (at,), int(along[start])))

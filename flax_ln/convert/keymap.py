@@ -180,27 +180,20 @@ class KeyMap:
         allow_unfilled: Iterable[str] = (),
         allow_dropped: Iterable[str] = (),
     ) -> KeyMap:
-        """The key map that ``loader`` (a port's own weight loader) implements, measured by running it on probes.
+        """The key map that ``loader``, a port's own weight loader, implements: measured by running it on probes.
 
-        Args:
-          loader: takes a torch-keyed dict of NumPy arrays (``takes="state_dict"``) or the path of a folder holding
-            ``model.safetensors`` (and ``config.json`` when ``like`` has a Hugging Face config; ``takes="folder"``),
-            and returns the loaded flax side: an ``nnx.Module``, or a dict that ``kind`` names.
-          like: the torch module; its ``state_dict()`` gives the keys, shapes, dtypes and ties.
-          kind: for a dict: ``"linen"`` (Linen variables, collections at the top) or ``"function"`` (a pytree).
-          allow_unfilled: regexes (full match) of flax paths the loader may leave at init: they become constants.
-          allow_dropped: regexes of torch parameters the loader may never read: they become ignore rules.
-
-        The map's :attr:`discovery` (:class:`~flax_ln.convert.Discovery`) says what was dropped, left at init,
-        offset and tied. A loader that is not a gather of torch elements raises one
-        :class:`~flax_ln.convert.ConversionError` naming every variable and key at fault.
+        ``loader`` takes a torch-keyed dict of NumPy arrays (``takes="state_dict"``) or a folder holding
+        ``model.safetensors`` (``takes="folder"``) and returns an ``nnx.Module``, or a dict ``kind`` names
+        (``"linen"`` or ``"function"``); ``like`` is the torch module. ``allow_unfilled`` (flax paths, left at init:
+        constants) and ``allow_dropped`` (torch keys never read) are regexes matched in full. The map's
+        :attr:`discovery` says what was dropped, left at init, offset and tied. See :mod:`flax_ln.convert.discover`.
         """
         from flax_ln.convert.discover import measure
 
         measured = measure(
             loader, like, takes=takes, kind=kind, allow_unfilled=allow_unfilled, allow_dropped=allow_dropped
         )
-        key_map = cls(measured.rules, constants=measured.constants) if measured.constants else cls(measured.rules)  # type: ignore[call-arg]
+        key_map = cls(measured.rules, constants=measured.constants)
         key_map.discovery = measured.discovery
         return key_map
 

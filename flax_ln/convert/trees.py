@@ -136,7 +136,7 @@ class PytreeTree:
 
     def required(self, steps: tuple[str, ...], dtype: np.dtype) -> bool:
         """Whether the leaf at ``steps`` must be filled by loading: every floating leaf."""
-        return bool(np.issubdtype(dtype, np.floating))
+        return bool(jnp.issubdtype(dtype, jnp.floating))  # bfloat16 too (an ml_dtypes type NumPy does not rank)
 
     def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
         """See :meth:`VariableTree.variables`."""
