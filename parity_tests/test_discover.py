@@ -478,3 +478,59 @@ def test_a_bfloat16_loader_decodes_with_more_digit_loads():
 def test_a_dict_without_kind_is_a_type_error_saying_so():
     with pytest.raises(TypeError, match="pass kind='linen'.*or kind='function'"):
         KeyMap.discover(mlp_loader, randomized(TorchMLP()))
+
+
+class Tied(torch.nn.Module):
+    """The ports guide's torch model: an embedding tied to the head, two layers, a norm, an integer buffer."""
+
+    def __init__(self, vocab=16, d=8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+
+def guide_loader(folder, forget_bias=False):
+    """The ports guide's loader: safetensors folder, regex table, bfloat16, the tie copied, unknown keys logged."""
+    tensors = safetensors.numpy.load_file(f"{folder}/model.safetensors")
+    params = {"embed": None, "head": None, "norm": {}, "layers": [{}, {}]}
+    for key, w in tensors.items():
+        w = jnp.asarray(w, jnp.bfloat16)
+        if key == "embed.weight":
+            params["embed"], params["head"] = w, w.T
+        elif m := re.fullmatch(r"layers\.(\d+)\.(weight|bias)", key):
+            params["layers"][int(m[1])]["w" if m[2] == "weight" else "b"] = w.T if m[2] == "weight" else w
+        elif m := re.fullmatch(r"norm\.(weight|bias)", key):
+            params["norm"][{"weight": "scale", "bias": "bias"}[m[1]]] = w
+        else:
+            log.info("skipping %s", key)
+    if forget_bias:
+        params["layers"][1]["b"] = jnp.zeros(8, jnp.bfloat16)
+    return params
+
+
+def test_the_ports_guide_example_a_bfloat16_pytree_with_a_tie_and_a_forgotten_bias():
+    model = Tied()
+    found = KeyMap.discover(guide_loader, model, takes="folder", kind="function")
+    assert found.discovery.ties == {"embed.weight": ["embed", "head"]} and found.discovery.dropped == {"step": "all"}
+    assert found.discovery.loads == 7  # 288 elements: two bfloat16 digits (below 256), 4 constant loads, 1 check
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    layer = {"w": bf16(8, 8), "b": bf16(8)}
+    tree = PytreeTree(
+        {
+            "embed": bf16(16, 8),
+            "head": bf16(8, 16),
+            "norm": {"scale": bf16(8), "bias": bf16(8)},
+            "layers": [layer, layer],
+        }
+    )
+    values = loaded(tree, state, found)
+    assert np.array_equal(values["head"], state["embed.weight"].T.astype(jnp.bfloat16))
+    with pytest.raises(ConversionError) as error:
+        KeyMap.discover(lambda f: guide_loader(f, forget_bias=True), model, takes="folder", kind="function")
+    assert "'layers.1.bias': a parameter the loader never reads" in str(error.value)
+    assert "flax variable 'layers.1.b': left at init by the loader (constant 0.0)" in str(error.value)
