@@ -4,7 +4,6 @@ which proves gradients are routed through regions and scaled through affine chan
 in one error naming the rule or variable."""
 
 import re
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -97,7 +96,9 @@ def test_fused_qkv_loads_exports_and_passes_compare_modules_in_both_dtypes(x64):
         np.testing.assert_array_equal(back[k], state[k])
     x = np.random.default_rng(0).normal(size=(2, 3, D))
     for dtype in ("float32", "float64"):
-        report = compare_modules(model.to(getattr(torch, dtype)), port_for(dtype), (x.astype(dtype),), weights=qkv_map())
+        report = compare_modules(
+            model.to(getattr(torch, dtype)), port_for(dtype), (x.astype(dtype),), weights=qkv_map()
+        )
         assert report.passed, str(report)
         checked = {r.name for r in report.results}
         assert {f"{n}.{w}" for n in "qkv" for w in ("weight", "bias")} <= checked, checked
@@ -144,3 +145,121 @@ def test_affine_norm_loads_exports_and_passes(x64, affine, options):
         )
         assert report.passed, str(report)
         assert "norm_weight" in {r.name for r in report.results}
+
+
+class BiasedPort(FusedPort):
+    """FusedPort with a key bias torch does not have: ``extra`` (zero in the checkpoint's model) added to k."""
+
+    def __init__(self, dtype=jnp.float32, extra=0.0):
+        super().__init__(dtype=dtype)
+        self.extra = nnx.Param(jnp.full((D,), 7.0, dtype))  # overwritten by the constant when loaded
+        self.expected_extra = extra
+
+    def __call__(self, x):
+        w = self.norm[...]
+        x = x * jnp.reciprocal(jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)) * w
+        fused = x @ self.kernel[...]  # (..., 3D)
+        q, k, v = (fused[..., i * D : (i + 1) * D] + self.bias[i] for i in range(3))
+        return jnp.tanh(q) * (k + self.extra[...]) + v
+
+
+def test_a_constant_fills_a_variable_torch_lacks_and_is_reported(x64):
+    """A zero key bias the torch model does not have: declared as a constant it loads as zero (not 7), the
+    comparison passes (no gradient compared for it: torch has none) and lists it in report.constants and the text;
+    undeclared, loading fails naming the variable."""
+    torch.manual_seed(2)
+    model = TorchAttn()
+    state = state_of(model)
+    key_map = qkv_map(constants={r"extra": 0.0})
+    port = load_torch_state_dict(BiasedPort(), state, weights=key_map)
+    np.testing.assert_array_equal(np.asarray(port.extra[...]), np.zeros(D, np.float32))
+    assert to_torch_state_dict(port, weights=key_map, like=state).keys() == state.keys()  # no key for a constant
+    x = np.random.default_rng(3).normal(size=(2, 3, D))
+    for dtype in ("float32", "float64"):
+        report = compare_modules(
+            model.to(getattr(torch, dtype)), BiasedPort(getattr(jnp, dtype)), (x.astype(dtype),), weights=key_map
+        )
+        assert report.passed, str(report)
+        assert report.constants == {"extra": "0.0"}
+        assert "extra" not in {r.name for r in report.results}
+        assert "flax-only constants" in str(report) and "extra = 0.0" in str(report)
+        assert report.to_json()["constants"] == {"extra": "0.0"}
+    with pytest.raises(ConversionError, match=r"'extra': no rule fills this variable"):
+        load_torch_state_dict(BiasedPort(), state, weights=qkv_map())
+
+
+def test_constant_errors_and_warnings():
+    """An array constant of the wrong shape names both shapes; a rule filling a constant is an error; a constant
+    regex matching no variable warns, as an unused rule does."""
+    state = state_of(TorchAttn())
+    with pytest.raises(
+        ConversionError, match=r"'extra': constant 'extra': the constant has shape \(3,\), the variable \(4,\)"
+    ):
+        load_torch_state_dict(BiasedPort(), state, weights=qkv_map(constants={"extra": np.zeros(3)}))
+    clash = KeyMap(
+        [
+            *((r.pattern, r.templates[0], r.layouts[0].pattern) for r in qkv_map().rules[:6]),
+            (r"norm_weight", "extra", None),
+        ],
+        constants={"extra": 0.0},
+    )
+    with pytest.raises(ConversionError, match=r"'extra' is a constant of the key map"):
+        load_torch_state_dict(BiasedPort(), state, weights=clash)
+    with pytest.warns(UserWarning, match=r"constants matched no flax variable .*nothing"):
+        load_torch_state_dict(FusedPort(), state, weights=qkv_map(constants={r"nothing\.here": 1.0}))
+
+
+def test_rule_errors_name_the_rule():
+    """Every bad affine and slice item is listed in one ValueError, each line naming its rule."""
+    with pytest.raises(ValueError) as info:
+        KeyMap(
+            [
+                ("a", "x", None, {"scale": 2.0, "shift": 1.0}),
+                ("b", "y", None, {"scale": 0.0}),
+                ("c", "z[:, 0:x]", None),
+                ("d", "w[4:2]", None),
+                ("e", "v", None, {"offset": float("nan")}),
+            ]
+        )
+    text = str(info.value)
+    assert "5 bad rule(s)" in text
+    for index, says in [
+        (0, "unknown key(s) ['shift']"),
+        (1, "scale must be nonzero"),
+        (2, "slice item '0:x'"),
+        (3, "slice item '4:2'"),
+        (4, "offset must be finite"),
+    ]:
+        line = next(line for line in text.splitlines() if line.strip().startswith(f"rule {index} "))
+        assert says in line, line
+
+
+def test_region_errors_name_the_variable_and_region():
+    """Out of range, a gap and an overlap, all in one ConversionError naming the variable and the region; nothing
+    is loaded."""
+    state = state_of(TorchAttn())
+    bad = KeyMap(
+        [
+            (r"q\.weight", f"kernel[:, 0:{D}]", "o i -> i o"),
+            (r"k\.weight", f"kernel[:, 2:{D + 2}]", "o i -> i o"),  # overlaps q's columns 2:4
+            (r"v\.weight", f"kernel[:, {2 * D + 2}:{3 * D + 2}]", "o i -> i o"),  # past the end
+            (r"q\.bias", "bias[0]", None),
+            (r"k\.bias", "bias[5]", None),  # no row 5
+            (r"v\.bias", "bias[2]", None),  # row 1 is a gap
+            (r"norm_weight", "norm", None),
+        ]
+    )
+    port = FusedPort()
+    with pytest.raises(ConversionError) as info:
+        load_torch_state_dict(port, state, weights=bad)
+    text = str(info.value)
+    assert f"kernel[:, 2:{D + 2}] from 'k.weight'" in text and f"overlaps kernel[:, 0:{D}] from 'q.weight'" in text
+    assert "'v.weight': rule 2" in text and "does not fit axis 1 (shape (4, 12))" in text
+    assert "'k.bias': rule 4" in text and "slice '5' is not an index of axis 0" in text
+    assert re.search(r"'bias': slices \[1\] of this stacked variable", text), text
+    gap = KeyMap(
+        [(r"q\.weight", f"kernel[:, 0:{D}]", "o i -> i o"), (r"v\.weight", f"kernel[:, {2 * D}:{3 * D}]", "o i -> i o")]
+    )
+    with pytest.raises(ConversionError, match=rf"'kernel': a gap: elements \[0:{D}, {D}:{2 * D}\]"):
+        load_torch_state_dict(port, {k: state[k] for k in ("q.weight", "v.weight")}, weights=gap, strict=True)
+    assert not np.any(np.asarray(port.kernel[...]))  # nothing loaded

@@ -225,12 +225,12 @@ def constant_value(value: Any, shape: Shape, dtype: np.dtype) -> np.ndarray:
 
 
 def describe_value(value: Any) -> str:
-    """A constant in a few words: ``"0.0"``, or ``"array (64,) float32, min -1 .. max 1"``."""
+    """A constant in a few words: ``"0.0"`` (every element), or ``"array (64,) float32, min -1 .. max 1"``."""
     array = np.asarray(value)
     if array.ndim == 0:
         return repr(array.item())
-    if array.size and np.all(array == array.flat[0]):
-        return f"{array.flat[0].item()!r} (array {tuple(array.shape)} {array.dtype})"
+    if array.size and np.all(array == array.flat[0]):  # a number, broadcast
+        return repr(array.flat[0].item())
     low, high = (f"{array.min():.4g}", f"{array.max():.4g}") if array.size else ("-", "-")
     return f"array {tuple(array.shape)} {array.dtype}, min {low} .. max {high}"
 
