@@ -347,7 +347,7 @@ def _raw(text: str) -> str:
 
 def _layout_source(layout: ArrayLayout) -> str:
     if layout.pattern is not None:
-        return repr(layout.pattern)
+        return f'"{layout.pattern}"' if '"' not in layout.pattern else repr(layout.pattern)
     if layout.permutation is None and layout.reshape is None:
         return "None"
     return repr((layout.permutation, layout.reshape, layout.reshape_first))
