@@ -329,3 +329,59 @@ def test_to_source_round_trip_loads_the_same():
         np.testing.assert_array_equal(a[k], b[k])
     np.testing.assert_allclose(a["t.weight"], state["t.weight"], rtol=0, atol=1e-6)  # float32 round trip of -0.5x
     assert eval(rebuilt.to_source(), {"KeyMap": KeyMap, "np": np}).to_source() == rebuilt.to_source()  # noqa: S307
+
+
+class TorchTied(torch.nn.Module):
+    """One weight used twice: ``x @ w.T`` then ``(..) @ w``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(D, 2))  # (out, in)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w.T) @ self.w
+
+
+class TiedCopies(nnx.Module):
+    """The tied weight kept as two copies, one transposed, one stored as ``-0.5 * w``."""
+
+    def __init__(self, dtype=jnp.float32):
+        self.a = nnx.Param(jnp.zeros((2, D), dtype))  # (in, out) = w.T
+        self.b = nnx.Param(jnp.zeros((D, 2), dtype))  # -0.5 * w
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.a[...]) @ (self.b[...] / -0.5)
+
+
+class Found:
+    """What a measured map carries in ``discovery``: only its text matters to the report."""
+
+    def __str__(self):
+        return "2 rules measured from the port's loader\nties: w -> a, b"
+
+
+def test_a_tie_through_affine_copies_sums_scaled_gradients_and_tangents(x64):
+    """One torch key into two copies, one scaled by -0.5: the gradient under torch's name is the transposed copy's
+    plus -0.5 times the scaled one's (dropping the factor, or the tie's sum, fails the comparison); forward-mode
+    tangents go in scaled, with no offset. The map's discovery text is shown in the report."""
+    torch.manual_seed(3)
+    model = TorchTied().double()
+    key_map = KeyMap([(r"w", ("a", "b"), ("o i -> i o", None), (None, {"scale": -0.5}))])
+    key_map.discovery = Found()
+    x = np.random.default_rng(5).normal(size=(3, 2))
+    for mode in ("grad", "jvp"):
+        report = compare_modules(model, TiedCopies(jnp.float64), (x,), weights=key_map, mode=mode)
+        assert report.passed, str(report)
+        assert report.discovery is key_map.discovery
+        assert "ties: w -> a, b" in str(report)
+        assert report.to_json()["discovery"] == str(Found())
+    assert report.ties["w"].flax_paths == ("a", "b")
+    assert (
+        compare_modules(
+            model,
+            TiedCopies(jnp.float64),
+            (x,),
+            weights=KeyMap([(r"w", ("a", "b"), ("o i -> i o", None), (None, {"scale": -0.5}))]),
+        ).discovery
+        is None
+    )
