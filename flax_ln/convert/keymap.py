@@ -489,8 +489,8 @@ def match_targets(
     for path, (shape, _, required) in variables.items():
         regions = fills.get(path, {})
         if regions and (len(regions) > 1 or strict) and list(regions) != [whole_region(shape)]:
-            labels = {region: target_labels(ts) for region, ts in regions.items()}
-            unfilled.extend((path, why) for why in tiling_problems(path, shape, labels, strict))
+            by_region = {region: target_labels(ts) for region, ts in regions.items()}
+            unfilled.extend((path, why) for why in tiling_problems(path, shape, by_region, strict))
         elif not regions and required and strict and path not in attempted and path not in constants:
             unfilled.append((path, f"no rule fills this variable (shape {shape}); name it in a rule's template"))
     ties_out: dict[str, Tie] = {}

@@ -283,6 +283,7 @@ def parse_rule(index: int, item: Any) -> Rule:
         return Rule(index, pattern, (), (), ())
     templates: tuple[str, ...]
     layouts: tuple[ArrayLayout, ...]
+    affines: tuple[Affine, ...]
     if isinstance(template, str):
         templates, layouts, affines = (template,), (parse_layout(layout),), (parse_affine(affine),)
     elif isinstance(template, tuple) and template and all(isinstance(t, str) for t in template):
