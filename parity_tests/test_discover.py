@@ -321,6 +321,7 @@ def test_the_discovered_map_of_each_ports_loader_is_its_key_map(name):
         hf, flax_side(name, empty()), args, weights=found, dtype="float32", localize_failures=False, **kwargs
     )
     assert report.passed, str(report)
+    assert report.discovery is found.discovery and "discovered from 6 loads" in str(report)
     if name == "llama":  # the loader copies the embedding into the head: one torch tensor, two flax variables
         assert found.discovery.loads == 6  # 4 constant loads, one float32 digit (ids below 2**20), 1 check load
         assert found.discovery.ties == {"model.embed_tokens.weight": ["head.proj.kernel", "tok.embedding"]}

@@ -16,14 +16,30 @@ described instead by a table of its own, one rule per family of torch keys::
     load_torch_state_dict(port, hf_model.state_dict(), weights=key_map)
     state = to_torch_state_dict(port, weights=key_map, like=hf_model.state_dict())
 
-The same rules may be given as a mapping ``{regex: (template, layout)}``.
+The same rules may be given as a mapping ``{regex: (template, layout)}``. A rule may take a
+fourth element, ``(regex, template, layout, affine)`` (``{regex: (template, layout, affine)}``).
 
 **Templates.** ``re.Match.expand`` fills a template from the key's groups (``\1``,
 ``\g<name>``), giving a dotted path of attributes and sequence indices from the model
-(``blocks.0.attn.q.kernel``). ``None`` ignores the key. A template ending in ``[i]``
-(``r"layers.attn.kernel[\1]"``) fills slice ``i`` of a variable stacked along its leading
-axis, as a port that scans over layers keeps them. A tuple of templates copies one tensor
-into several variables (a checkpoint that stores a tied weight once).
+(``blocks.0.attn.q.kernel``). ``None`` ignores the key. A template ending in an index suffix
+``[item, ...]`` fills a region of the variable: each item is ``:`` (the whole axis),
+``start:stop`` or an integer, literal or a group reference, which selects one position and drops
+that axis; missing trailing items mean ``:``. ``r"blocks.\1.qkv.kernel[:, 0:768]"`` is a fused
+kernel's first columns, ``r"layers.kernel[\1]"`` slice ``i`` of a variable stacked along its
+leading axis (a port that scans over layers), ``r"layers.kernel[:, \1]"`` one stacked on axis 1.
+The torch tensor, after its layout, has the region's shape. A tuple of templates copies one
+tensor into several variables (a checkpoint that stores a tied weight once).
+
+**Affine changes** (:class:`~flax_ln.convert.keymap_syntax.Affine`): ``None`` or
+``{"scale": s, "offset": o}`` (defaults 1 and 0; the scale nonzero, both finite), meaning
+``flax = scale * layout(torch) + offset`` (a port storing ``1 + w``: ``{"offset": 1.0}``);
+computed in float64, then cast. Export inverts it; gradients under torch's names and tangents
+only scale. For a tuple of templates: ``None``, one dict for all, or a tuple of one per template.
+
+**Constants.** ``KeyMap(rules, constants={flax path regex: value})`` fills the variables whose
+canonical dotted path a regex matches in full with ``value`` (a number, broadcast, or an array of
+the variable's shape): flax-only variables no torch key fills, no rule may fill, and no gradient is
+compared for. :meth:`KeyMap.to_source` writes a map back as Python source.
 
 **Layouts** (:mod:`flax_ln.convert.layouts`), from torch's layout to flax's:
 
@@ -38,14 +54,15 @@ into several variables (a checkpoint that stores a tied weight once).
 
 **Strict.** Every torch key matches exactly one rule; every ``nnx.Param`` and
 ``nnx.BatchStat`` is filled exactly once (other variables only where a rule names them);
-one variable may be filled twice only by aliases of one torch tensor (a tie) through one
-layout, or by values equal after their layouts (aliases through different layouts included).
+one region may be filled twice only by aliases of one torch tensor (a tie) through one
+layout and affine change, or by values equal after them (aliases through different layouts
+included); the regions filling one variable must tile it (no gap, no overlap).
 Every problem is listed in one :class:`~flax_ln.convert.ConversionError` and nothing is loaded.
 A rule that matches no key only warns, so the map that loads a full state dict also loads a
 checkpoint saved without an alias.
 
 **For comparisons.** :meth:`KeyMap.resolve` gives a :class:`KeyPlan`: for every torch key
-its :class:`Target` variables (canonical dotted path, slice, layout), both directions of
+its :class:`Target` variables (canonical dotted path, region, layout, affine), both directions of
 each layout, the ties (:class:`~flax_ln.convert.Tie`, from :func:`~flax_ln.convert.find_ties`)
 and the torch-named sum of flax gradients (:meth:`KeyPlan.torch_gradients`). Paths are
 resolved through a :class:`~flax_ln.convert.trees.VariableTree`. Loading and exporting
@@ -58,7 +75,7 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from flax import nnx
@@ -83,9 +100,6 @@ from flax_ln.convert.keymap_syntax import (
 from flax_ln.convert.layouts import ArrayLayout, Shape, shape_only
 from flax_ln.convert.ties import Tie, find_ties
 from flax_ln.convert.trees import NNXTree, VariableTree
-
-if TYPE_CHECKING:
-    from flax_ln.convert.discover import Discovery
 
 _FIX = (
     "each torch key must match exactly one rule: add (regex, template, layout) for an unexpected key, or "
@@ -160,8 +174,6 @@ class KeyMap:
 
     def __len__(self) -> int:
         return len(self.rules)
-
-    discovery: Discovery | None = None  # what KeyMap.discover saw the loader do; None for a map written by hand
 
     def __repr__(self) -> str:
         return f"KeyMap({len(self.rules)} rules)"
@@ -508,8 +520,8 @@ def match_targets(
     for path, (shape, _, required) in variables.items():
         regions = fills.get(path, {})
         if regions and (len(regions) > 1 or strict) and list(regions) != [whole_region(shape)]:
-            labels = {region: target_labels(ts) for region, ts in regions.items()}
-            unfilled.extend((path, why) for why in tiling_problems(path, shape, labels, strict))
+            by_region = {region: target_labels(ts) for region, ts in regions.items()}
+            unfilled.extend((path, why) for why in tiling_problems(path, shape, by_region, strict))
         elif not regions and required and strict and path not in attempted and path not in constants:
             unfilled.append((path, f"no rule fills this variable (shape {shape}); name it in a rule's template"))
     ties_out: dict[str, Tie] = {}

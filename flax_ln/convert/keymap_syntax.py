@@ -225,12 +225,12 @@ def constant_value(value: Any, shape: Shape, dtype: np.dtype) -> np.ndarray:
 
 
 def describe_value(value: Any) -> str:
-    """A constant in a few words: ``"0.0"``, or ``"array (64,) float32, min -1 .. max 1"``."""
+    """A constant in a few words: ``"0.0"`` (every element), or ``"array (64,) float32, min -1 .. max 1"``."""
     array = np.asarray(value)
     if array.ndim == 0:
         return repr(array.item())
-    if array.size and np.all(array == array.flat[0]):
-        return f"{array.flat[0].item()!r} (array {tuple(array.shape)} {array.dtype})"
+    if array.size and np.all(array == array.flat[0]):  # a number, broadcast
+        return repr(array.flat[0].item())
     low, high = (f"{array.min():.4g}", f"{array.max():.4g}") if array.size else ("-", "-")
     return f"array {tuple(array.shape)} {array.dtype}, min {low} .. max {high}"
 
@@ -283,6 +283,7 @@ def parse_rule(index: int, item: Any) -> Rule:
         return Rule(index, pattern, (), (), ())
     templates: tuple[str, ...]
     layouts: tuple[ArrayLayout, ...]
+    affines: tuple[Affine, ...]
     if isinstance(template, str):
         templates, layouts, affines = (template,), (parse_layout(layout),), (parse_affine(affine),)
     elif isinstance(template, tuple) and template and all(isinstance(t, str) for t in template):
@@ -347,7 +348,7 @@ def _raw(text: str) -> str:
 
 def _layout_source(layout: ArrayLayout) -> str:
     if layout.pattern is not None:
-        return repr(layout.pattern)
+        return f'"{layout.pattern}"' if '"' not in layout.pattern else repr(layout.pattern)
     if layout.permutation is None and layout.reshape is None:
         return "None"
     return repr((layout.permutation, layout.reshape, layout.reshape_first))

@@ -384,7 +384,7 @@ def _regions(items: str | None, shape: Shape, groups: Mapping[str, str]) -> list
     if items is None:
         return [(whole_region(shape), shape, dict(groups))]
     texts = [t.strip() for t in items.split(",")]
-    choices = []
+    choices: list[list[tuple[str, str | None]]] = []
     for axis, text in enumerate(texts):
         ref = re.fullmatch(r"\\(\d+)|\\g<(\w+)>", text)
         if ref is None:

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from flax_ln.convert import KeyMap, KeyPlan, Tie
+from flax_ln.convert.keymap_syntax import describe_value
 from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
 from flax_ln.parity.flax_side import FlaxSide, Function, Linen
 from flax_ln.parity.function_side import FunctionSide
@@ -226,6 +227,7 @@ def _load_and_judge(
     report, actual, zero = _judge(side, flax, call, tolerances, mesh, zero_evidence)
     report.ties = flax.ties()
     report.shared = shared
+    report.constants = {} if flax.plan is None else {p: describe_value(v) for p, v in flax.plan.constants.items()}
     if lm_logits is not None:
         _lm_metrics(report, side, actual, lm_logits)
     if side.truth is not None:
@@ -470,6 +472,7 @@ def compare_modules(
         float64_check, zero, plan = comparison.run("float64", None, None)
     report, _, _ = comparison.run(dtype, zero, plan)
     report.float64_check = float64_check
+    report.discovery = getattr(weights, "discovery", None)
     return _stamp(report, started)
 
 

@@ -41,6 +41,9 @@ from flax_ln.parity.policy import TensorResult
 #   "localization note":   note (why localisation did not run)
 #   "input casts":         casts (input name -> "float64 -> float32": floating inputs cast to the comparison's dtype)
 #   "islands":             islands (Island s: side, module, what, lifted)
+#   "constants":           constants (flax path -> a short description of the value: the key map's flax-only
+#                          constants, filled without a torch key and not compared as gradients)
+#   "discovery":           text (``str()`` of the key map's discovery: how the map was measured from a loader)
 #   "modules":             names (execution order), outputs, grads, isolated (name -> relative error;
 #                          isolated None without isolated mode), output_rtol, grad_rtol (chart data only)
 #   "float64 check":       sections (the float64 comparison's own sections, islands lifted, which the default
@@ -62,6 +65,8 @@ KINDS = (
     "localization note",
     "input casts",
     "islands",
+    "constants",
+    "discovery",
     "modules",
     "float64 check",
 )
@@ -310,6 +315,11 @@ _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
         "inputs cast to the comparison's dtype: " + ", ".join(f"{k} ({v})" for k, v in d["casts"].items())
     ],
     "islands": _islands,
+    "constants": lambda d: [
+        "flax-only constants (the key map's constants=, no torch key, no gradient compared): "
+        + ", ".join(f"{k} = {v}" for k, v in d["constants"].items())
+    ],
+    "discovery": lambda d: ["key map discovered from the port's loader:", *("  " + x for x in d["text"].splitlines())],
     "modules": lambda d: [],  # drawn by plot_errors, not printed
     "float64 check": lambda d: _float64_check(d["sections"]),
 }

@@ -141,6 +141,8 @@ class ParityReport:
     localization_note: str | None = None  # why localisation did not run (a Function has no modules)
     islands: list[Island] = dataclasses.field(default_factory=list)  # float32 computations found in float64
     input_casts: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> "float64 -> float32"
+    constants: dict[str, str] = dataclasses.field(default_factory=dict)  # key map constants: path -> its value
+    discovery: Any = None  # the key map's discovery (how it was measured from a port's loader), when it has one
     float64_check: ParityReport | None = None  # the default's float64 comparison, islands lifted
 
     @property
@@ -198,6 +200,8 @@ class ParityReport:
             "localization_note": self.localization_note,
             "islands": [dataclasses.asdict(island) for island in self.islands],
             "input_casts": self.input_casts,
+            "constants": self.constants,
+            "discovery": None if self.discovery is None else str(self.discovery),
             "float64_check": None if self.float64_check is None else self.float64_check.to_json(),
         }
 
@@ -291,6 +295,10 @@ class ParityReport:
             sections.append(Section("input casts", {"casts": self.input_casts}))
         if self.islands:
             sections.append(Section("islands", {"islands": self.islands}))
+        if self.constants:
+            sections.append(Section("constants", {"constants": self.constants}))
+        if self.discovery is not None:
+            sections.append(Section("discovery", {"text": str(self.discovery)}))
         sections.append(self._modules_section())
         if self.float64_check is not None:
             sections.append(Section("float64 check", {"sections": self.float64_check.sections(worst)}))
