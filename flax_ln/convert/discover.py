@@ -95,7 +95,7 @@ class _Var:
     shape: tuple[int, ...]
     dtype: np.dtype
     required: bool
-    first: np.ndarray  # the value of the first constant load (float64)
+    first: Any  # the value of the first constant load, in the variable's dtype; None once not needed
     scale: Any = None  # float64 arrays of the variable's shape once measured
     offset: Any = None
     ids: Any = None
@@ -172,8 +172,9 @@ class _Probe:
             return _tree(self.loader(folder), self.kind)
 
 
-def _read(tree: VariableTree) -> dict[str, np.ndarray]:
-    return {p: tree.read(p).astype(np.float64) for p, (_, dtype, _) in tree.variables().items() if _floating(dtype)}
+def _compact(a: np.ndarray) -> np.ndarray:
+    """``a``, as one number broadcast to its shape (no memory) where all its elements are equal."""
+    return np.broadcast_to(np.float64(a.flat[0]), a.shape) if a.size and (a == a.flat[0]).all() else a
 
 
 def _summary(value: np.ndarray) -> str:
@@ -200,29 +201,43 @@ def measure(
     :meth:`~flax_ln.convert.KeyMap.discover` for the arguments. One :class:`ConversionError` lists every problem."""
     probe = _Probe(loader, like, takes, kind)
     allow_unfilled, allow_dropped = list(allow_unfilled), list(allow_dropped)
-    tree = probe.run(lambda g: np.full(g.shape, 2))
-    info = tree.variables()
-    first = _read(tree)
+    # Memory: one loaded model at a time, read a variable at a time; each variable's first value (its own dtype)
+    # until its affine is known, kept only where some element is left at init; scale and offset as one number
+    # broadcast where uniform; then the ids (int32 below 2**31 elements).
+    tree = probe.run(functools.partial(_constant, 2))
+    info = {p: spec for p, spec in tree.variables().items() if _floating(spec[1])}
+    variables = {
+        p: _Var(shape, np.dtype(dtype), required, tree.read(p)) for p, (shape, dtype, required) in info.items()
+    }
     del tree
-    variables = {p: _Var(info[p][0], np.dtype(info[p][1]), info[p][2], v) for p, v in first.items()}
-    seen: dict[int, dict[str, np.ndarray]] = {}
-    for c in (2, 3, 5):
-        seen[c] = _read(probe.run(functools.partial(_constant, c)))
+    again = probe.run(functools.partial(_constant, 2))
     for path, var in variables.items():
-        v2, v3, v5 = seen[2][path], seen[3][path], seen[5][path]
-        tol = 4 * float(jnp.finfo(var.dtype).eps) * np.maximum(1.0, np.abs(v5))
-        if not np.array_equal(var.first, v2, equal_nan=True):
+        if not np.array_equal(var.first, again.read(path), equal_nan=True):
             var.random = True  # reported as left at init: no torch element explains a value that moves by itself
-            var.scale, var.offset = np.zeros(var.shape), var.first
-        elif not (np.abs(v5 - (v2 + 3 * (v3 - v2))) <= tol).all():
+            var.scale = var.offset = _compact(np.zeros(var.shape))
+    del again
+    three = probe.run(functools.partial(_constant, 3))
+    for path, var in variables.items():
+        if not var.random:
+            v2 = var.first.astype(np.float64)
+            scale = three.read(path).astype(np.float64) - v2
+            var.scale, var.offset = _compact(scale), _compact(v2 - 2 * scale)
+    del three
+    five = probe.run(functools.partial(_constant, 5))
+    for path, var in variables.items():
+        if var.random:
+            continue
+        v5 = five.read(path).astype(np.float64)
+        tol = 4 * float(jnp.finfo(var.dtype).eps) * np.maximum(1.0, np.abs(v5))
+        if not (np.abs(v5 - (5 * var.scale + var.offset)) <= tol).all():
             var.problem = (
                 "is not a gather: its values for constant loads 2, 3, 5 are not scale * torch + offset "
                 "(not a function of one torch element)"
             )
-        else:
-            var.scale = v3 - v2
-            var.offset = v2 - 2 * var.scale
-    del seen
+            var.scale = var.offset = None
+        if var.scale is None or (var.scale != 0).all():
+            var.first = None  # needed only to report what a load leaves at init
+    del five
     digits = [v for v in variables.values() if v.scale is not None]
     limit = min(
         [_EXACT.get(np.dtype(v.dtype).name, 2**24) for v in digits]
@@ -242,19 +257,18 @@ def measure(
     for var in digits:
         var.ids = np.zeros(var.shape, index_dtype)
     for k in range(k_loads):
-        loaded = _read(probe.run(functools.partial(_digit, base**k, base)))
+        loaded = probe.run(functools.partial(_digit, base**k, base))
         for path, var in variables.items():
-            if var.ids is None:
-                continue
-            _decode(var, loaded[path], base, base**k)
+            if var.ids is not None:
+                _decode(var, loaded.read(path).astype(np.float64), base, base**k)
         del loaded
-    check = _read(probe.run(lambda g: (g.astype(np.int64) * 7919 + 13) % base + 2))
+    check = probe.run(lambda g: (g.astype(np.int64) * 7919 + 13) % base + 2)
     for path, var in variables.items():
         if var.ids is None:
             continue
         filled = var.scale != 0
         want = (var.ids.astype(np.int64) * 7919 + 13) % base + 2
-        got = np.rint((check[path] - var.offset) / np.where(filled, var.scale, 1))
+        got = np.rint((check.read(path).astype(np.float64) - var.offset) / np.where(filled, var.scale, 1))
         if not (got[filled] == want[filled]).all():
             var.problem = var.problem or "not a function of one torch element: its digits do not agree across loads"
             var.ids = None
