@@ -535,3 +535,41 @@ def test_the_ports_guide_example_a_bfloat16_pytree_with_a_tie_and_a_forgotten_bi
         KeyMap.discover(lambda f: guide_loader(f, forget_bias=True), model, takes="folder", kind="function")
     assert "'layers.1.bias': a parameter the loader never reads" in str(error.value)
     assert "flax variable 'layers.1.b': left at init by the loader (constant 0.0)" in str(error.value)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, n=3, d=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_loader_that_stacks_layers_for_a_scan_is_one_folded_rule_per_family():
+    """Layer i's tensors fill index i of stacked (layers, ...) variables: one ``(\\d+)`` rule a family, ``w[\\1]``."""
+
+    def loader(sd):
+        return {
+            "w": np.stack([sd[f"layers.{i}.weight"].T for i in range(3)]),  # (3, in, out)
+            "b": np.stack([sd[f"layers.{i}.bias"] for i in range(3)]),  # (3, out)
+        }
+
+    def apply(p, x):
+        def step(x, wb):
+            return jnp.tanh(x @ wb[0] + wb[1]), None
+
+        return jax.lax.scan(step, x, (p["w"], p["b"]))[0]
+
+    hf = randomized(Stack())
+    found = KeyMap.discover(loader, hf, kind="function")
+    assert [(r.pattern, r.templates) for r in found.rules] == [
+        (r"layers\.(\d+)\.weight", (r"w[\1]",)),
+        (r"layers\.(\d+)\.bias", (r"b[\1]",)),
+    ]
+    x = np.random.default_rng(6).standard_normal((2, 4)).astype(np.float32)
+    flax = Function(apply, {"w": np.zeros((3, 4, 4), np.float32), "b": np.zeros((3, 4), np.float32)})
+    report = compare_modules(hf, flax, (x,), weights=found, dtype="float32")
+    assert report.passed, str(report)
