@@ -27,7 +27,7 @@ import functools
 import math
 import re
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,7 @@ class _Probe:
             safetensors.numpy.save_file(
                 {k: np.ascontiguousarray(v) for k, v in state.items()}, f"{folder}/model.safetensors"
             )
+            del state  # the loader reads the file: the probe arrays need not stay
             config = getattr(self.like, "config", None)
             if config is not None and hasattr(config, "to_json_file"):
                 config.to_json_file(str(Path(folder) / "config.json"))
@@ -260,16 +261,13 @@ def measure(
         loaded = probe.run(functools.partial(_digit, base**k, base))
         for path, var in variables.items():
             if var.ids is not None:
-                _decode(var, loaded.read(path).astype(np.float64), base, base**k)
+                _decode(var, loaded.read(path), base, base**k)
         del loaded
     check = probe.run(lambda g: (g.astype(np.int64) * 7919 + 13) % base + 2)
     for path, var in variables.items():
         if var.ids is None:
             continue
-        filled = var.scale != 0
-        want = (var.ids.astype(np.int64) * 7919 + 13) % base + 2
-        got = np.rint((check.read(path).astype(np.float64) - var.offset) / np.where(filled, var.scale, 1))
-        if not (got[filled] == want[filled]).all():
+        if not _agrees(var, check.read(path), base):
             var.problem = var.problem or "not a function of one torch element: its digits do not agree across loads"
             var.ids = None
     del check
@@ -285,17 +283,48 @@ def _digit(place: int, base: int, g: np.ndarray) -> np.ndarray:
     return (g // place) % base + 2
 
 
+_CHUNK = 1 << 22  # elements decoded at once: float64 temporaries of 32 MiB, whatever the variable's size
+
+
+def _scalar_or_flat(a: np.ndarray) -> Any:
+    """A broadcast number (all strides 0) as that number, else ``a`` flattened."""
+    return np.float64(a.flat[0]) if not any(a.strides) else a.reshape(-1)
+
+
+def _ratios(var: _Var, value: np.ndarray) -> Iterator[tuple[slice, Any, np.ndarray]]:
+    """``(part, filled, (value - offset) / scale)`` over the flat variable, a chunk at a time."""
+    value = value.reshape(-1)
+    scale, offset = _scalar_or_flat(var.scale), _scalar_or_flat(var.offset)
+    for start in range(0, value.size, _CHUNK):
+        part = slice(start, start + _CHUNK)
+        s = scale if np.ndim(scale) == 0 else scale[part]
+        o = offset if np.ndim(offset) == 0 else offset[part]
+        filled = s != 0
+        yield part, filled, (value[part].astype(np.float64) - o) / np.where(filled, s, 1)
+
+
 def _decode(var: _Var, value: np.ndarray, base: int, place: int) -> None:
-    filled = var.scale != 0
-    digit = (value - var.offset) / np.where(filled, var.scale, 1) - 2
-    exact = np.rint(digit)
-    bad = filled & ((np.abs(digit - exact) > 1e-6) | (exact < 0) | (exact >= base))
-    if bad.any():
-        var.problem = "not a function of one torch element: a probe value came back as no digit"
-        var.ids = None
-        return
     assert var.ids is not None
-    var.ids += np.where(filled, exact.astype(var.ids.dtype) * place, 0).astype(var.ids.dtype)
+    ids = var.ids.reshape(-1)  # a view: ids is contiguous
+    for part, filled, ratio in _ratios(var, value):
+        digit = ratio - 2
+        exact = np.rint(digit)
+        if np.any(filled & ((np.abs(digit - exact) > 1e-6) | (exact < 0) | (exact >= base))):
+            var.problem = "not a function of one torch element: a probe value came back as no digit"
+            var.ids = None
+            return
+        ids[part] += np.where(filled, exact * place, 0).astype(ids.dtype)
+
+
+def _agrees(var: _Var, value: np.ndarray, base: int) -> bool:
+    """Whether the check load's ``value`` is ``(g * 7919 + 13) % base + 2`` of every decoded id ``g``."""
+    assert var.ids is not None
+    ids = var.ids.reshape(-1)
+    for part, filled, ratio in _ratios(var, value):
+        want = (ids[part].astype(np.int64) * 7919 + 13) % base + 2
+        if not np.all((np.rint(ratio) == want) | ~filled):
+            return False
+    return True
 
 
 def _admitted(name: str, patterns: list[str]) -> bool:
