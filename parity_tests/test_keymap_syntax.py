@@ -13,7 +13,7 @@ import torch
 from flax import nnx
 
 from flax_ln import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
-from flax_ln.parity import compare_modules
+from flax_ln.parity import Function, compare_modules
 
 D = 4  # width: q, k and v are D x D, the fused kernel D x 3D
 
@@ -385,3 +385,26 @@ def test_a_tie_through_affine_copies_sums_scaled_gradients_and_tangents(x64):
         ).discovery
         is None
     )
+
+
+def test_a_plain_function_takes_regions_affine_and_a_constant_in_both_modes(x64):
+    """The same map on a parameter pytree (Function): regions fill the fused kernel, the constant its leaf, and
+    gradients (grad) and tangents (jvp: scaled, the constant's zero) pass for every torch parameter."""
+
+    def apply(p, x):
+        w = p["norm"] / 2.0
+        x = x * jnp.reciprocal(jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)) * w
+        fused = x @ p["kernel"]  # (..., 3D)
+        q, k, v = (fused[..., i * D : (i + 1) * D] + p["bias"][i] for i in range(3))
+        return jnp.tanh(q) * (k + p["extra"] - 0.25) + v  # the constant's value cancels; a tangent on it would not
+
+    params = {n: jnp.zeros(s, jnp.float64) for n, s in [("kernel", (D, 3 * D)), ("bias", (3, D)), ("norm", (D,))]}
+    params["extra"] = jnp.ones((D,), jnp.float64)
+    torch.manual_seed(4)
+    model = TorchAttn().double()
+    x = np.random.default_rng(6).normal(size=(2, 3, D))
+    key_map = qkv_map({"scale": 2.0}, constants={"extra": 0.25})  # nonzero: its tangent must still be zero
+    for mode in ("grad", "jvp"):
+        report = compare_modules(model, Function(apply, params), (x,), weights=key_map, mode=mode)
+        assert report.passed, str(report)
+        assert report.constants == {"extra": "0.25"}
