@@ -93,8 +93,11 @@ def test_fused_qkv_loads_exports_and_passes_compare_modules_in_both_dtypes(x64):
     np.testing.assert_array_equal(np.asarray(port.bias[...]), np.stack([state[f"{n}.bias"] for n in "qkv"]))
     back = to_torch_state_dict(port, weights=qkv_map(), like=state)
     assert back.keys() == state.keys()
+    written = to_torch_state_dict(port, weights=qkv_map())  # no like=: each key written from its literal regex
+    assert sorted(written) == sorted(state)
     for k in state:
         np.testing.assert_array_equal(back[k], state[k])
+        np.testing.assert_array_equal(written[k], state[k])
     x = np.random.default_rng(0).normal(size=(2, 3, D))
     for dtype in ("float32", "float64"):
         report = compare_modules(
