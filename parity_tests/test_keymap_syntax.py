@@ -411,3 +411,28 @@ def test_a_plain_function_takes_regions_affine_and_a_constant_in_both_modes(x64)
         report = compare_modules(model, Function(apply, params), (x,), weights=key_map, mode=mode)
         assert report.passed, str(report)
         assert report.constants == {"extra": "0.25"}
+
+
+def test_carry_between_shared_keys_maps_values_tangents_and_gradients_each_their_way():
+    """Two torch keys fill one variable, ``x = 2 a`` and ``x = b + 1``: a value of a is carried to b as ``2 a - 1``,
+    a tangent as ``2 t`` (no offset), a gradient as ``g / 2`` (d/da = 2 d/dx, d/db = d/dx)."""
+
+    class One(nnx.Module):
+        def __init__(self):
+            self.x = nnx.Param(jnp.zeros((3,)))
+
+    w = np.array([0.5, -1.0, 2.0], np.float32)
+    key_map = KeyMap([("a", "x", None, {"scale": 2.0}), ("b", "x", None, {"offset": 1.0})])
+    state = {"a": w, "b": 2 * w - 1}
+    plan = key_map.resolve(One(), state)
+    assert plan.shared()["a"].torch_aliases == ("a", "b")
+    np.testing.assert_allclose(plan.carry("a", "b", w), 2 * w - 1)
+    np.testing.assert_allclose(plan.carry("a", "b", w, "tangent"), 2 * w)
+    np.testing.assert_allclose(plan.carry("a", "b", w, "gradient"), w / 2)
+    # one entry for the shared variable, under the first key, in its layout (torch's side sums its two via carry)
+    assert plan.torch_gradients({"x": w}).keys() == {"a"}
+    np.testing.assert_allclose(plan.torch_gradients({"x": w})["a"], 2 * w)
+    port = load_torch_state_dict(One(), state, weights=key_map)  # equal after their affine changes: loads
+    np.testing.assert_array_equal(np.asarray(port.x[...]), 2 * w)
+    with pytest.raises(ConversionError, match=r"'x': filled by 'a' .* differ in value"):
+        load_torch_state_dict(One(), {"a": w, "b": 2 * w}, weights=key_map)
