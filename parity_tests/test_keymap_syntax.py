@@ -13,7 +13,7 @@ import torch
 from flax import nnx
 
 from flax_ln import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
-from flax_ln.parity import compare_modules
+from flax_ln.parity import Function, compare_modules
 
 D = 4  # width: q, k and v are D x D, the fused kernel D x 3D
 
@@ -93,8 +93,11 @@ def test_fused_qkv_loads_exports_and_passes_compare_modules_in_both_dtypes(x64):
     np.testing.assert_array_equal(np.asarray(port.bias[...]), np.stack([state[f"{n}.bias"] for n in "qkv"]))
     back = to_torch_state_dict(port, weights=qkv_map(), like=state)
     assert back.keys() == state.keys()
+    written = to_torch_state_dict(port, weights=qkv_map())  # no like=: each key written from its literal regex
+    assert sorted(written) == sorted(state)
     for k in state:
         np.testing.assert_array_equal(back[k], state[k])
+        np.testing.assert_array_equal(written[k], state[k])
     x = np.random.default_rng(0).normal(size=(2, 3, D))
     for dtype in ("float32", "float64"):
         report = compare_modules(
@@ -385,3 +388,51 @@ def test_a_tie_through_affine_copies_sums_scaled_gradients_and_tangents(x64):
         ).discovery
         is None
     )
+
+
+def test_a_plain_function_takes_regions_affine_and_a_constant_in_both_modes(x64):
+    """The same map on a parameter pytree (Function): regions fill the fused kernel, the constant its leaf, and
+    gradients (grad) and tangents (jvp: scaled, the constant's zero) pass for every torch parameter."""
+
+    def apply(p, x):
+        w = p["norm"] / 2.0
+        x = x * jnp.reciprocal(jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)) * w
+        fused = x @ p["kernel"]  # (..., 3D)
+        q, k, v = (fused[..., i * D : (i + 1) * D] + p["bias"][i] for i in range(3))
+        return jnp.tanh(q) * (k + p["extra"] - 0.25) + v  # the constant's value cancels; a tangent on it would not
+
+    params = {n: jnp.zeros(s, jnp.float64) for n, s in [("kernel", (D, 3 * D)), ("bias", (3, D)), ("norm", (D,))]}
+    params["extra"] = jnp.ones((D,), jnp.float64)
+    torch.manual_seed(4)
+    model = TorchAttn().double()
+    x = np.random.default_rng(6).normal(size=(2, 3, D))
+    key_map = qkv_map({"scale": 2.0}, constants={"extra": 0.25})  # nonzero: its tangent must still be zero
+    for mode in ("grad", "jvp"):
+        report = compare_modules(model, Function(apply, params), (x,), weights=key_map, mode=mode)
+        assert report.passed, str(report)
+        assert report.constants == {"extra": "0.25"}
+
+
+def test_carry_between_shared_keys_maps_values_tangents_and_gradients_each_their_way():
+    """Two torch keys fill one variable, ``x = 2 a`` and ``x = b + 1``: a value of a is carried to b as ``2 a - 1``,
+    a tangent as ``2 t`` (no offset), a gradient as ``g / 2`` (d/da = 2 d/dx, d/db = d/dx)."""
+
+    class One(nnx.Module):
+        def __init__(self):
+            self.x = nnx.Param(jnp.zeros((3,)))
+
+    w = np.array([0.5, -1.0, 2.0], np.float32)
+    key_map = KeyMap([("a", "x", None, {"scale": 2.0}), ("b", "x", None, {"offset": 1.0})])
+    state = {"a": w, "b": 2 * w - 1}
+    plan = key_map.resolve(One(), state)
+    assert plan.shared()["a"].torch_aliases == ("a", "b")
+    np.testing.assert_allclose(plan.carry("a", "b", w), 2 * w - 1)
+    np.testing.assert_allclose(plan.carry("a", "b", w, "tangent"), 2 * w)
+    np.testing.assert_allclose(plan.carry("a", "b", w, "gradient"), w / 2)
+    # one entry for the shared variable, under the first key, in its layout (torch's side sums its two via carry)
+    assert plan.torch_gradients({"x": w}).keys() == {"a"}
+    np.testing.assert_allclose(plan.torch_gradients({"x": w})["a"], 2 * w)
+    port = load_torch_state_dict(One(), state, weights=key_map)  # equal after their affine changes: loads
+    np.testing.assert_array_equal(np.asarray(port.x[...]), 2 * w)
+    with pytest.raises(ConversionError, match=r"'x': filled by 'a' .* differ in value"):
+        load_torch_state_dict(One(), {"a": w, "b": 2 * w}, weights=key_map)

@@ -181,34 +181,36 @@ def _box(mask: np.ndarray) -> str:
 
 def tiling_problems(path: str, shape: Shape, regions: Mapping[Region, str], strict: bool) -> list[str]:
     """What is wrong with how distinct ``regions`` (each with a label naming its keys) fill a variable of ``shape``:
-    an overlap of two regions; with ``strict``, elements no region fills. ``[]`` when they tile it."""
-    count = np.zeros(shape, np.int32)
+    an overlap of two regions; with ``strict``, elements no region fills (their bounding box). ``[]`` when they
+    tile it."""
+    rest = whole_region(shape)[1:]
+    if shape and all(r and isinstance(r[0], int) and r[1:] == rest for r in regions):  # slices of a stack
+        missing = sorted(set(range(shape[0])) - {r[0] for r in regions})
+        if strict and missing:
+            return [f"slices {missing} of this stacked variable (shape {shape}) are filled by no rule"]
+        return []
+    filled = np.zeros(shape, bool)
     problems = []
     seen: list[tuple[Region, str]] = []
     for region, label in regions.items():
-        part = count[region_index(region)]
-        if np.any(part):
+        if np.any(filled[region_index(region)]):
             mine = np.zeros(shape, bool)
             mine[region_index(region)] = True
             for other, other_label in seen:
-                theirs = np.zeros(shape, bool)
-                theirs[region_index(other)] = True
-                if np.any(mine & theirs):
+                both = np.zeros(shape, bool)
+                both[region_index(other)] = True
+                both &= mine
+                if np.any(both):
                     problems.append(
                         f"{region_name(path, region, shape)} from {label} overlaps "
-                        f"{region_name(path, other, shape)} from {other_label} at {_box(mine & theirs)}"
+                        f"{region_name(path, other, shape)} from {other_label} at {_box(both)}"
                     )
-        count[region_index(region)] += 1
+        filled[region_index(region)] = True
         seen.append((region, label))
-    if strict and not np.all(count):
-        stacked = all(isinstance(r[0], int) and r[1:] == whole_region(shape)[1:] for r in regions if r)
-        if stacked and shape:
-            missing = sorted(set(range(shape[0])) - {r[0] for r in regions})
-            problems.append(f"slices {missing} of this stacked variable (shape {shape}) are filled by no rule")
-        else:
-            problems.append(
-                f"a gap: elements {_box(count == 0)} of this variable (shape {shape}) are filled by no rule's region"
-            )
+    if strict and not np.all(filled):
+        problems.append(
+            f"a gap: elements {_box(~filled)} of this variable (shape {shape}) are filled by no rule's region"
+        )
     return problems
 
 
