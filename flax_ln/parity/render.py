@@ -43,6 +43,10 @@ from flax_ln.parity.policy import TensorResult
 #   "islands":             islands (Island s: side, module, what, lifted)
 #   "modules":             names (execution order), outputs, grads, isolated (name -> relative error;
 #                          isolated None without isolated mode), output_rtol, grad_rtol (chart data only)
+#   "ties":                ties, shared (torch key -> Tie: torch keys holding one tensor and its flax copies; distinct
+#                          torch tensors filling one flax variable); not printed: in --json and the HTML page
+#   "environment":         the comparison's environment (flax_ln.parity.report.environment: backend, devices,
+#                          versions, x64, matmul precision); not printed: flax-ln parity prints it once as its header
 #   "float64 check":       sections (the float64 comparison's own sections, islands lifted, which the default
 #                          runs beside the comparison in the torch parameters' dtype)
 KINDS = (
@@ -63,6 +67,8 @@ KINDS = (
     "input casts",
     "islands",
     "modules",
+    "ties",
+    "environment",
     "float64 check",
 )
 QUIET_KINDS = frozenset(
@@ -311,6 +317,8 @@ _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     ],
     "islands": _islands,
     "modules": lambda d: [],  # drawn by plot_errors, not printed
+    "ties": lambda d: [],  # in --json and the HTML page
+    "environment": lambda d: [],  # the CLI's header line (format_environment)
     "float64 check": lambda d: _float64_check(d["sections"]),
 }
 
