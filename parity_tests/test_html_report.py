@@ -8,6 +8,7 @@ them (CI installs it). One browser serves the whole module and each report is bu
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -155,13 +156,16 @@ def hf_llama() -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def llama_failure():
     """The Llama port of examples/ports against transformers' Llama, through the port's key map, with the RMSNorm
-    eps before block 1's feed-forward planted on the port (1e-1 against the config's 1e-6)."""
+    eps before block 1's feed-forward planted on the port (1e-1 against the config's 1e-6). In float32 alone: the
+    default's float64 check beside it would cost most of this module's time (the nested check is drawn by
+    test_the_page_holds_every_error_the_json_holds)."""
     hf = hf_llama()
     config = llama.config_from_hf(hf.config)
     port = nnx.eval_shape(lambda: llama.Llama(config, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     port.blocks[1].norm2.eps = 1e-1
     ids = np.random.default_rng(1).integers(0, 64, (2, 7))
-    report = compare_modules(hf, port, (ids,), weights=llama.KEY_MAP, forward=(lambda m, x: m(x).logits, None))
+    logits = (lambda m, x: m(x).logits, None)  # transformers returns a ModelOutput; the port returns the logits
+    report = compare_modules(hf, port, (ids,), weights=llama.KEY_MAP, forward=logits, dtype="float32")
     return report, *as_loaded(report)
 
 
@@ -269,17 +273,34 @@ def check_numbers(tensors: dict, modules: dict, data: dict) -> None:
             assert float(modules[r["name"]][column]) == float(r["relative_error"]), (r["name"], column)
 
 
-def test_the_page_holds_every_error_the_json_holds(browser, tmp_path_factory, llama_failure):
+def test_the_page_holds_every_error_the_json_holds(browser, tmp_path_factory, gpt_failure, llama_failure):
     """Every tensor's relative and largest absolute error, every module's output, input and isolated error, in the
     comparison and in its float64 check: the same floats in the page (its data attributes) as in the JSON, read
-    from the page in the browser."""
-    _, data, loaded = llama_failure
+    from the page in the browser. The float64 check drawn is the GPT's report set there (a real report: the
+    page draws a float64 check as it draws any report's sections)."""
+    nested = dataclasses.replace(llama_failure[2], float64_check=gpt_failure[2])
+    data, loaded = as_loaded(nested)
     assert data["module_errors"] and data["module_inputs"] and data["isolated"]["modules"]
-    assert data["float64_check"] is not None
+    assert data["float64_check"]["module_errors"]
     page = Page(browser, written(tmp_path_factory, "numbers", loaded.to_html()))
     try:
         check_numbers(*page_numbers(page, "section.report >"), data)
         check_numbers(*page_numbers(page, "section.report > details.float64 >"), data["float64_check"])
+        page.check_clean()
+    finally:
+        page.close()
+
+
+def test_a_notebook_shows_the_page_in_a_frame_of_its_own(browser, tmp_path_factory, gpt_failure):
+    """``_repr_html_`` (what Jupyter shows) is the page in an ``<iframe srcdoc>``: inside it the culprit is visible,
+    and the page's own style does not reach the notebook around it."""
+    notebook = f"<!DOCTYPE html><html><body><p id=cell>a notebook cell</p>{gpt_failure[0]._repr_html_()}</body></html>"
+    page = Page(browser, written(tmp_path_factory, "notebook", notebook))
+    try:
+        frame = page.page.frame_locator("iframe")
+        assert frame.locator('details.node[data-path="transformer.h.1.ln_2"] > summary').is_visible()
+        margin = page.page.locator("body").evaluate("b => getComputedStyle(b).margin")
+        assert margin == "8px"  # the browser's default, not the report's 1.5em
         page.check_clean()
     finally:
         page.close()

@@ -349,3 +349,9 @@ def render_html(reports: Sequence[Sectioned], title: str = "flax-ln parity repor
         f"<body><h1>{e(title)}: {len(reports)} model{'s' if len(reports) != 1 else ''} &rarr; {verdict}</h1>"
         f"{''.join(body)}<script>{_asset('report.js')}</script></body></html>\n"
     )
+
+
+def framed(page: str, height: int = 640) -> str:
+    """``page`` inside an ``<iframe srcdoc>``: how a notebook shows it, the page's style and script kept apart
+    from the notebook's own."""
+    return f'<iframe srcdoc="{e(page)}" style="width: 100%; height: {height}px; border: 1px solid #ccc"></iframe>'

@@ -177,8 +177,11 @@ class ParityReport:
         return render_html([self])
 
     def _repr_html_(self) -> str:
-        """A notebook shows the report as its HTML page."""
-        return self.to_html()
+        """A notebook shows the report as its HTML page, in a frame of its own (its style and script stay
+        out of the notebook's)."""
+        from flax_ln.parity.html import framed
+
+        return framed(self.to_html())
 
     def to_json(self) -> dict[str, Any]:
         return {
