@@ -306,6 +306,23 @@ def test_a_notebook_shows_the_page_in_a_frame_of_its_own(browser, tmp_path_facto
         page.close()
 
 
+def test_attribution_adds_torch_and_flax_error_against_float64_to_every_row(gpt_failure):
+    """With attribution, each tensor's row also holds torch's and flax's error against float64 truth, exactly."""
+    report = gpt_failure[2]
+    attributed = dataclasses.replace(
+        report,
+        results=[
+            dataclasses.replace(r, torch_vs_float64=1e-9 * (i + 1), flax_vs_float64=r.relative_error)
+            for i, r in enumerate(report.results)
+        ],
+    )
+    page = attributed.to_html()
+    assert '<th data-type="num" title="sort">torch vs float64</th>' in page
+    for i in range(len(report.results)):
+        assert f'data-v="{1e-9 * (i + 1)!r}"' in page
+    assert "torch vs float64" not in report.to_html()  # a report without attribution has no such columns
+
+
 class WithNewSections:
     """A report with sections no renderer knows yet, as another engineer's new kind would arrive."""
 
