@@ -444,7 +444,11 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     )
     if ok:
         report.module_errors, report.first_divergence = found
-        report.module_inputs = _input_errors(report.module_errors, torch_records, flax_records, tolerance, pairs)
+        _, inputs = phase.run(
+            "comparing each module's inputs",
+            lambda: _input_errors(report.module_errors, torch_records, flax_records, tolerance, pairs),
+        )
+        report.module_inputs = inputs or []
     report.module_pairs = {t: pairs.flax_paths.get(t) for t in torch_records}
     report.module_skipped = {**pairs.unpaired, **pairs.skipped}
     failed_outputs = [r.name for r in report.results if r.kind == "output" and not r.passed]
