@@ -1,4 +1,5 @@
-"""The ``flax-ln`` command line: ``flax-ln parity`` (:mod:`.parity`) and ``flax-ln plan`` (:mod:`.plan`).
+"""The ``flax-ln`` command line: ``flax-ln parity`` (:mod:`.parity`), ``flax-ln report`` (:mod:`.report`) and
+``flax-ln plan`` (:mod:`.plan`).
 
 :func:`main` is the console script (and ``python -m flax_ln``). Building the parser and
 running ``flax-ln plan`` import neither torch nor the parity engine.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import flax_ln
-from flax_ln.cli import parity, plan
+from flax_ln.cli import parity, plan, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
             "tolerance, 1 if any is not (the first submodule whose output diverges is named) or if a --reference "
             "file was altered since it was written, 2 for a usage error, a refused checkpoint or a reference file "
             "that breaks its schema; every argument is checked before anything runs.",
+        )
+    )
+    report.add_arguments(
+        commands.add_parser(
+            "report",
+            help="render a report written by flax-ln parity --json as its HTML page",
+            description="Read a report written by flax-ln parity --json and write its self-contained HTML page, "
+            "as --html would have (a CI artifact rendered later); needs neither torch nor the models. Exit code 0 "
+            "when the page is written, 2 for a usage error or a file that is not a parity report.",
         )
     )
     plan.add_arguments(
@@ -55,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return plan.main_args(args, "flax-ln plan")
+    if args.command == "report":
+        return report.main_args(parser, args)
     parity.validate(parser, args)
     mesh = parity.make_mesh(parser, args)
     # The parity engine is imported here, when a comparison runs, and nowhere earlier: `flax-ln plan`

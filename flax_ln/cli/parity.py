@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", metavar="PATH", help="save a chart of per-module output and gradient errors (.png, .pdf, .svg, ...)"
     )
+    parser.add_argument(
+        "--html",
+        metavar="PATH",
+        help="write one self-contained HTML page of every model checked: the module trees side by side, shaded "
+        "by error, the first divergence and culprits marked, every tensor in a sortable table",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the summary lines")
     parser.add_argument("--worst", type=int, default=8, help="rows per table (default 8)")
     parser.add_argument(
@@ -128,7 +134,9 @@ def _checkpoint_files(path: str) -> list[str]:
 
 def _check_distinct_files(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Outputs never overwrite inputs or each other: refuse (exit 2) before anything runs."""
-    outputs = [(f"--{name.replace('_', '-')}", getattr(args, name)) for name in ("json", "plot", "save_reference")]
+    outputs = [
+        (f"--{name.replace('_', '-')}", getattr(args, name)) for name in ("json", "plot", "html", "save_reference")
+    ]
     outputs = [(option, path) for option, path in outputs if path]
     inputs = [("--reference", args.reference)] if args.reference else []
     if args.checkpoint and os.path.exists(args.checkpoint):
@@ -189,6 +197,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         _check_output_file(parser, "--save-reference", args.save_reference)
     if args.json:
         _check_output_file(parser, "--json", args.json)
+    if args.html:
+        _check_output_file(parser, "--html", args.html)
     if args.plot:
         try:
             formats = _plot_formats()
@@ -207,6 +217,11 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 parser.error(str(err))
     if (args.devices or args.fsdp) and args.train_steps:
         parser.error("--train-steps runs unsharded; drop --devices/--fsdp to compare training steps")
+
+
+def capture_modules(args: argparse.Namespace) -> bool:
+    """Whether every module's error is recorded even when everything passes: ``--plot`` and ``--html`` show them."""
+    return bool(args.plot or args.html)
 
 
 def model_names(args: argparse.Namespace) -> list[str]:

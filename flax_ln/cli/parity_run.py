@@ -14,10 +14,11 @@ import sys
 import time
 
 from flax_ln.book import reference
-from flax_ln.cli.parity import model_names
+from flax_ln.cli.parity import capture_modules, model_names
 from flax_ln.parity import TOLERANCES, check_case, check_training, render
 from flax_ln.parity.case import torch_side_of_case
 from flax_ln.parity.compare import compare_side
+from flax_ln.parity.html import render_html
 from flax_ln.parity.policy import numerics
 from flax_ln.parity.report import environment
 from flax_ln.sharding import DATA
@@ -34,7 +35,7 @@ def _tolerances(args: argparse.Namespace, dtype: str) -> dict:
 
 
 def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> int:
-    """The overall line, --json and --plot; the exit code."""
+    """The overall line, --json, --plot and --html; the exit code."""
     passed = all(r.passed for r in reports)
     print(
         f"overall: {sum(r.passed for r in reports)}/{len(reports)} models within tolerance -> "
@@ -49,6 +50,9 @@ def _finish(args: argparse.Namespace, env: dict, dtype: str, reports: list) -> i
             )
     if args.plot:
         render.plot_errors(reports, args.plot)
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(render_html(reports))
     return 0 if passed else 1
 
 
@@ -108,7 +112,7 @@ def run_reference(args: argparse.Namespace, mesh=None) -> int:
             )
             try:
                 report = reference.check_reference(
-                    model, _tolerances(args, dtype), capture_modules=bool(args.plot), mesh=mesh
+                    model, _tolerances(args, dtype), capture_modules=capture_modules(args), mesh=mesh
                 )
             except Exception as err:  # noqa: BLE001 - a model the file describes but flax cannot run is exit 2, not a FAIL
                 return _reference_error(
@@ -179,14 +183,14 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
                     case.flax_model,
                     forward=case.forward,
                     tolerances=tolerances,
-                    capture_modules=bool(args.plot),
+                    capture_modules=capture_modules(args),
                     lm_logits=case.lm_logits,
                     mesh=mesh,
                 )
                 report.stored_dtype = case.stored_dtype
             else:
                 report = check_case(
-                    case, tolerances, capture_modules=bool(args.plot), attribute=args.attribute, mesh=mesh
+                    case, tolerances, capture_modules=capture_modules(args), attribute=args.attribute, mesh=mesh
                 )
             if args.train_steps and case.train is not None:
                 report.train_steps = check_training(case, args.train_steps, tolerances)

@@ -36,7 +36,7 @@ from flax_ln.parity.policy import (
     whole_norm,
     zero_gradient_names,
 )
-from flax_ln.parity.report import ParityReport
+from flax_ln.parity.report import ParityReport, environment
 from flax_ln.parity.torch_side import (
     MODES,
     TorchSide,
@@ -46,6 +46,7 @@ from flax_ln.parity.torch_side import (
     run_torch_side,
     with_tangents,
 )
+from flax_ln.pytest_plugin import page_path
 
 # The kinds of flax side: a user's flax side is of the first that takes it (NNX takes any other object).
 KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, NNXSide)
@@ -228,6 +229,7 @@ def _load_and_judge(
     report.ties = flax.ties()
     report.shared = shared
     report.constants = {} if flax.plan is None else {p: describe_value(v) for p, v in flax.plan.constants.items()}
+    report.environment = environment()  # inside the comparison's numerics settings
     if lm_logits is not None:
         _lm_metrics(report, side, actual, lm_logits)
     if side.truth is not None:
@@ -576,8 +578,13 @@ class Comparison:
 def assert_parity(torch_module, flax_module: nnx.Module | Linen | Function, inputs, **options) -> ParityReport:
     """:func:`compare_modules` (same arguments, ``mesh`` included) for tests: raises ``AssertionError``
     with the readable report (the worst tensors and the localisation) unless everything is within
-    tolerance. Returns the report when it passes."""
+    tolerance. Returns the report when it passes. Under ``pytest --parity-html DIR`` (:mod:`flax_ln.pytest_plugin`) a
+    failure also writes the report's HTML page and names it in the message."""
     report = compare_modules(torch_module, flax_module, inputs, **options)
     if not report.passed:
-        raise AssertionError("parity failed:\n" + str(report))
+        page = page_path()
+        if page is not None:
+            with open(page, "w", encoding="utf-8") as f:
+                f.write(report.to_html())
+        raise AssertionError("parity failed:\n" + str(report) + ("" if page is None else f"\nHTML report: {page}"))
     return report

@@ -126,6 +126,20 @@ def _compare_activations(
     return [compare_tensors(f"{label} {i}", f"module {label}", f, t, tolerance) for i, f, t in fitted]
 
 
+def _input_errors(
+    compared: Sequence[TensorResult], torch_records: Records, flax_records: Records, tolerance: Tolerance, pairs: Pairs
+) -> list[TensorResult]:
+    """The worst input error of each compared pair (named by its torch path), its layout as its outputs' (decided
+    by :func:`first_divergence`); a pair whose inputs do not fit torch's is left out."""
+    errors = []
+    for path in (r.name for r in compared):
+        fitted, _ = _in_torch_layout("input", flax_records[path][0], torch_records[path][0], pairs, path)
+        inputs = [compare_tensors(f"input {i}", "module input", f, t, tolerance) for i, f, t in fitted]
+        if inputs:
+            errors.append(dataclasses.replace(max(inputs, key=lambda r: r.excess), name=path))
+    return errors
+
+
 def _pair_output(pairs: Pairs, path: str, flax_record, torch_record, tolerance: Tolerance) -> TensorResult | None:
     """The worst output error of the pair at ``path`` (its layout decided on its inputs first), or ``None`` when
     its outputs do not fit torch's; nothing is noted."""
@@ -430,6 +444,12 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     )
     if ok:
         report.module_errors, report.first_divergence = found
+        _, inputs = phase.run(
+            "comparing each module's inputs",
+            lambda: _input_errors(report.module_errors, torch_records, flax_records, tolerance, pairs),
+        )
+        report.module_inputs = inputs or []
+    report.module_pairs = {t: pairs.flax_paths.get(t) for t in torch_records}
     report.module_skipped = {**pairs.unpaired, **pairs.skipped}
     failed_outputs = [r.name for r in report.results if r.kind == "output" and not r.passed]
     if ok and failed_outputs and report.first_divergence is None:

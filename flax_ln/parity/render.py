@@ -46,6 +46,10 @@ from flax_ln.parity.policy import TensorResult
 #   "discovery":           text (``str()`` of the key map's discovery: how the map was measured from a loader)
 #   "modules":             names (execution order), outputs, grads, isolated (name -> relative error;
 #                          isolated None without isolated mode), output_rtol, grad_rtol (chart data only)
+#   "ties":                ties, shared (torch key -> Tie: torch keys holding one tensor and its flax copies; distinct
+#                          torch tensors filling one flax variable); not printed: in --json and the HTML page
+#   "environment":         the comparison's environment (flax_ln.parity.report.environment: backend, devices,
+#                          versions, x64, matmul precision); not printed: flax-ln parity prints it once as its header
 #   "float64 check":       sections (the float64 comparison's own sections, islands lifted, which the default
 #                          runs beside the comparison in the torch parameters' dtype)
 KINDS = (
@@ -68,6 +72,8 @@ KINDS = (
     "constants",
     "discovery",
     "modules",
+    "ties",
+    "environment",
     "float64 check",
 )
 QUIET_KINDS = frozenset(
@@ -321,6 +327,8 @@ _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     ],
     "discovery": lambda d: ["key map discovered from the port's loader:", *("  " + x for x in d["text"].splitlines())],
     "modules": lambda d: [],  # drawn by plot_errors, not printed
+    "ties": lambda d: [],  # in --json and the HTML page
+    "environment": lambda d: [],  # the CLI's header line (format_environment)
     "float64 check": lambda d: _float64_check(d["sections"]),
 }
 

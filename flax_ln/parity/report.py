@@ -9,6 +9,8 @@ report through it (:mod:`flax_ln.parity.render`: the text of ``str(report)`` and
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 import jax
@@ -16,7 +18,7 @@ import numpy as np
 
 from flax_ln.convert import Tie
 from flax_ln.parity.islands import Island
-from flax_ln.parity.policy import TensorResult, json_number
+from flax_ln.parity.policy import TensorResult, Tolerance, json_number
 from flax_ln.parity.render import Section, format_sections, section_text
 
 
@@ -144,6 +146,10 @@ class ParityReport:
     constants: dict[str, str] = dataclasses.field(default_factory=dict)  # key map constants: path -> its value
     discovery: Any = None  # the key map's discovery (how it was measured from a port's loader), when it has one
     float64_check: ParityReport | None = None  # the default's float64 comparison, islands lifted
+    # every recorded torch submodule, execution order -> the dotted path of its flax twin (None: unpaired)
+    module_pairs: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    module_inputs: list[TensorResult] = dataclasses.field(default_factory=list)  # each pair's worst input error
+    environment: dict[str, Any] | None = None  # what the comparison ran under (:func:`environment`)
 
     @property
     def passed(self) -> bool:
@@ -165,6 +171,20 @@ class ParityReport:
     def __str__(self) -> str:
         return format_sections(self.sections())
 
+    def to_html(self) -> str:
+        """The report as one self-contained HTML page (:func:`flax_ln.parity.html.render_html`): the module
+        trees side by side, every module shaded by its error, every tensor in a sortable table."""
+        from flax_ln.parity.html import render_html
+
+        return render_html([self])
+
+    def _repr_html_(self) -> str:
+        """A notebook shows the report as its HTML page, in a frame of its own (its style and script stay
+        out of the notebook's)."""
+        from flax_ln.parity.html import framed
+
+        return framed(self.to_html())
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -177,6 +197,7 @@ class ParityReport:
             else {
                 "module": self.first_divergence.module,
                 "flax_module": self.first_divergence.flax_module,
+                "by_parameters": self.first_divergence.by_parameters,
                 "between": self.first_divergence.between,
                 "flax_between": self.first_divergence.flax_between,
                 "seen_at": self.first_divergence.seen_at or self.first_divergence.module,
@@ -203,7 +224,26 @@ class ParityReport:
             "constants": self.constants,
             "discovery": None if self.discovery is None else str(self.discovery),
             "float64_check": None if self.float64_check is None else self.float64_check.to_json(),
+            "module_pairs": self.module_pairs,
+            "module_inputs": [r.to_json() for r in self.module_inputs],
+            "module_skipped": self.module_skipped,
+            "environment": self.environment,
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | str | os.PathLike) -> ParityReport:
+        """A report read back from :meth:`to_json`'s dict, or from a ``--json`` file's path holding one model
+        (a file of several: :func:`reports_from_json`). What the renderers read comes back whole; a JSON
+        written before a field existed leaves it empty."""
+        if not isinstance(data, dict):
+            reports = reports_from_json(data)
+            if len(reports) != 1:
+                raise ValueError(
+                    f"{data!s} holds {len(reports)} reports; ParityReport.from_json reads one: use "
+                    "reports_from_json for them all"
+                )
+            return reports[0]
+        return report_from_dict(data)
 
     @property
     def title(self) -> str:
@@ -300,6 +340,10 @@ class ParityReport:
         if self.discovery is not None:
             sections.append(Section("discovery", {"text": str(self.discovery)}))
         sections.append(self._modules_section())
+        if self.ties or self.shared:
+            sections.append(Section("ties", {"ties": self.ties, "shared": self.shared}))
+        if self.environment is not None:
+            sections.append(Section("environment", self.environment))
         if self.float64_check is not None:
             sections.append(Section("float64 check", {"sections": self.float64_check.sections(worst)}))
         return sections
@@ -329,6 +373,10 @@ class ParityReport:
                 else {r.name: r.relative_error for r in self.isolation.results},
                 "output_rtol": rtol("output"),
                 "grad_rtol": rtol("param grad"),
+                "tree": list(self.module_pairs) or names,
+                "flax_paths": self.module_pairs,
+                "inputs": {r.name: r.relative_error for r in self.module_inputs},
+                "skipped": self.module_skipped,
             },
         )
 
@@ -356,3 +404,103 @@ def environment() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - the harness cannot run without torch anyway
         env["torch"] = None
     return env
+
+
+def _number(v: Any) -> Any:
+    """A number as :func:`~flax_ln.parity.policy.json_number` wrote it, back: ``"inf"``/``"nan"`` as floats."""
+    return float(v) if isinstance(v, str) and v in ("inf", "-inf", "nan") else v
+
+
+def result_from_json(d: dict[str, Any]) -> TensorResult:
+    """A :class:`~flax_ln.parity.policy.TensorResult` from its ``to_json`` dict."""
+    fields = {k: _number(v) for k, v in d.items()}
+    fields["tolerance"] = Tolerance(**{k: _number(v) for k, v in d["tolerance"].items()})
+    fields["shape"] = tuple(d["shape"])
+    fields["max_error_index"] = None if d["max_error_index"] is None else tuple(d["max_error_index"])
+    return TensorResult(**fields)
+
+
+def report_from_dict(d: dict[str, Any]) -> ParityReport:
+    """One report from its :meth:`ParityReport.to_json` dict (a model of a ``--json`` file's ``"models"``)."""
+    results = [result_from_json(r) for r in d["tensors"]]
+    fd = d.get("first_divergence")
+    first = None
+    if fd is not None:
+
+        def pair(v: Any) -> tuple[str | None, str | None] | None:
+            return None if v is None else (v[0], v[1])
+
+        first = FirstDivergence(
+            fd["module"],
+            [result_from_json(r) for r in fd["inputs"]],
+            [result_from_json(r) for r in fd["outputs"]],
+            fd.get("flax_module", fd["module"]),
+            fd.get("by_parameters", False),
+            pair(fd.get("between")),
+            pair(fd.get("flax_between")),
+            fd.get("seen_at", fd["module"]),
+        )
+    iso = d.get("isolated")
+    isolation = None
+    if iso is not None:
+        isolation = Isolation(
+            [result_from_json(r) for r in iso["modules"]],
+            iso["skipped"],
+            iso["culprits"],
+            iso.get("flax_culprits", []),
+            iso.get("own_code", []),
+        )
+
+    def tie(t: dict[str, list[str]]) -> Tie:
+        return Tie(tuple(t["torch_aliases"]), tuple(t["flax_paths"]))
+
+    attribution = d.get("attribution")
+    return ParityReport(
+        name=d["name"],
+        dtype=d["dtype"],
+        results=results,
+        first_divergence=first,
+        train_steps=[{k: _number(v) for k, v in s.items()} for s in d.get("train_steps", [])],
+        module_errors=[result_from_json(r) for r in d.get("module_errors", [])],
+        seconds=d.get("seconds", 0.0),
+        mode=d.get("mode", "grad"),
+        isolation=isolation,
+        lm_metrics=d.get("lm_metrics"),
+        attribution=None if attribution is None else {k: _number(v) for k, v in attribution.items()},
+        stored_dtype=d.get("stored_dtype"),
+        sharding=d.get("sharding"),
+        frozen=d.get("frozen", []),
+        dropped_outputs=d.get("dropped_outputs", {}),
+        ties={k: tie(t) for k, t in d.get("ties", {}).items()},
+        shared={k: tie(t) for k, t in d.get("shared", {}).items()},
+        module_skipped=d.get("module_skipped", {}),
+        localization_note=d.get("localization_note"),
+        islands=[Island(**i) for i in d.get("islands", [])],
+        input_casts=d.get("input_casts", {}),
+        float64_check=None if d.get("float64_check") is None else report_from_dict(d["float64_check"]),
+        module_pairs=d.get("module_pairs", {}),
+        module_inputs=[result_from_json(r) for r in d.get("module_inputs", [])],
+        environment=d.get("environment"),
+    )
+
+
+def reports_from_json(source: dict[str, Any] | str | os.PathLike) -> list[ParityReport]:
+    """Every report of a ``flax-ln parity --json`` file (its path, or its parsed dict), or the one report of a
+    :meth:`ParityReport.to_json` dict; each takes the file's ``"environment"`` when it has none of its own."""
+    if isinstance(source, dict):
+        data = source
+    else:
+        with open(source) as f:
+            data = json.load(f)
+    if "models" not in data:
+        if "tensors" not in data:
+            raise ValueError(
+                f"{source if not isinstance(source, dict) else 'the dict'} is neither a flax-ln parity --json file "
+                f"(a 'models' list) nor one report (a 'tensors' list); it has the keys {sorted(data)[:8]}"
+            )
+        return [report_from_dict(data)]
+    reports = [report_from_dict(m) for m in data["models"]]
+    for r in reports:
+        if r.environment is None:
+            r.environment = data.get("environment")
+    return reports
