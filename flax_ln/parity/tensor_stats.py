@@ -25,18 +25,34 @@ def widest(x) -> np.ndarray:
     return x.astype(np.complex128) if np.iscomplexobj(x) else x.astype(np.float64)
 
 
-def _blocks(x: np.ndarray):
-    """``x`` flattened (a view when it is contiguous), in blocks of :data:`BLOCK` elements, each widened."""
-    flat = np.ravel(x)
-    wide = np.complex128 if np.iscomplexobj(flat) else np.float64
-    for start in range(0, max(flat.size, 1), BLOCK):
-        yield flat[start : start + BLOCK].astype(wide)
+def _wide(x: np.ndarray) -> np.dtype:
+    return np.dtype(np.complex128 if np.iscomplexobj(x) else np.float64)
+
+
+def _blocks(*arrays: np.ndarray, order: str = "C"):
+    """The arrays (of one shape) side by side in blocks of at most :data:`BLOCK` elements, each widened
+    (:func:`widest`'s dtype), in ``order`` (``"C"``: the same elements of each at once, whatever their strides;
+    ``"K"``: memory order). A transposed view is read where it lies: no copy of the whole."""
+    if arrays[0].size == 0:
+        return
+    it = np.nditer(
+        arrays,
+        flags=["external_loop", "buffered", "zerosize_ok"],
+        op_flags=[["readonly"]] * len(arrays),
+        op_dtypes=[_wide(x) for x in arrays],
+        casting="unsafe",
+        buffersize=BLOCK,
+        order=order,
+    )
+    with it:
+        for blocks in it:
+            yield (blocks,) if len(arrays) == 1 else blocks
 
 
 def sum_of_squares(x) -> float:
     """``sum(|x|^2)`` in float64, block by block (no float64 copy of the whole of ``x``)."""
     total = 0.0
-    for block in _blocks(np.asarray(x)):
+    for (block,) in _blocks(np.asarray(x), order="K"):
         total += float(np.vdot(block, block).real)
     return total
 
@@ -72,13 +88,14 @@ def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
     diff_squares = scale_squares = 0.0
     same_nonfinite = True
     at = 0
-    for a, b in zip(_blocks(actual), _blocks(expected)):
-        finite_a, finite_b = np.isfinite(a), np.isfinite(b)
-        if finite_a.all() and finite_b.all():  # the common case: nothing to mask
-            diff = np.abs(a - b)
-            scale = b
+    for a, b in _blocks(np.asarray(actual), np.asarray(expected)):
+        diff = a - b
+        diff_block, scale_block = float(np.vdot(diff, diff).real), float(np.vdot(b, b).real)
+        if math.isfinite(diff_block) and math.isfinite(scale_block):  # every element finite (NaN and Inf propagate)
+            diff = np.abs(diff, out=diff) if diff.dtype.kind == "f" else np.abs(diff)
             any_finite = any_finite or diff.size > 0
-        else:
+        else:  # a NaN or an Inf (or a square past float64's range): mask them, as the sums say nothing then
+            finite_a, finite_b = np.isfinite(a), np.isfinite(b)
             for label, x in (("flax", a), ("torch", b)):
                 nan[label] += int(np.isnan(x).sum())
                 inf[label] += int(np.isinf(x).sum())
@@ -88,12 +105,13 @@ def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
             any_finite = any_finite or bool(finite.any())
             diff = np.abs(np.where(finite, a, 0.0) - np.where(finite, b, 0.0))
             scale = np.where(finite, b, 0.0)
+            diff_block, scale_block = float(np.dot(diff, diff)), float(np.vdot(scale, scale).real)
         if diff.size:
             i = int(np.argmax(diff))
             if diff[i] > best:  # strictly: the first position of the largest error, as one argmax would give
                 best, best_at = float(diff[i]), at + i
-        diff_squares += float(np.dot(diff, diff))
-        scale_squares += float(np.vdot(scale, scale).real)
+        diff_squares += diff_block
+        scale_squares += scale_block
         at += a.size
     diff_norm = math.sqrt(diff_squares)
     if any_finite:
