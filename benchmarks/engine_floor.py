@@ -62,7 +62,9 @@ def _models(model: str, dtype: str, seq: int):
     torch.manual_seed(0)
     torch_model = torch_ref.GPT(config).to(getattr(torch, dtype)).eval()
     param_dtype = np.dtype(dtype)
-    flax_model = nnx.eval_shape(lambda: flax_ln.GPT(config, scan_layers=True, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    flax_model = nnx.eval_shape(
+        lambda: flax_ln.GPT(config, scan_layers=True, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    )
     idx = np.random.default_rng(0).integers(0, config.vocab_size, (1, seq))
     return torch_model, flax_model, idx, config
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def _wide(x: np.ndarray) -> np.dtype:
     return np.dtype(np.complex128 if np.iscomplexobj(x) else np.float64)
 
 
-def _blocks(*arrays: np.ndarray, order: str = "C"):
+def _blocks(*arrays: np.ndarray, order: Literal["C", "K"] = "C"):
     """The arrays (of one shape) side by side in blocks of at most :data:`BLOCK` elements, each widened
     (:func:`widest`'s dtype), in ``order`` (``"C"``: the same elements of each at once, whatever their strides;
     ``"K"``: memory order). A transposed view is read where it lies: no copy of the whole."""
