@@ -50,11 +50,20 @@ def _blocks(*arrays: np.ndarray, order: Literal["C", "K"] = "C"):
             yield (blocks,) if len(arrays) == 1 else blocks
 
 
+def _squares(block: np.ndarray) -> float:
+    """``sum(|block|^2)``, summed by NumPy (pairwise), not by a BLAS dot: OpenBLAS runs a long dot on threads
+    that spin on a busy machine, which costs more than the sum."""
+    if np.iscomplexobj(block):
+        return float(np.sum(np.square(block.real)) + np.sum(np.square(block.imag)))
+    return float(np.sum(np.square(block)))
+
+
 def sum_of_squares(x) -> float:
     """``sum(|x|^2)`` in float64, block by block (no float64 copy of the whole of ``x``)."""
     total = 0.0
-    for (block,) in _blocks(np.asarray(x), order="K"):
-        total += float(np.vdot(block, block).real)
+    with np.errstate(over="ignore"):  # a square past float64's range is inf, as np.linalg.norm's
+        for (block,) in _blocks(np.asarray(x), order="K"):
+            total += _squares(block)
     return total
 
 
@@ -90,8 +99,9 @@ def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
     same_nonfinite = True
     at = 0
     for a, b in _blocks(np.asarray(actual), np.asarray(expected)):
-        diff = a - b
-        diff_block, scale_block = float(np.vdot(diff, diff).real), float(np.vdot(b, b).real)
+        with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf, a square past range: the slow path sees them
+            diff = a - b
+            diff_block, scale_block = _squares(diff), _squares(b)
         if math.isfinite(diff_block) and math.isfinite(scale_block):  # every element finite (NaN and Inf propagate)
             diff = np.abs(diff, out=diff) if diff.dtype.kind == "f" else np.abs(diff)
             any_finite = any_finite or diff.size > 0
@@ -106,7 +116,8 @@ def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
             any_finite = any_finite or bool(finite.any())
             diff = np.abs(np.where(finite, a, 0.0) - np.where(finite, b, 0.0))
             scale = np.where(finite, b, 0.0)
-            diff_block, scale_block = float(np.dot(diff, diff)), float(np.vdot(scale, scale).real)
+            with np.errstate(over="ignore"):  # a square past float64's range is inf, as np.linalg.norm's
+                diff_block, scale_block = _squares(diff), _squares(scale)
         if diff.size:
             i = int(np.argmax(diff))
             if diff[i] > best:  # strictly: the first position of the largest error, as one argmax would give
