@@ -136,8 +136,9 @@ def _in_subprocess(part: str, args: argparse.Namespace) -> dict:
     command += ["--seq-len", str(args.seq_len)]
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}  # no accelerator probing
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"{part} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    if done.returncode != 0:  # -9: killed, most likely by the kernel for memory
+        why = "killed (out of memory?)" if done.returncode == -9 else f"exit status {done.returncode}"
+        return {"failed": f"{part} {why}, peak RSS unknown:\n{done.stderr[-2000:]}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -154,6 +155,8 @@ def main() -> None:
         print(json.dumps(measure(args.model, args.dtype, args.seq_len)))
         return
     floor = _in_subprocess("floor", args)
+    if "failed" in floor:
+        raise SystemExit(floor["failed"])
     engine = _in_subprocess("engine", args)
     total = floor["torch_s"] + floor["compile_s"] + floor["flax_s"]
     weights_gib = floor["n_params"] * (4 if args.dtype == "float32" else 8) * 4 / 2**30
@@ -162,6 +165,8 @@ def main() -> None:
         f"floor: torch fwd+bwd {floor['torch_s']:.1f} s + flax compile {floor['compile_s']:.1f} s + "
         f"flax fwd+bwd {floor['flax_s']:.1f} s = {total:.1f} s (peak RSS {floor['peak_gib']:.2f} GiB)"
     )
+    if "failed" in engine:
+        raise SystemExit(f"compare_modules: {engine['failed']}")
     print(
         f"compare_modules: {engine['engine_s']:.1f} s = {engine['engine_s'] / total:.2f}x the floor; "
         f"passed={engine['passed']} (worst: {engine['worst']}); .grad left on the torch module: {engine['grad_left']}"
