@@ -41,13 +41,31 @@ def dtype_problem(got: np.dtype, want: np.dtype) -> str | None:
     return None
 
 
-def assign(var: nnx.Variable, new: np.ndarray) -> None:
-    """Set ``var`` to an owned copy of ``new`` in its own dtype, placed with its sharding."""
+ALIGNMENT = 64  # bytes: a host buffer aligned like this is one JAX on the CPU can use in place
+
+
+def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array aligned to :data:`ALIGNMENT` bytes: filled and given to :func:`assign` with
+    ``owned=True``, it becomes the variable's value without another copy (JAX on the CPU aliases it)."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(size + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + size].view(dtype).reshape(shape)
+
+
+def assign(var: nnx.Variable, new: np.ndarray, *, owned: bool = False) -> None:
+    """Set ``var`` to an owned copy of ``new`` in its own dtype, placed with its sharding. ``owned``: ``new`` is
+    already a copy no one else holds, in that dtype (from :func:`host_buffer`): it is used as it is."""
     old = var.get_value()  # also a ShapeDtypeStruct, for a model made by nnx.eval_shape
     # An owned copy: torch's state_dict() shares memory with its parameters, and JAX
     # on the CPU may alias a NumPy buffer, so a later in-place torch update (an
     # optimizer step) would otherwise change the flax model behind its back.
+    # One copy, into an aligned buffer that JAX on the CPU then uses in place (may_alias).
     # Placed with the variable's sharding: kept by a sharded model, named by an abstract
     # one from flax_ln.sharding.abstract_model(make, mesh); None is the default device.
-    value = jax.device_put(np.array(new, dtype=old.dtype, copy=True), getattr(old, "sharding", None))
-    var.set_value(value)
+    if not (owned and new.dtype == np.dtype(old.dtype)):
+        copy = host_buffer(np.shape(new), old.dtype)
+        np.copyto(copy, new, casting="unsafe")
+        new = copy
+    var.set_value(jax.device_put(new, getattr(old, "sharding", None), may_alias=True))

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert.assign import SAVED_KINDS, ModuleT, as_numpy, assign, dtype_problem
+from flax_ln.convert.assign import SAVED_KINDS, ModuleT, as_numpy, assign, dtype_problem, host_buffer
 from flax_ln.convert.errors import ConversionError, MissingRuleError
 from flax_ln.convert.layouts import Permute
 from flax_ln.convert.ties import Tie, find_ties
@@ -396,19 +396,20 @@ def _expected_spec(entry: _Entry) -> tuple[tuple[int, ...], np.dtype]:
     return shape, np.dtype(var.dtype)
 
 
-def _torch_layout(entry: _Entry, host_values: dict[int, np.ndarray]) -> np.ndarray:
-    """The torch-layout array this entry contributes to a state dict (an owned copy)."""
+def _torch_layout(entry: _Entry, host_values: dict[int, np.ndarray], views: bool = False) -> np.ndarray:
+    """The torch-layout array this entry contributes to a state dict (an owned copy; with ``views``, a read-only
+    view of the variable's host buffer where one is possible: a layer of a stack, a transpose)."""
     if isinstance(entry.leaf, DerivedBuffer):
         return np.array(entry.leaf.make(entry.module))
     var = getattr(entry.module, entry.leaf.flax)
     if id(var) not in host_values:  # one device-to-host copy per variable, not per layer
-        host_values[id(var)] = np.asarray(var[...])
+        host_values[id(var)] = np.asarray(var.get_value())  # the buffer itself (var[...] would index: a copy)
     value = host_values[id(var)]
     if entry.layer is not None:
         value = value[entry.layer]
     if entry.leaf.layout is not None:
         value = value.transpose(entry.leaf.layout.to_torch(value.ndim))
-    return np.array(value)
+    return value if views else np.array(value)
 
 
 def _aliases(expected: Iterable[str], keys: Iterable[str], ties: Mapping[str, Iterable[str]]) -> dict[str, str]:
@@ -500,13 +501,14 @@ def load_with_rules(
     for var, layers in per_variable.values():
         if None in layers:
             new = layers[None]
-        elif len(layers) == var.shape[0]:
-            new = np.stack([layers[i] for i in range(len(layers))])  # (n_layer, ...)
-        else:  # strict=False with some layers absent: fill in from the current value
-            new = np.array(var[...])
-            for i, arr in layers.items():
-                new[i] = arr
-        assign(var, new)
+            assign(var, new)
+            continue
+        new = host_buffer(var.shape, var.dtype)  # (n_layer, ...): the layers written straight into the one copy
+        if len(layers) < var.shape[0]:  # strict=False with some layers absent: fill in from the current value
+            new[...] = np.asarray(var[...])
+        for i, arr in layers.items():
+            new[i] = arr
+        assign(var, new, owned=True)
     return model
 
 
@@ -524,12 +526,13 @@ def torch_leaves(model: nnx.Module) -> dict[str, tuple[nnx.Variable, int | None,
     }
 
 
-def export_with_rules(model: nnx.Module) -> dict[str, np.ndarray]:
-    """:func:`~flax_ln.convert.to_torch_state_dict` through the rule table."""
+def export_with_rules(model: nnx.Module, *, views: bool = False) -> dict[str, np.ndarray]:
+    """:func:`~flax_ln.convert.to_torch_state_dict` through the rule table. ``views``: the arrays may be read-only
+    views of the model's buffers (no copy of the weights; for reading them at once, e.g. gradients compared)."""
     fix = (
         "the rule table reads the modules of an NNX model that mirrors its torch twin; export a Linen module's "
         "variables or a parameter pytree with weights=KeyMap(...)"
     )
     entries = _entries(require_module(model, "to_torch_state_dict without weights=", fix))
     host_values: dict[int, np.ndarray] = {}
-    return {entry.key: _torch_layout(entry, host_values) for entry in entries}
+    return {entry.key: _torch_layout(entry, host_values, views) for entry in entries}

@@ -11,7 +11,8 @@ language-model metrics (``lm_logits=``).
 The engine, by concern:
 
 * :mod:`.policy`: the metrics and the tolerance policy (``relative_error``, ``Tolerance``,
-  ``TOLERANCES``, ``compare_tensors``, ``TensorResult``, ``numerics``, ``lm_metrics``);
+  ``TOLERANCES``, ``compare_tensors``, ``TensorResult``, ``numerics``, ``lm_metrics``), its float64
+  statistics read block by block in :mod:`.tensor_stats`;
 * :mod:`.call`: what both sides run (``Call``: inputs, names, kwargs, each side's forward,
   the loss) and the outputs as named leaves, the same on both sides;
 * :mod:`.torch_side`: the torch run, into a ``TorchSide`` (made live, or read from a reference
@@ -20,7 +21,7 @@ The engine, by concern:
   :mod:`.tree_side`); :mod:`.capture`: recording submodule calls; :mod:`.pairing` and :mod:`.localize`:
   which modules are the same layer, the first divergence and isolated mode, once for every kind;
 * :mod:`.compare`: ``compare_modules``, ``assert_parity`` and ``compare_side`` (the flax side
-  against a ``TorchSide``);
+  against a ``TorchSide``), with :mod:`.shared` for distinct torch tensors that fill one flax variable;
 * :mod:`.case`: a model with its inputs and training step (``Case``, ``check_case``, ``check_training``);
 * :mod:`.report`: what a comparison found; :mod:`.render`: the report as text and as a chart.
 

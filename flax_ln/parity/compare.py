@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import KeyMap, KeyPlan, Tie
+from flax_ln.convert import KeyMap, KeyPlan
 from flax_ln.convert.keymap_syntax import describe_value
 from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
 from flax_ln.parity.flax_side import FlaxSide, Function, Linen
@@ -37,6 +37,7 @@ from flax_ln.parity.policy import (
     zero_gradient_names,
 )
 from flax_ln.parity.report import ParityReport, environment
+from flax_ln.parity.shared import as_shared, zero_shared
 from flax_ln.parity.torch_side import (
     MODES,
     TorchSide,
@@ -73,20 +74,33 @@ def _judge(
     tolerances: Mapping[str, Tolerance],
     mesh,
     zero_evidence: Callable[[], set[str]],
+    want_zero: bool = False,
 ) -> tuple[ParityReport, dict[str, np.ndarray], set[str]]:
     """Every tensor of ``side.expected`` against the flax side's value: the report, not yet localised, the flax
-    side's values, and the gradients float64 shows are zero in the mathematics.
+    side's values, and the gradients float64 shows are zero in the mathematics (when some gradient needed them,
+    or, in float64, ``want_zero``; else the empty set).
 
     A gradient passes as zero only on float64's word: in a float64 comparison both sides' gradients (islands
-    lifted) say so; otherwise ``zero_evidence()`` does, asked only when some gradient needs it."""
+    lifted) say so; otherwise ``zero_evidence()`` does. Either is asked only when some gradient needs it, and so
+    is the whole gradient's norm: a comparison that passes reads each gradient once."""
     dtype = side.dtype
     actual, dropped, sharding = flax.values(side, call, mesh)
     exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
     param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]
-    norm = whole_norm(side.expected[k] for k in param_grads)
+    norm = functools.cache(lambda: whole_norm(side.expected[k] for k in param_grads))
+    both_in_float64 = dtype == "float64" and all(k in actual for k in param_grads)
     zero: set[str] | None = None
-    if dtype == "float64" and all(k in actual for k in param_grads):
-        zero = zero_gradient_names({k: side.expected[k] for k in param_grads}, {k: actual[k] for k in param_grads})
+
+    def zero_now() -> set[str]:  # float64's word, asked for once
+        nonlocal zero
+        if zero is None:
+            zero = (
+                zero_gradient_names({k: side.expected[k] for k in param_grads}, {k: actual[k] for k in param_grads})
+                if both_in_float64
+                else zero_evidence()
+            )
+        return zero
+
     results = []
     for k, v in side.expected.items():
         kind = side.kinds[k]
@@ -102,10 +116,11 @@ def _judge(
             compare_tensors, k, kind, actual.get(k), v, tolerances[_TOLERANCE_OF[kind]], dtype=check_dtype
         )
         result = judged()
-        if kind == "param grad" and not result.passed and judged(gradient_norm=norm, zero_in_float64=True).passed:
-            zero = zero_evidence() if zero is None else zero  # float64's word, asked for once
-            result = judged(gradient_norm=norm, zero_in_float64=k in zero)
+        if kind == "param grad" and not result.passed and judged(gradient_norm=norm(), zero_in_float64=True).passed:
+            result = judged(gradient_norm=norm(), zero_in_float64=k in zero_now())
         results.append(result)
+    if want_zero and both_in_float64:
+        zero_now()
     if "grads" in tolerances and param_grads and all(k in actual for k in param_grads):
         flat_flax, flat_torch = (np.concatenate([np.ravel(g[k]) for k in param_grads]) for g in (actual, side.expected))
         results.append(compare_tensors("all parameter gradients", "grads", flat_flax, flat_torch, tolerances["grads"]))
@@ -148,60 +163,6 @@ def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.nd
         )
 
 
-def _zero_shared(zero: set[str], shared: Mapping[str, Tie]) -> set[str]:
-    """``zero`` (gradients float64 shows are zero) with each group of :meth:`~flax_ln.convert.KeyPlan.shared` keys
-    as its summed gradient, under the first key: zero when every one of them is."""
-    members = {k for tie in shared.values() for k in tie.torch_aliases}
-    return {k for k in zero if k not in members} | {
-        first for first, tie in shared.items() if all(k in zero for k in tie.torch_aliases)
-    }
-
-
-def _as_shared(side: TorchSide, plan: KeyPlan, rerun: Callable[[dict[str, np.ndarray]], TorchSide] | None) -> TorchSide:
-    """``side`` as the flax side can match it where distinct torch tensors fill one flax variable
-    (:meth:`~flax_ln.convert.KeyPlan.shared`), which takes one tangent and one gradient for all of them.
-
-    ``"jvp"``: every one of them takes the tangent of the first that has one, carried through the layouts
-    (:meth:`~flax_ln.convert.KeyPlan.carry`), and torch runs again with them (``rerun``). ``"grad"``: their
-    gradients (and float64 truths) are summed, in the first one's layout, under its name."""
-    shared = plan.shared()
-    if side.mode == "jvp":
-        tangents = dict(side.tangents)
-        for tie in shared.values():
-            source = next((k for k in tie.torch_aliases if k in tangents), "")
-            for k in tie.torch_aliases if source else ():
-                if k != source:
-                    tangents[k] = np.asarray(
-                        plan.carry(source, k, tangents[source], "tangent"), side.state_dict[k].dtype
-                    )
-        if all(k in side.tangents and np.array_equal(v, side.tangents[k]) for k, v in tangents.items()):
-            return side
-        if rerun is None:
-            raise ValueError(
-                "distinct torch tensors fill one flax variable ("
-                + "; ".join(", ".join(tie.torch_aliases) for tie in shared.values())
-                + "): a stored torch side's independent tangents cannot be compared; run compare_modules"
-            )
-        return rerun(tangents)
-
-    def summed(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = dict(values)
-        for first, tie in shared.items():
-            for k in tie.torch_aliases[1:] if first in out else ():
-                if k in out:
-                    out[first] = out[first] + np.asarray(plan.carry(k, first, out.pop(k), "gradient"), out[first].dtype)
-        return out
-
-    expected = summed(side.expected)
-    return dataclasses.replace(
-        side,
-        expected=expected,
-        kinds={k: kind for k, kind in side.kinds.items() if k in expected},
-        param_names=[k for k in side.param_names if k in expected],
-        truth=None if side.truth is None else summed(side.truth),
-    )
-
-
 def _load_and_judge(
     kind: type[FlaxSide],
     side: TorchSide,
@@ -215,17 +176,18 @@ def _load_and_judge(
     zero_evidence: Callable[[], set[str]],
     plan=None,
     rerun: Callable[[dict[str, np.ndarray]], TorchSide] | None = None,
+    want_zero: bool = False,
 ):
     """Load the flax side of ``kind`` with ``side``'s weights (through ``weights``, a key map, when given), run
     and compare it, add the ties, LM metrics and attribution. ``rerun``: the torch side again with other tangents
-    (:func:`~flax_ln.parity.torch_side.with_tangents`), for :func:`_as_shared`."""
+    (:func:`~flax_ln.parity.torch_side.with_tangents`), for :func:`~flax_ln.parity.shared.as_shared`."""
     flax = kind.load(flax_module, side, flax_inputs, weights, plan)
     shared = {} if flax.plan is None else flax.plan.shared()
     if flax.plan is not None and shared:
-        side = _as_shared(side, flax.plan, rerun)
+        side = as_shared(side, flax.plan, rerun)
         evidence = zero_evidence
-        zero_evidence = lambda: _zero_shared(evidence(), shared)  # noqa: E731
-    report, actual, zero = _judge(side, flax, call, tolerances, mesh, zero_evidence)
+        zero_evidence = lambda: zero_shared(evidence(), shared)  # noqa: E731
+    report, actual, zero = _judge(side, flax, call, tolerances, mesh, zero_evidence, want_zero)
     report.ties = flax.ties()
     report.shared = shared
     report.constants = {} if flax.plan is None else {p: describe_value(v) for p, v in flax.plan.constants.items()}
@@ -471,7 +433,7 @@ def compare_modules(
     dtype = resolve_dtype(torch_module, dtype)
     float64_check, zero, plan = None, None, None
     if not explicit and dtype != "float64":  # the default: the float64 check, islands lifted, beside it
-        float64_check, zero, plan = comparison.run("float64", None, None)
+        float64_check, zero, plan = comparison.run("float64", None, None, want_zero=True)
     report, _, _ = comparison.run(dtype, zero, plan)
     report.float64_check = float64_check
     report.discovery = getattr(weights, "discovery", None)
@@ -500,11 +462,15 @@ class Comparison:
     islands: str
     torch_factory: Callable[[], Any] | None
 
-    def run(self, dtype: str, zero: set[str] | None, plan: KeyPlan | None) -> tuple[ParityReport, set[str], Any]:
+    def run(
+        self, dtype: str, zero: set[str] | None, plan: KeyPlan | None, want_zero: bool = False
+    ) -> tuple[ParityReport, set[str], Any]:
         """The comparison in ``dtype`` (floating inputs cast to its parameter dtype; in float64 on float64
         copies, islands lifted or kept): the report, the gradients float64 shows are zero, and the key map's
         plan. ``zero``: those gradients from a float64 check already run, else a float64 run of the torch side
-        says, when asked; ``plan``: that check's plan (the same variables and keys), not built again."""
+        says, when asked; ``plan``: that check's plan (the same variables and keys), not built again;
+        ``want_zero``: in float64, find those gradients even when no gradient of this run needs them (for a run
+        in another dtype to come)."""
         opts = self.call_options
         want = parameter_dtype(dtype)
         inputs, cast = cast_floats(self.inputs, want)
@@ -534,6 +500,7 @@ class Comparison:
                     tangent_params=opts["tangent_params"],
                     attribute=self.attribute,
                     name=opts["name"] or type(self.torch_module).__name__,
+                    share_weights=True,  # read at once, while the module is not changed: no copy of the weights
                 )
 
             def rerun(tangents: dict[str, np.ndarray]) -> TorchSide:
@@ -554,6 +521,7 @@ class Comparison:
                     (lambda: zero) if zero is not None else (lambda: set(float64_zero_gradients(side, model, call))),
                     plan,
                     rerun,
+                    want_zero,
                 )
             if dtype == "float64":
                 found.add(flax.rounded_tables())

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from flax_ln.convert import KeyMap, KeyPlan, Tie, fill_tree, rules, to_torch_state_dict
+from flax_ln.convert import KeyMap, KeyPlan, Tie, fill_tree, rules
 from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import NNXTree
 from flax_ln.parity.call import is_float
@@ -277,9 +277,10 @@ class NNXSide(FlaxSide):
         return Parts(functools.partial(nnx.merge, graphdef), params, rest, _nnx_flat)
 
     def torch_gradients(self, parts: Parts, param_grads: Any, rest: Any) -> dict[str, Any]:
-        """Through the converter's rules without a key map (the module tree mirrors torch's), else the plan."""
+        """Through the converter's rules without a key map (the module tree mirrors torch's; read-only views of the
+        gradients' buffers, no copies), else the plan."""
         if self.plan is None:
-            return to_torch_state_dict(parts.build(param_grads, rest))
+            return rules.export_with_rules(parts.build(param_grads, rest), views=True)
         return super().torch_gradients(parts, param_grads, rest)
 
     def param_tangents(self, state_dict: Mapping[str, np.ndarray]) -> Any:

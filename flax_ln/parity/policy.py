@@ -16,11 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-
-def widest(x) -> np.ndarray:
-    """``x`` as float64, or as complex128 when it is complex (its imaginary part compared too, never dropped)."""
-    x = np.asarray(x)
-    return x.astype(np.complex128) if np.iscomplexobj(x) else x.astype(np.float64)
+from flax_ln.parity.tensor_stats import norm as tensor_norm
+from flax_ln.parity.tensor_stats import pair_stats, sum_of_squares
 
 
 def relative_error(actual, expected) -> float:
@@ -30,18 +27,10 @@ def relative_error(actual, expected) -> float:
     the same positions with the same values (NaN matching NaN), in which case the error
     of the finite entries is returned. ``expected == 0`` falls back to the absolute norm.
     """
-    a, b = widest(actual), widest(expected)
+    a, b = np.asarray(actual), np.asarray(expected)
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch: actual {a.shape} vs expected {b.shape}")
-    finite_a, finite_b = np.isfinite(a), np.isfinite(b)
-    if not np.array_equal(finite_a, finite_b):
-        return float("inf")
-    nonfinite = ~finite_a
-    if nonfinite.any() and not np.array_equal(a[nonfinite], b[nonfinite], equal_nan=True):
-        return float("inf")
-    diff = np.linalg.norm(a[finite_a] - b[finite_b])
-    scale = np.linalg.norm(b[finite_b])
-    return float(diff / scale) if scale > 0 else float(diff)
+    return pair_stats(a, b).relative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,30 +183,24 @@ def compare_tensors(
         return unusable("missing on the flax side")
     if dtype is not None and np.dtype(np.asarray(actual).dtype) != np.dtype(dtype):
         return unusable(f"dtype: flax {np.asarray(actual).dtype}, expected {dtype}")
-    a, b = widest(actual), widest(expected)  # complex compares as complex: |a - b| over both parts
+    a, b = np.asarray(actual), np.asarray(expected)  # complex compares as complex: |a - b| over both parts
     if a.shape != b.shape:
         return unusable(f"shape: flax {a.shape}, torch {b.shape}")
     if b.size == 0:
         return unusable(f"no elements to compare (shape {b.shape}): nothing compared is not a pass")
-    counts = {label: (int(np.isnan(x).sum()), int(np.isinf(x).sum())) for label, x in (("flax", a), ("torch", b))}
+    stats = pair_stats(a, b)  # float64, block by block: no float64 copy of the whole tensor
     nonfinite = None
-    if any(n or i for n, i in counts.values()):
+    if any(stats.nan.values()) or any(stats.inf.values()):
         nonfinite = ", ".join(
-            f"{what} in {label}: {c[k]}" for k, what in enumerate(("NaN", "Inf")) for label, c in counts.items()
+            f"{what} in {label}: {counts[label]}"
+            for what, counts in (("NaN", stats.nan), ("Inf", stats.inf))
+            for label in counts
         )
-    finite = np.isfinite(a) & np.isfinite(b)
-    diff = np.abs(np.where(finite, a, 0.0) - np.where(finite, b, 0.0))
-    if diff.size and finite.any():
-        flat = int(np.argmax(diff))
-        index = tuple(int(i) for i in np.unravel_index(flat, diff.shape))
-        max_abs = float(diff.reshape(-1)[flat])
-    else:
-        index, max_abs = None, 0.0
-    rel = relative_error(a, b)
+    max_abs, index, rel = stats.max_abs, stats.index, stats.relative
     criteria = {
         "rtol": rel <= tolerance.rtol,
         "atol": max_abs <= tolerance.atol,
-        "zero": zero_in_float64 and float(np.linalg.norm(diff)) <= tolerance.gtol * gradient_norm,
+        "zero": zero_in_float64 and stats.diff_norm <= tolerance.gtol * gradient_norm,
     }
     passed_by = next((c for c, held in criteria.items() if held), None) if nonfinite is None else None
     return TensorResult(
@@ -227,7 +210,7 @@ def compare_tensors(
 
 def whole_norm(arrays) -> float:
     """The norm of ``arrays`` taken together as one vector (a whole gradient, every parameter), in float64."""
-    return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in arrays)))
+    return math.sqrt(sum(sum_of_squares(a) for a in arrays))
 
 
 def zero_gradient_names(*float64_grads: Mapping[str, Any]) -> set[str]:
@@ -243,7 +226,7 @@ def zero_gradient_names(*float64_grads: Mapping[str, Any]) -> set[str]:
                 f"{narrow[:3]} are {np.asarray(grads[narrow[0]]).dtype}: take them from a float64 run"
             )
         norm = whole_norm(grads.values())
-        zero = {n for n, g in grads.items() if np.linalg.norm(np.asarray(g, np.float64)) <= ZERO_IN_FLOAT64 * norm}
+        zero = {n for n, g in grads.items() if tensor_norm(g) <= ZERO_IN_FLOAT64 * norm}
         names = zero if names is None else names & zero
     return names or set()
 

@@ -315,9 +315,13 @@ def run_torch_side(
     attribute: bool = False,
     record: bool = False,
     name: str | None = None,
+    share_weights: bool = False,
 ) -> TorchSide:
     """Run the torch side once (and, with ``attribute``, once more on a float64 copy, the same
     cotangents or tangents in float64). ``record`` captures every submodule's call too.
+    ``share_weights``: ``state_dict`` holds read-only views of the module's tensors instead of copies (one copy
+    of the weights fewer; for a side compared at once, while the module is not changed, as
+    :func:`~flax_ln.parity.compare_modules` does).
 
     ``inputs`` is a :class:`~flax_ln.parity.call.Call` (then ``input_names``, ``kwargs``,
     ``forward`` and ``loss`` come from it), or the inputs of one, as in
@@ -331,7 +335,7 @@ def run_torch_side(
         if isinstance(inputs, Call)
         else Call.make(inputs, input_names=input_names, kwargs=kwargs, forward=forward, loss=loss, mode=mode)
     )
-    state_dict = _state_dict(torch_module)
+    state_dict = _state_dict(torch_module, share_weights)
     param_names, frozen = trainable_and_frozen(torch_module)
     tangents = (
         _tangents(call.inputs, call.input_names, {k: state_dict[k] for k in param_names}, tangent_params)
@@ -399,15 +403,26 @@ def float64_zero_gradients(side: TorchSide, torch_module, call: Call) -> list[st
     return sorted(zero_gradient_names({k: truth[k] for k in side.param_names if k in truth}))
 
 
-def _state_dict(torch_module) -> dict[str, np.ndarray]:
-    """The module's state dict as NumPy copies; keys that hold one torch tensor (a tie) hold one array, so
-    that :func:`flax_ln.convert.find_ties` finds the tie in the copy too."""
+def read_only_view(tensor) -> np.ndarray:
+    """A CPU torch tensor's memory as a read-only NumPy array (no copy): nothing written through it reaches torch."""
+    view = tensor.detach().numpy()
+    view.flags.writeable = False
+    return view
+
+
+def _state_dict(torch_module, share: bool = False) -> dict[str, np.ndarray]:
+    """The module's state dict as NumPy copies (``share``: the parameters as read-only views, no copy, for a side
+    used at once while the module is not changed; buffers, which a forward may update in place, are copied);
+    keys that hold one torch tensor (a tie) hold one array, so that :func:`flax_ln.convert.find_ties` finds the
+    tie in the copy too."""
+    params = {p.data_ptr() for p in torch_module.parameters()} if share else set()
     copies: dict[tuple, np.ndarray] = {}
     out = {}
     for k, v in torch_module.state_dict().items():
         address = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), str(v.dtype)) if v.numel() else (k,)
         if address not in copies:
-            copies[address] = to_numpy(v)
+            shared = v.numel() and v.data_ptr() in params and v.device.type == "cpu"
+            copies[address] = read_only_view(v) if shared else to_numpy(v)
         out[k] = copies[address]
     return out
 

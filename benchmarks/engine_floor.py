@@ -1,0 +1,181 @@
+"""The parity engine's own cost: ``compare_modules`` on a whole GPT-2 against the floor it cannot go under.
+
+The floor is what any comparison of outputs and every parameter gradient must do: one torch forward and backward,
+one XLA compile of the flax forward and backward, and one run of it. This script measures, for one model and
+dtype, in ONE command:
+
+* the floor's three parts, in a fresh subprocess (torch forward+backward, flax compile, flax forward+backward);
+* ``compare_modules`` with an explicit ``dtype`` (float64: islands lifted, the default), in another fresh
+  subprocess;
+
+then prints each time, the ratio of ``compare_modules`` to the floor, and each subprocess's peak RSS
+(``ru_maxrss``: a fresh process per measurement, so the peak is that measurement's), next to the size of both
+sides' weights and gradients. Weights are random (torch's own initialisation, B=1, no downloads); the torch
+model ``torch_ref.GPT``, the flax model ``flax_ln.GPT`` with ``scan_layers=True``.
+
+    python benchmarks/engine_floor.py --model gpt2 --dtype float32
+    python benchmarks/engine_floor.py --model gpt2 --dtype float64
+    python benchmarks/engine_floor.py --model gpt2-xl --dtype float32       # T=64 by default; needs ~24 GiB
+
+Run it alone on the machine: the peak RSS and the times are only meaningful on a quiet host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {"gpt2": "gpt2", "gpt2-medium": None, "gpt2-xl": "gpt2_xl"}
+DEFAULT_SEQ = {"gpt2": 128, "gpt2-medium": 128, "gpt2-xl": 64}
+
+
+def _config(model: str):
+    from flax_ln import GPTConfig
+
+    if model == "gpt2-medium":
+        return GPTConfig(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024)
+    return getattr(GPTConfig, MODELS[model])()
+
+
+def _peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
+
+
+def _models(model: str, dtype: str, seq: int):
+    """The torch model (random weights, eval mode, in ``dtype``), the flax twin built abstractly (no random init:
+    the weights come from torch's), the token ids and the config."""
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    import flax_ln
+    import torch_ref
+
+    config = _config(model)
+    torch.manual_seed(0)
+    torch_model = torch_ref.GPT(config).to(getattr(torch, dtype)).eval()
+    param_dtype = np.dtype(dtype)
+    flax_model = nnx.eval_shape(
+        lambda: flax_ln.GPT(config, scan_layers=True, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    )
+    idx = np.random.default_rng(0).integers(0, config.vocab_size, (1, seq))
+    return torch_model, flax_model, idx, config
+
+
+def measure_floor(model: str, dtype: str, seq: int) -> dict:
+    """The floor's three parts, each timed once (cold, as a comparison runs them)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    import flax_ln
+
+    with jax.enable_x64(dtype == "float64"), jax.default_matmul_precision("highest"):
+        torch_model, flax_model, idx, _ = _models(model, dtype, seq)
+        flax_ln.load_torch_state_dict(flax_model, torch_model.state_dict())
+        flax_model.eval()
+        n_params = sum(p.numel() for p in torch_model.parameters())
+
+        t0 = time.perf_counter()
+        logits, _ = torch_model(torch.from_numpy(idx))
+        cotangent = torch.from_numpy(np.random.default_rng(0).standard_normal(logits.shape).astype(dtype))
+        (logits * cotangent).sum().backward()
+        torch_s = time.perf_counter() - t0
+        torch_model.zero_grad(set_to_none=True)
+
+        graphdef, params, rest = nnx.split(flax_model, nnx.Param, ...)
+        c = jnp.asarray(cotangent.numpy())
+
+        def objective(params, rest, idx):
+            return jnp.sum(nnx.merge(graphdef, params, rest)(idx)[0] * c)
+
+        step = jax.jit(jax.value_and_grad(objective))
+        t1 = time.perf_counter()
+        compiled = step.lower(params, rest, jnp.asarray(idx)).compile()
+        compile_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        jax.block_until_ready(compiled(params, rest, jnp.asarray(idx)))
+        flax_s = time.perf_counter() - t2
+    return dict(torch_s=torch_s, compile_s=compile_s, flax_s=flax_s, n_params=n_params, peak_gib=_peak_gib())
+
+
+def measure_engine(model: str, dtype: str, seq: int) -> dict:
+    """``compare_modules`` with an explicit ``dtype`` (the verdict is printed, so a failing run is seen)."""
+    import jax
+
+    from flax_ln.parity import compare_modules
+
+    with jax.enable_x64(dtype == "float64"):
+        torch_model, flax_model, idx, _ = _models(model, dtype, seq)
+    before = _peak_gib()
+    t0 = time.perf_counter()
+    report = compare_modules(torch_model, flax_model, idx, dtype=dtype)
+    engine_s = time.perf_counter() - t0
+    worst = max(report.results, key=lambda r: r.relative_error)
+    return dict(
+        engine_s=engine_s,
+        passed=report.passed,
+        worst=f"{worst.name} rel {worst.relative_error:.2e}",
+        peak_before_gib=before,
+        peak_gib=_peak_gib(),
+        grad_left=any(p.grad is not None for p in torch_model.parameters()),
+    )
+
+
+def _in_subprocess(part: str, args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, "--part", part, "--model", args.model, "--dtype", args.dtype]
+    command += ["--seq-len", str(args.seq_len)]
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}  # no accelerator probing
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    if done.returncode != 0:  # -9: killed, most likely by the kernel for memory
+        why = "killed (out of memory?)" if done.returncode == -9 else f"exit status {done.returncode}"
+        return {"failed": f"{part} {why}, peak RSS unknown:\n{done.stderr[-2000:]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=list(MODELS), default="gpt2")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: 128 (gpt2, gpt2-medium), 64 (gpt2-xl)")
+    parser.add_argument("--part", choices=["floor", "engine"], default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.seq_len = args.seq_len or DEFAULT_SEQ[args.model]
+    if args.part is not None:  # one measurement, in its own process
+        measure = measure_floor if args.part == "floor" else measure_engine
+        print(json.dumps(measure(args.model, args.dtype, args.seq_len)))
+        return
+    floor = _in_subprocess("floor", args)
+    if "failed" in floor:
+        raise SystemExit(floor["failed"])
+    engine = _in_subprocess("engine", args)
+    total = floor["torch_s"] + floor["compile_s"] + floor["flax_s"]
+    weights_gib = floor["n_params"] * (4 if args.dtype == "float32" else 8) * 4 / 2**30
+    print(f"{args.model}, {args.dtype}, B=1, T={args.seq_len}, {floor['n_params'] / 1e6:.0f}M parameters")
+    print(
+        f"floor: torch fwd+bwd {floor['torch_s']:.1f} s + flax compile {floor['compile_s']:.1f} s + "
+        f"flax fwd+bwd {floor['flax_s']:.1f} s = {total:.1f} s (peak RSS {floor['peak_gib']:.2f} GiB)"
+    )
+    if "failed" in engine:
+        raise SystemExit(f"compare_modules: {engine['failed']}")
+    print(
+        f"compare_modules: {engine['engine_s']:.1f} s = {engine['engine_s'] / total:.2f}x the floor; "
+        f"passed={engine['passed']} (worst: {engine['worst']}); .grad left on the torch module: {engine['grad_left']}"
+    )
+    print(
+        f"peak RSS: {engine['peak_gib']:.2f} GiB ({engine['peak_before_gib']:.2f} GiB with both models built); "
+        f"both sides' weights and gradients: {weights_gib:.2f} GiB"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""What the engine does beyond the floor (one torch forward and backward, one flax compile and run), checked as
+behaviour: one compile per comparison, nothing left on or written into the user's modules, each statistic of a
+verdict the float64 quantity whatever the arrays' layout, and the float64 zero evidence asked only when a
+gradient needs it. No timings: benchmarks/engine_floor.py measures those."""
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import flax_ln
+import flax_ln.parity.compare as compare
+import torch_ref
+from flax_ln import GPTConfig
+from flax_ln.parity import Tolerance, compare_modules, compare_tensors, relative_error, tensor_stats
+
+SMALL = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=40, block_size=8)
+
+
+def gpt_pair(dtype="float32"):
+    torch.manual_seed(0)
+    torch_model = torch_ref.GPT(SMALL).to(getattr(torch, dtype)).eval()
+    flax_model = flax_ln.GPT(SMALL, scan_layers=True, param_dtype=np.dtype(dtype), rngs=nnx.Rngs(0))
+    return torch_model, flax_model, np.random.default_rng(0).integers(0, SMALL.vocab_size, (2, 8))
+
+
+def test_one_compile_of_the_flax_step_per_comparison(caplog):
+    torch_model, flax_model, idx = gpt_pair()
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles(True):
+        report = compare_modules(torch_model, flax_model, idx, dtype="float32")
+    assert report.passed
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation of jit(" in r.getMessage()]
+    # the forward and backward is one jitted objective; anything else XLA compiles is small glue
+    assert sum("jit(objective)" in m for m in compiled) == 1, compiled
+
+
+def test_the_users_modules_keep_no_gradient_and_share_no_memory():
+    torch_model, flax_model, idx = gpt_pair()
+    before = {k: v.clone() for k, v in torch_model.state_dict().items()}
+    kept = torch.ones_like(torch_model.lm_head.weight)
+    torch_model.lm_head.weight.grad = kept  # a gradient the caller had: given back as it was
+    report = compare_modules(torch_model, flax_model, idx, dtype="float32")
+    assert report.passed
+    assert torch_model.lm_head.weight.grad is kept
+    assert all(p.grad is None for n, p in torch_model.named_parameters() if n != "lm_head.weight")
+    assert all(torch.equal(before[k], v) for k, v in torch_model.state_dict().items())  # nothing written into torch
+    # the flax weights are the flax module's own: an in-place torch update (an optimiser step) does not reach them
+    embedding = np.array(flax_model.transformer.wte.embedding[...])
+    with torch.no_grad():
+        torch_model.transformer.wte.weight.add_(1.0)
+    np.testing.assert_array_equal(np.asarray(flax_model.transformer.wte.embedding[...]), embedding)
+
+
+def float64_stats(a, b):
+    """The verdict's statistics from whole float64 copies: the definitions, written out."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    finite = np.isfinite(a) & np.isfinite(b)
+    diff = np.abs(np.where(finite, a, 0.0) - np.where(finite, b, 0.0))
+    flat = int(np.argmax(diff))
+    return float(diff.reshape(-1)[flat]), np.unravel_index(flat, diff.shape), np.sqrt(np.sum(diff**2))
+
+
+@pytest.mark.parametrize("block", [7, 1 << 18])  # many blocks (the largest error in a later one), and one
+def test_statistics_read_in_blocks_are_the_float64_ones(monkeypatch, block):
+    monkeypatch.setattr(tensor_stats, "BLOCK", block)
+    rng = np.random.default_rng(0)
+    torch_grad = rng.standard_normal((40, 30)).astype(np.float32)  # torch's layout
+    flax_grad = np.ascontiguousarray(torch_grad.T + rng.standard_normal((30, 40)).astype(np.float32) * 1e-3).T
+    assert not flax_grad.flags.c_contiguous  # a transposed view, as a flax kernel's gradient comes back
+    flax_grad[17, 3] += 0.5  # the largest error, past the first blocks
+    stats = tensor_stats.pair_stats(flax_grad, torch_grad)
+    max_abs, index, diff_norm = float64_stats(flax_grad, torch_grad)
+    assert stats.max_abs == max_abs and stats.index == (17, 3) == tuple(int(i) for i in index)
+    # sums of squares added block by block: float64 rounding of a 1200-term sum, ~1e-16 relative
+    assert stats.diff_norm == pytest.approx(diff_norm, rel=1e-12)
+    expected_rel = diff_norm / np.sqrt(np.sum(np.asarray(torch_grad, np.float64) ** 2))
+    assert stats.relative == pytest.approx(expected_rel, rel=1e-12)
+    assert relative_error(flax_grad, torch_grad) == stats.relative
+
+
+def test_nonfinite_values_are_counted_and_matched_across_blocks(monkeypatch):
+    monkeypatch.setattr(tensor_stats, "BLOCK", 4)
+    a = np.arange(10, dtype=np.float32)
+    b = a.copy()
+    a[5] = b[5] = np.nan  # the same NaN on both sides: the finite rest is compared
+    assert relative_error(a, b) == 0.0
+    a[8] = np.inf
+    result = compare_tensors("x", "output", a, b, Tolerance(1e-5))
+    assert not result.passed and result.nonfinite == "NaN in flax: 1, NaN in torch: 1, Inf in flax: 1, Inf in torch: 0"
+    assert result.relative_error == np.inf  # an Inf where torch has a number
+
+
+def test_a_passing_comparison_never_asks_for_the_zero_evidence(monkeypatch, x64):
+    def asked(*args, **kwargs):
+        raise AssertionError("the float64 zero evidence was computed though no gradient needed it")
+
+    monkeypatch.setattr(compare, "zero_gradient_names", asked)
+    monkeypatch.setattr(compare, "float64_zero_gradients", asked)
+    torch_model, flax_model, idx = gpt_pair("float64")
+    assert compare_modules(torch_model, flax_model, idx, dtype="float64").passed
+    torch_model, flax_model, idx = gpt_pair()
+    assert compare_modules(torch_model, flax_model, idx, dtype="float32").passed
