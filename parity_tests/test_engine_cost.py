@@ -103,3 +103,54 @@ def test_a_passing_comparison_never_asks_for_the_zero_evidence(monkeypatch, x64)
     assert compare_modules(torch_model, flax_model, idx, dtype="float64").passed
     torch_model, flax_model, idx = gpt_pair()
     assert compare_modules(torch_model, flax_model, idx, dtype="float32").passed
+
+
+def test_short_memory_keeps_torchs_gradients_in_files_with_the_same_verdict(monkeypatch):
+    import flax_ln.parity.spill as spill
+
+    monkeypatch.setattr(spill, "SMALL", 64)  # every gradient of the toy GPT goes to a file
+    torch_model, flax_model, idx = gpt_pair()
+    in_memory = compare_modules(torch_model, flax_model, idx, dtype="float32")
+    files = []
+    real_to_file = spill.to_file
+
+    def recording_to_file(array):
+        files.append(real_to_file(array))
+        return files[-1]
+
+    monkeypatch.setattr(spill, "available_bytes", lambda: 1 << 20)  # a machine with 1 MiB free
+    monkeypatch.setattr("flax_ln.parity.torch_side.to_file", recording_to_file)
+    spilled = compare_modules(torch_model, flax_model, idx, dtype="float32")
+    assert files and all(isinstance(f, np.memmap) and not f.flags.writeable for f in files)
+    assert len(files) == len([p for p in torch_model.parameters() if p.requires_grad])
+    assert all(p.grad is None for p in torch_model.parameters())
+    # the same torch gradients, read back from the files: every statistic equal, not merely close
+    assert [(r.name, r.max_abs_error, r.relative_error, r.passed) for r in spilled.results] == [
+        (r.name, r.max_abs_error, r.relative_error, r.passed) for r in in_memory.results
+    ]
+
+
+def test_spill_is_chosen_by_the_memory_three_more_copies_need(monkeypatch):
+    import flax_ln.parity.spill as spill
+
+    monkeypatch.setattr(spill, "available_bytes", lambda: 10 * 2**30)
+    assert not spill.should_spill(2 * 2**30)  # 3 x 2 GiB + 1 GiB margin fits in 10 GiB
+    assert spill.should_spill(7 * 2**29)  # 3 x 3.5 GiB + 1 GiB does not
+    monkeypatch.setattr(spill, "available_bytes", lambda: None)  # unknown (not Linux): never
+    assert not spill.should_spill(1 << 40)
+
+
+def test_a_gradient_that_cannot_go_to_a_file_stays_in_memory(monkeypatch, tmp_path):
+    import flax_ln.parity.spill as spill
+
+    monkeypatch.setattr(spill, "SMALL", 0)
+    monkeypatch.setattr(spill.tempfile, "tempdir", str(tmp_path))
+    array = np.arange(1024, dtype=np.float32)
+
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spill.os, "posix_fallocate", no_space)
+    with pytest.warns(RuntimeWarning, match="stays in memory"):
+        kept = spill.to_file(array)
+    assert kept is array and not list(tmp_path.iterdir())  # no file left behind

@@ -38,6 +38,7 @@ from flax_ln.parity.policy import (
 )
 from flax_ln.parity.report import ParityReport, environment
 from flax_ln.parity.shared import as_shared, zero_shared
+from flax_ln.parity.spill import should_spill
 from flax_ln.parity.torch_side import (
     MODES,
     TorchSide,
@@ -501,6 +502,7 @@ class Comparison:
                     attribute=self.attribute,
                     name=opts["name"] or type(self.torch_module).__name__,
                     share_weights=True,  # read at once, while the module is not changed: no copy of the weights
+                    spill_gradients=should_spill(sum(p.nbytes for p in model.parameters())),
                 )
 
             def rerun(tangents: dict[str, np.ndarray]) -> TorchSide:

@@ -24,6 +24,7 @@ from flax_ln.parity.call import (
 )
 from flax_ln.parity.capture import Calls, Records, capture_torch
 from flax_ln.parity.policy import HALF_PRECISION, TOLERANCES, parameter_dtype, zero_gradient_names
+from flax_ln.parity.spill import to_file
 from flax_ln.parity.torch_islands import lift_float32
 
 
@@ -128,13 +129,14 @@ def _check_graph(value, module, tensors, call: Call, differentiated: bool) -> No
     )
 
 
-def _run_torch(module, call: Call, cotangents=None, *, double=False, numbers="float32"):
+def _run_torch(module, call: Call, cotangents=None, *, double=False, numbers="float32", spill=False):
     """Outputs, dropped outputs, cotangents, loss and gradients (inputs by ``grad <name>``, trainable parameters
     by name) of the torch side.
 
     ``cotangents`` (default: drawn by :func:`_cotangents`) weight the outputs in the
     differentiated scalar; ``double`` runs in float64 (the module must be float64 then);
-    ``numbers``: the dtype of Python numbers among the outputs. When that scalar depends on
+    ``numbers``: the dtype of Python numbers among the outputs; ``spill``: the parameter gradients are moved into
+    files one at a time (:func:`flax_ln.parity.spill.to_file`), each freed in torch at once. When that scalar depends on
     nothing that requires a gradient (every parameter frozen, no floating input, or no
     floating output), there are no gradients; a forward whose floating outputs lost their
     graph is an error (:func:`_check_graph`).
@@ -161,6 +163,8 @@ def _run_torch(module, call: Call, cotangents=None, *, double=False, numbers="fl
             for name, p in module.named_parameters():  # a parameter the forward does not use has gradient zero
                 if p.requires_grad:
                     grads[name] = np.zeros(p.shape, p.detach().numpy().dtype) if p.grad is None else p.grad.numpy()
+                    if spill:
+                        grads[name], p.grad = to_file(grads[name]), None
     return named, dropped, cotangents, value.detach().numpy(), grads
 
 
@@ -284,15 +288,17 @@ class TorchSide:
 MODES = ("grad", "jvp")
 
 
-def torch_results(module, call: Call, mode, cotangents, tangents, *, double=False, dtype="float32"):
+def torch_results(module, call: Call, mode, cotangents, tangents, *, double=False, dtype="float32", spill=False):
     """``(expected, kinds, cotangents, dropped outputs)`` of one torch run (see :class:`TorchSide`) in a comparison at
-    ``dtype`` (``double``: in float64)."""
+    ``dtype`` (``double``: in float64; ``spill``: parameter gradients kept in files)."""
     numbers = parameter_dtype(dtype)
     if mode == "jvp":
         expected, dropped = _run_torch_jvp(module, call, tangents, double=double, numbers=numbers)
         return expected, {k: "tangent" if k.startswith("tangent ") else "output" for k in expected}, {}, dropped
     param_names = trainable_and_frozen(module)[0]
-    outputs, dropped, cotangents, value, grads = _run_torch(module, call, cotangents, double=double, numbers=numbers)
+    outputs, dropped, cotangents, value, grads = _run_torch(
+        module, call, cotangents, double=double, numbers=numbers, spill=spill
+    )
     expected, kinds = dict(outputs), dict.fromkeys(outputs, "output")
     if call.loss is not None:
         expected["loss"], kinds["loss"] = value, "loss"
@@ -316,12 +322,14 @@ def run_torch_side(
     record: bool = False,
     name: str | None = None,
     share_weights: bool = False,
+    spill_gradients: bool = False,
 ) -> TorchSide:
     """Run the torch side once (and, with ``attribute``, once more on a float64 copy, the same
     cotangents or tangents in float64). ``record`` captures every submodule's call too.
     ``share_weights``: ``state_dict`` holds read-only views of the module's tensors instead of copies (one copy
     of the weights fewer; for a side compared at once, while the module is not changed, as
-    :func:`~flax_ln.parity.compare_modules` does).
+    :func:`~flax_ln.parity.compare_modules` does). ``spill_gradients``: the parameter gradients are kept in
+    files (:mod:`flax_ln.parity.spill`), for a comparison that would not fit in memory otherwise.
 
     ``inputs`` is a :class:`~flax_ln.parity.call.Call` (then ``input_names``, ``kwargs``,
     ``forward`` and ``loss`` come from it), or the inputs of one, as in
@@ -343,7 +351,7 @@ def run_torch_side(
         else {}
     )
     expected, kinds, cotangents, dropped, truth = _results_and_truth(
-        torch_module, call, mode, tangents, dtype, attribute
+        torch_module, call, mode, tangents, dtype, attribute, spill_gradients
     )
     side = TorchSide(
         name or type(torch_module).__name__,
@@ -367,10 +375,12 @@ def run_torch_side(
     return side
 
 
-def _results_and_truth(torch_module, call: Call, mode: str, tangents, dtype: str, attribute: bool):
+def _results_and_truth(torch_module, call: Call, mode: str, tangents, dtype: str, attribute: bool, spill=False):
     """:func:`torch_results` of one run and, with ``attribute``, the expected values of a float64 run (the same
     cotangents or tangents in float64; ``None`` without)."""
-    expected, kinds, cotangents, dropped = torch_results(torch_module, call, mode, None, tangents, dtype=dtype)
+    expected, kinds, cotangents, dropped = torch_results(
+        torch_module, call, mode, None, tangents, dtype=dtype, spill=spill
+    )
     truth = None
     if attribute:
         with torch_in_float64(torch_module):
