@@ -12,6 +12,9 @@ load, writing its checkpoint):
 - ``loader``: one plain call of the loader on the real checkpoint, the cost discovery cannot avoid;
 - ``discover``: ``KeyMap.discover(loader, like, takes="folder")``.
 
+With ``--takes state_dict`` the same loader takes the state dict instead (the plain call gets the
+torch model's own tensors as NumPy views, discovery its probe state dicts).
+
 Resident memory is sampled every ~20 ms by a background thread reading ``VmRSS`` from
 ``/proc/self/status``; the loader marks phases (which load is running, and the decoding between
 loads), and at each mark the kernel's high-water mark ``VmHWM`` is read and reset (``clear_refs``),
@@ -20,7 +23,7 @@ with the phase it fell in. ``ru_maxrss`` reads the same kernel counter as ``VmHW
 resets it is the last phase's peak only; it is printed as that. Extra = peak during the call -
 resident just before it.
 
-    python benchmarks/discover_memory.py [--layers 12] [--width 768]
+    python benchmarks/discover_memory.py [--layers 12] [--width 768] [--takes folder|state_dict]
 """
 
 from __future__ import annotations
@@ -144,11 +147,14 @@ def make_loader(config: dict, marks=None):
         var = getattr(node, last)
         var.set_value(jnp.asarray(value, var.get_value().dtype))
 
-    def load(folder: str):
+    def load(source):
         calls[0] += 1
         if marks:
             marks(f"load {calls[0]} (the loader)")
-        tensors = safetensors.numpy.load_file(f"{folder}/model.safetensors")
+        # a folder (takes="folder") or the state dict itself (takes="state_dict"), whose entries are not the loader's
+        tensors = (
+            dict(source) if isinstance(source, dict) else safetensors.numpy.load_file(f"{source}/model.safetensors")
+        )
         model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
         for key in list(tensors):
             w = tensors.pop(key)  # each tensor dropped once placed, as a careful port does
@@ -166,7 +172,7 @@ def make_loader(config: dict, marks=None):
     return load, calls
 
 
-def child(mode: str, layers: int, width: int) -> dict:
+def child(mode: str, layers: int, width: int, takes: str) -> dict:
     import resource
     import tempfile
     import time
@@ -174,6 +180,7 @@ def child(mode: str, layers: int, width: int) -> dict:
     import safetensors.torch
 
     from flax_ln.convert import KeyMap
+    from flax_ln.convert.assign import as_numpy
 
     like, config = torch_gpt2(layers, width)
     names = {id(p): p for p in like.parameters()}
@@ -181,7 +188,7 @@ def child(mode: str, layers: int, width: int) -> dict:
     sampler = Sampler()
     loader, calls = make_loader(config, sampler.mark)
     with tempfile.TemporaryDirectory() as folder:
-        if mode == "loader":
+        if mode == "loader" and takes == "folder":
             # every key the probes hold, the tie too (its own copy: safetensors stores no shared tensors)
             state = {k: v.contiguous().clone() if k == "lm_head.weight" else v for k, v in like.state_dict().items()}
             safetensors.torch.save_file(state, f"{folder}/model.safetensors")
@@ -190,9 +197,9 @@ def child(mode: str, layers: int, width: int) -> dict:
         with sampler:
             t0 = time.perf_counter()
             if mode == "loader":
-                result = loader(folder)
+                result = loader(folder if takes == "folder" else {k: as_numpy(v) for k, v in like.state_dict().items()})
             else:
-                result = KeyMap.discover(loader, like, takes="folder")
+                result = KeyMap.discover(loader, like, takes=takes)
             seconds = time.perf_counter() - t0
     out = {
         "mode": mode,
@@ -217,15 +224,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--takes", choices=("folder", "state_dict"), default="folder")
     parser.add_argument("--child", choices=("loader", "discover"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.layers, args.width)))
+        print(json.dumps(child(args.child, args.layers, args.width, args.takes)))
         return
     root = Path(__file__).resolve().parent.parent
     results = {}
     for mode in ("loader", "discover"):
-        command = [sys.executable, __file__, "--child", mode, "--layers", str(args.layers), "--width", str(args.width)]
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--layers",
+            str(args.layers),
+            "--width",
+            str(args.width),
+            "--takes",
+            args.takes,
+        ]
         done = subprocess.run(command, capture_output=True, text=True, cwd=root)
         if done.returncode:
             sys.exit(f"{mode}: the subprocess failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -157,7 +157,10 @@ class _Probe:
         order = [*self.probed, *(k for k in self.originals if k not in self.probed)]
         self.loads += 1
         if self.takes == "state_dict":
-            state = {key: self._array(key, values) for key in order}
+            state: dict[str, np.ndarray] = {}
+            for key in order:  # an alias is its tensor's array, as in the torch state dict: one copy of the tie
+                source = self.aliases.get(key, key)
+                state[key] = state[source] if source in state else self._array(key, values)
             return _tree(self.loader(state), self.kind)
         with tempfile.TemporaryDirectory() as folder:
             write_streamed(
