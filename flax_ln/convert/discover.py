@@ -38,12 +38,14 @@ from flax import nnx
 from flax_ln.convert.assign import as_numpy
 from flax_ln.convert.discover_layout import Region, describe_part, fold_families, layout_of, regions
 from flax_ln.convert.errors import ConversionError
+from flax_ln.convert.tensor_files import write_streamed
 from flax_ln.convert.ties import find_ties
 from flax_ln.convert.trees import LinenTree, NNXTree, PytreeTree, VariableTree
 
 # The largest integer each float holds exactly, with every integer below it.
 _EXACT = {"bfloat16": 2**8, "float16": 2**11, "float32": 2**24, "float64": 2**53}
 _MAX_BASE = 2**20  # ids combine in int64: a digit this wide keeps every product far from overflow
+_CHUNK = 1 << 22  # elements made, decoded or checked at once: float64 temporaries of 32 MiB, whatever the size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,8 @@ class Discovery:
     """What :meth:`~flax_ln.convert.KeyMap.discover` saw the loader do, beside the rules it wrote.
 
     Args:
-      dropped: torch key -> ``"all"`` or the part the loader never read (e.g. ``"rows 8:16 of 32"``).
+      dropped: torch key -> ``"all"``: a tensor the loader never read (one it reads only in part is an error naming
+        the variable it fills).
       unfilled: flax path -> what it holds, left at init (``"constant 0.0"``, ``"array (64,) -1.2..3.4"``).
       offsets: flax path (with its slice) -> ``(scale, offset)`` where the loader wrote ``scale * torch + offset``
         with other than ``(1, 0)``.
@@ -135,7 +138,7 @@ class _Probe:
         state = {k: as_numpy(v) for k, v in like.state_dict().items()}
         self.aliases = {a: name for name, keys in find_ties(like).items() for a in keys if a != name}
         self.keys = [k for k in state if k not in self.aliases]  # one per tensor
-        self.shapes = {k: tuple(state[k].shape) for k in self.keys}
+        self.shapes = {k: tuple(state[k].shape) for k in state}
         self.dtypes = {k: state[k].dtype for k in state}
         self.originals = state
         self.probed = [k for k in self.keys if np.issubdtype(self.dtypes[k], np.number) or _floating(self.dtypes[k])]
@@ -146,31 +149,55 @@ class _Probe:
         self.loads = 0
 
     def run(self, values: Callable[[np.ndarray], np.ndarray]) -> VariableTree:
-        """Load a state dict whose element ``g`` is ``values(g)``; the loaded flax side as a variable tree."""
-        index = np.int32 if self.total < 2**31 else np.int64
-        state = {}
-        for i, key in enumerate(self.probed):
-            ids = np.arange(self.starts[i], self.starts[i + 1], dtype=index).reshape(self.shapes[key])
-            state[key] = values(ids).astype(self.dtypes[key])
-        for key, array in self.originals.items():
-            if key in self.aliases:
-                state[key] = state.get(self.aliases[key], array)
-            elif key not in state:
-                state[key] = array
+        """Load a state dict whose element ``g`` is ``values(g)``; the loaded flax side as a variable tree.
+
+        The probe values are made a block of ids at a time: a folder's file is written block by block (no probe
+        tensor is ever whole in memory), a state dict is filled tensor by tensor and dropped when the loader returns.
+        """
+        order = [*self.probed, *(k for k in self.originals if k not in self.probed)]
         self.loads += 1
         if self.takes == "state_dict":
+            state: dict[str, np.ndarray] = {}
+            for key in order:  # an alias is its tensor's array, as in the torch state dict: one copy of the tie
+                source = self.aliases.get(key, key)
+                state[key] = state[source] if source in state else self._array(key, values)
             return _tree(self.loader(state), self.kind)
         with tempfile.TemporaryDirectory() as folder:
-            import safetensors.numpy
-
-            safetensors.numpy.save_file(
-                {k: np.ascontiguousarray(v) for k, v in state.items()}, f"{folder}/model.safetensors"
+            write_streamed(
+                Path(folder) / "model.safetensors",
+                [
+                    (key, self.shapes[key], self.dtypes[key], functools.partial(self._blocks, key, values))
+                    for key in order
+                ],
             )
-            del state  # the loader reads the file: the probe arrays need not stay
             config = getattr(self.like, "config", None)
             if config is not None and hasattr(config, "to_json_file"):
                 config.to_json_file(str(Path(folder) / "config.json"))
             return _tree(self.loader(folder), self.kind)
+
+    def _blocks(self, key: str, values: Callable[[np.ndarray], np.ndarray]) -> Iterator[np.ndarray]:
+        """``key``'s probe values (an alias: its tensor's; not probed: its original), flat, a block at a time."""
+        source = self.aliases.get(key, key)
+        if source not in self.probed:
+            yield self.originals[key].reshape(-1)
+            return
+        i = self.probed.index(source)
+        index = np.int32 if self.total < 2**31 else np.int64
+        for start in range(int(self.starts[i]), int(self.starts[i + 1]), _CHUNK):
+            stop = min(start + _CHUNK, int(self.starts[i + 1]))
+            yield values(np.arange(start, stop, dtype=index)).astype(self.dtypes[key])
+
+    def _array(self, key: str, values: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """``key``'s probe tensor, whole (for a loader that takes a state dict)."""
+        source = self.aliases.get(key, key)
+        if source not in self.probed:
+            return self.originals[key]
+        out = np.empty(self.shapes[key], self.dtypes[key])
+        flat, at = out.reshape(-1), 0  # a view: out is contiguous
+        for block in self._blocks(key, values):
+            flat[at : at + block.size] = block
+            at += block.size
+        return out
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
@@ -186,6 +213,8 @@ def _summary(value: np.ndarray) -> str:
 
 
 def _uniform(a: np.ndarray) -> float | None:
+    if a.size and not any(a.strides):  # one number broadcast
+        return float(a.flat[0])
     return float(a.flat[0]) if a.size and (a == a.flat[0]).all() else None
 
 
@@ -202,9 +231,10 @@ def measure(
     :meth:`~flax_ln.convert.KeyMap.discover` for the arguments. One :class:`ConversionError` lists every problem."""
     probe = _Probe(loader, like, takes, kind)
     allow_unfilled, allow_dropped = list(allow_unfilled), list(allow_dropped)
-    # Memory: one loaded model at a time, read a variable at a time; each variable's first value (its own dtype)
-    # until its affine is known, kept only where some element is left at init; scale and offset as one number
-    # broadcast where uniform; then the ids (int32 below 2**31 elements).
+    # Memory: one loaded model at a time, read a variable at a time and compared, decoded or checked a chunk at a
+    # time (float64 temporaries of _CHUNK elements); each variable's first value (its own dtype) until its affine is
+    # known, kept only where some element is left at init; scale and offset as one number broadcast where uniform;
+    # then the ids (int32 below 2**31 elements).
     tree = probe.run(functools.partial(_constant, 2))
     info = {p: spec for p, spec in tree.variables().items() if _floating(spec[1])}
     variables = {
@@ -213,31 +243,29 @@ def measure(
     del tree
     again = probe.run(functools.partial(_constant, 2))
     for path, var in variables.items():
-        if not np.array_equal(var.first, again.read(path), equal_nan=True):
+        if not _same(var.first, again.read(path)):
             var.random = True  # reported as left at init: no torch element explains a value that moves by itself
             var.scale = var.offset = _compact(np.zeros(var.shape))
     del again
     three = probe.run(functools.partial(_constant, 3))
     for path, var in variables.items():
         if not var.random:
-            v2 = var.first.astype(np.float64)
-            scale = three.read(path).astype(np.float64) - v2
-            var.scale, var.offset = _compact(scale), _compact(v2 - 2 * scale)
+            var.scale, var.offset = _affine(var.first, three.read(path))
+            if _all_nonzero(var.scale):
+                var.first = None  # needed only to report what a load leaves at init
     del three
     five = probe.run(functools.partial(_constant, 5))
     for path, var in variables.items():
         if var.random:
             continue
-        v5 = five.read(path).astype(np.float64)
-        tol = 4 * float(jnp.finfo(var.dtype).eps) * np.maximum(1.0, np.abs(v5))
-        if not (np.abs(v5 - (5 * var.scale + var.offset)) <= tol).all():
+        if not _affine_holds(var, five.read(path)):
             var.problem = (
                 "is not a gather: its values for constant loads 2, 3, 5 are not scale * torch + offset "
                 "(not a function of one torch element)"
             )
             var.scale = var.offset = None
-        if var.scale is None or (var.scale != 0).all():
-            var.first = None  # needed only to report what a load leaves at init
+        if var.scale is None or _all_nonzero(var.scale):
+            var.first = None
     del five
     digits = [v for v in variables.values() if v.scale is not None]
     limit = min(
@@ -245,8 +273,8 @@ def measure(
         + [_EXACT.get(np.dtype(d).name, 2**53) for d in probe.dtypes.values() if _floating(d)]
         + [_MAX_BASE]
     )
-    reach = max([float(np.abs(v.scale).max(initial=0)) for v in digits] + [1.0])
-    shift = max([float(np.abs(v.offset[v.scale != 0]).max(initial=0)) for v in digits] + [0.0])
+    reach = max([_reach(v)[0] for v in digits] + [1.0])
+    shift = max([_reach(v)[1] for v in digits] + [0.0])
     base = int((limit - shift) // reach) - 2  # the largest digit + 2, scaled and offset, stays exact
     if base < 2:
         raise ConversionError(
@@ -283,7 +311,60 @@ def _digit(place: int, base: int, g: np.ndarray) -> np.ndarray:
     return (g // place) % base + 2
 
 
-_CHUNK = 1 << 22  # elements decoded at once: float64 temporaries of 32 MiB, whatever the variable's size
+def _chunks(size: int) -> Iterator[slice]:
+    return (slice(start, start + _CHUNK) for start in range(0, size, _CHUNK))
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal(a, b, equal_nan=True)``, a chunk at a time."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    return a.shape == b.shape and all(np.array_equal(a[part], b[part], equal_nan=True) for part in _chunks(a.size))
+
+
+def _affine(v2: np.ndarray, v3: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(scale, offset)`` (float64, the variable's shape) from its values for constant loads 2 and 3, each one
+    number broadcast (no memory) where uniform; uniformity is found a chunk at a time, and only a variable whose
+    scale or offset varies gets full float64 arrays."""
+    a, b = v2.reshape(-1), v3.reshape(-1)
+    first: tuple[np.float64, np.float64] | None = None
+    for part in _chunks(a.size):
+        low = a[part].astype(np.float64)
+        scale = b[part].astype(np.float64) - low
+        offset = low - 2 * scale
+        first = first or (scale[0], offset[0])
+        if not ((scale == first[0]).all() and (offset == first[1]).all()):
+            scale = v3.astype(np.float64) - v2.astype(np.float64)
+            return _compact(scale), _compact(v2.astype(np.float64) - 2 * scale)
+    if first is None:  # no elements
+        return np.zeros(v2.shape), np.zeros(v2.shape)
+    return np.broadcast_to(first[0], v2.shape), np.broadcast_to(first[1], v2.shape)
+
+
+def _all_nonzero(a: np.ndarray) -> bool:
+    return bool(a.flat[0] != 0) if a.size and not any(a.strides) else bool((a != 0).all())
+
+
+def _affine_holds(var: _Var, v5: np.ndarray) -> bool:
+    """Whether the variable's values for constant load 5 are ``5 * scale + offset``, to 4 ulp of its dtype."""
+    tol = 4 * float(jnp.finfo(var.dtype).eps)  # the loader's cast and its own scale/offset arithmetic round
+    flat = v5.reshape(-1)
+    scale, offset = _scalar_or_flat(var.scale), _scalar_or_flat(var.offset)
+    for part in _chunks(flat.size):
+        got = flat[part].astype(np.float64)
+        s = scale if np.ndim(scale) == 0 else scale[part]
+        o = offset if np.ndim(offset) == 0 else offset[part]
+        if not (np.abs(got - (5 * s + o)) <= tol * np.maximum(1.0, np.abs(got))).all():
+            return False
+    return True
+
+
+def _reach(var: _Var) -> tuple[float, float]:
+    """The largest ``|scale|`` of a variable, and the largest ``|offset|`` where its scale is not 0."""
+    scale, offset = var.scale, var.offset
+    if scale.size and not any(scale.strides) and not any(offset.strides):
+        s = float(scale.flat[0])
+        return abs(s), abs(float(offset.flat[0])) if s != 0 else 0.0
+    return float(np.abs(scale).max(initial=0)), float(np.abs(offset[scale != 0]).max(initial=0))
 
 
 def _scalar_or_flat(a: np.ndarray) -> Any:
@@ -327,6 +408,17 @@ def _agrees(var: _Var, value: np.ndarray, base: int) -> bool:
     return True
 
 
+def _tensor_of(starts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Each id's torch tensor (its position among the probed tensors), in the smallest integer dtype that holds it,
+    found a chunk at a time (no int64 array of the variable's size)."""
+    dtype = np.int16 if len(starts) < 2**15 else np.int32
+    out = np.empty(ids.shape, dtype)
+    flat, source = out.reshape(-1), ids.reshape(-1)  # views: both contiguous
+    for part in _chunks(source.size):
+        flat[part] = np.searchsorted(starts, source[part], side="right") - 1
+    return out
+
+
 def _admitted(name: str, patterns: list[str]) -> bool:
     return any(re.fullmatch(p, name) for p in patterns)
 
@@ -338,7 +430,7 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
     constants: dict[str, Any] = {}
     offsets: dict[str, tuple[float, float]] = {}
     targets: dict[int, list[tuple[str, str, str, tuple[float, float]]]] = {}  # tensor -> (path, index, layout, affine)
-    read = np.zeros(probe.total, bool)
+    read = np.zeros(len(probe.probed), bool)  # per torch tensor: a slab is explained only when it reads all of one
     for path, var in variables.items():
         if var.problem is not None:
             unfilled_errors.append((path, var.problem))
@@ -364,8 +456,7 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if not filled.all():
             unfilled_errors.append((path, f"partly filled: {describe_part(~filled, 'left at init')}"))
             continue
-        tensor_of = np.searchsorted(probe.starts, var.ids, side="right") - 1
-        found = regions(tensor_of, np.diff(probe.starts))
+        found = regions(_tensor_of(probe.starts, var.ids), np.diff(probe.starts))
         if found is None:
             unfilled_errors.append((path, "filled from several torch tensors, not in slabs along one axis"))
             continue
@@ -387,13 +478,10 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
                 )
     dropped, rules, comments = {}, [], {}
     for i, key in enumerate(probe.probed):
-        got = read[probe.starts[i] : probe.starts[i + 1]].reshape(probe.shapes[key])
-        if got.all():
+        if read[i] or probe.starts[i] == probe.starts[i + 1]:  # read, or no elements to read
             continue
-        dropped[key] = "all" if not got.any() else describe_part(~got, "never read")
-        if got.any():
-            mismatched.append((key, f"only part read by the loader: {dropped[key]}"))
-        elif key in probe.trainable and not _admitted(key, allow_dropped):
+        dropped[key] = "all"
+        if key in probe.trainable and not _admitted(key, allow_dropped):
             mismatched.append(
                 (key, f"a parameter the loader never reads; admit it with allow_dropped=[{re.escape(key)!r}]")
             )
@@ -442,11 +530,14 @@ def _region(probe: _Probe, path: str, var: _Var, region: Region, targets, offset
     assert var.ids is not None and var.scale is not None and var.offset is not None
     tensor = region.tensor
     key = probe.probed[tensor]
-    ids = np.asarray(var.ids[region.selector]).astype(np.int64) - probe.starts[tensor]
+    ids = var.ids[region.selector]  # a view (basic indexing): made relative to the tensor in place, no copy
+    ids -= ids.dtype.type(probe.starts[tensor])
     size = int(probe.starts[tensor + 1] - probe.starts[tensor])
-    counts = np.bincount(ids.ravel(), minlength=size)
-    if (counts > 1).any():
+    seen = np.zeros(size, bool)  # a mark per element of the tensor, not a count: duplicates show as fewer marks
+    seen[ids] = True
+    if np.count_nonzero(seen) < ids.size:
         return f"repeats elements of {key!r} (a broadcast or non-strided gather), not a permutation of it"
+    del seen
     if ids.size != size:
         return f"holds {ids.size} of the {size} elements of {key!r}: the tensor is only partly read"
     scale, offset = _uniform(np.asarray(var.scale[region.selector])), _uniform(np.asarray(var.offset[region.selector]))
@@ -458,7 +549,7 @@ def _region(probe: _Probe, path: str, var: _Var, region: Region, targets, offset
             f"holds the elements of {key!r} (shape {probe.shapes[key]}) in an order no einops rearrange of it "
             "gives (a flip, a roll, a gather)"
         )
-    read[probe.starts[tensor] : probe.starts[tensor + 1]] = True
+    read[tensor] = True
     affine = (scale, offset)
     if affine != (1.0, 0.0):
         offsets[path + region.index] = affine

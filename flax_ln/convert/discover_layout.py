@@ -95,8 +95,9 @@ def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
     if ids.size == 0 or ids.flat[0] != ids.min():
         return None
     axes: list[list[tuple[int, int]]] = []  # per flax axis: its elementary (size, stride), outer first
-    for j, n in enumerate(flax_shape):
-        profile = np.moveaxis(ids, j, 0).reshape(n, -1)[:, 0] - ids.flat[0]  # (n,)
+    for j in range(len(flax_shape)):
+        at_origin = (0,) * j + (slice(None),) + (0,) * (ids.ndim - j - 1)  # along axis j, every other index 0
+        profile = ids[at_origin].astype(np.int64) - ids.flat[0]  # (n,)
         found = _factors(profile)
         if found is None:
             return None
@@ -139,7 +140,8 @@ def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
 
 def reproduces(pattern: str, ids: np.ndarray, torch_shape: Shape) -> bool:
     """Whether ``pattern`` (or ``"identity"``) takes ``np.arange`` of ``torch_shape`` to exactly ``ids``."""
-    source = np.arange(int(np.prod(torch_shape, dtype=np.int64))).reshape(torch_shape)
+    size = int(np.prod(torch_shape, dtype=np.int64))
+    source = np.arange(size, dtype=np.int32 if size < 2**31 else np.int64).reshape(torch_shape)
     if pattern == "identity":
         return source.shape == ids.shape and bool((source == ids).all())
     try:

@@ -1,16 +1,18 @@
-"""A lazy reader of safetensors files: the headers first, then only the blocks asked for.
+"""A lazy reader of safetensors files (the headers first, then only the blocks asked for) and a streaming writer.
 
 Nothing here knows a model: :func:`read_headers` lists every tensor's name, shape and dtype
 code without reading data, :func:`shard_files` the files a sharded save's index names,
 and a :class:`StoredTensor` reads its tensor (or one block of it) when asked, mapping the
 file only for that read. :mod:`flax_ln.convert.hf` reads Hugging Face GPT-2 through it.
+:func:`write_streamed` writes a file a block at a time, never holding its tensors at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,49 @@ def read_headers(files: Iterable[Path]) -> Iterator[tuple[Path, str, tuple[int, 
             raise ValueError(f"{file}: not a readable safetensors file: {err}") from err
         for name, shape, code in header:
             yield file, name, shape, code
+
+
+_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"} | {
+    name: code for code, name in SAFETENSORS_OTHERS.items()
+}
+
+
+def write_streamed(
+    file: str | Path, tensors: Iterable[tuple[str, tuple[int, ...], Any, Callable[[], Iterable[np.ndarray]]]]
+) -> None:
+    """Write a safetensors ``file`` from ``(name, shape, dtype, blocks)``, ``blocks()`` yielding the tensor's
+    C-order elements in consecutive blocks of ``dtype`` (any sizes, summing to the tensor's): only one block is
+    held at a time. Raises ``ValueError`` naming the tensor whose dtype safetensors cannot store or whose blocks
+    do not add up to its shape."""
+    entries = list(tensors)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape, dtype, _ in entries:
+        code = _CODES.get(np.dtype(dtype).name)
+        if code is None:
+            raise ValueError(
+                f"write_streamed: tensor {name!r} has dtype {np.dtype(dtype)}, which safetensors "
+                f"cannot store; expected one of {sorted(_CODES)}"
+            )
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads it
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name, shape, dtype, blocks in entries:
+            written = 0
+            for block in blocks():
+                block = np.ascontiguousarray(block, dtype=dtype)
+                f.write((block.byteswap() if sys.byteorder == "big" else block).tobytes())  # safetensors: little-endian
+                written += block.size
+            if written != int(np.prod(shape, dtype=np.int64)):
+                raise ValueError(
+                    f"write_streamed: tensor {name!r} of shape {tuple(shape)} got {written} elements "
+                    "from its blocks; expected the shape's element count"
+                )
 
 
 def _json_type(value: Any) -> str:
