@@ -573,3 +573,50 @@ def test_a_loader_that_stacks_layers_for_a_scan_is_one_folded_rule_per_family():
     flax = Function(apply, {"w": np.zeros((3, 4, 4), np.float32), "b": np.zeros((3, 4), np.float32)})
     report = compare_modules(hf, flax, (x,), weights=found, dtype="float32")
     assert report.passed, str(report)
+
+
+class Rotary(torch.nn.Module):
+    """A query projection of 2 heads of 4: rotate-half order within each head, as Hugging Face checkpoints hold it."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(6, 8, bias=False)
+
+    def forward(self, x):
+        return self.q(x)
+
+
+def test_a_loader_that_interleaves_rotary_halves_is_discovered_with_axis_sizes():
+    """A port with interleaved rotary pairs reorders each head's rows, (h two d) -> (h d two): a split axis
+    permuted, which einops writes only with the sizes of the split axes; discovered, written as source, compared."""
+
+    def loader(sd):
+        w = sd["q.weight"].reshape(2, 2, 2, 6)  # (h, two, d, in)
+        return {"q": w.transpose(3, 0, 2, 1).reshape(6, 8)}  # (in, (h d two))
+
+    def apply(p, x):
+        y = (x @ p["q"]).reshape(*x.shape[:-1], 2, 2, 2)  # (..., h, d, two)
+        return y.swapaxes(-1, -2).reshape(*x.shape[:-1], 8)  # back to torch's (h two d)
+
+    hf = randomized(Rotary())
+    found = KeyMap.discover(loader, hf, kind="function")
+    (rule,) = found.rules
+    assert rule.layouts[0].pattern == "(a b c) d -> d (a c b); a=2, b=2, c=2"
+    rebuilt = eval(found.to_source(), {"KeyMap": KeyMap})
+    state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    want = loader(state)["q"]
+    for key_map in (found, rebuilt):
+        assert np.array_equal(loaded(PytreeTree({"q": np.zeros((6, 8), np.float32)}), state, key_map)["q"], want)
+    x = np.random.default_rng(6).standard_normal((2, 3, 6)).astype(np.float32)
+    report = compare_modules(hf, Function(apply, {"q": np.zeros((6, 8), np.float32)}), (x,), weights=found)
+    assert report.passed, str(report)
+
+
+def test_a_loader_that_flips_a_tensor_is_named_as_reading_it_in_no_einops_order():
+    def loader(sd):
+        return {"q": sd["q.weight"][::-1].T.copy()}  # rows reversed: a gather, but no rearrange
+
+    with pytest.raises(ConversionError) as error:
+        KeyMap.discover(loader, randomized(Rotary()), kind="function")
+    assert "flax variable 'q': holds the elements of 'q.weight'" in str(error.value)
+    assert "never reads" not in str(error.value)  # the loader reads it; what it does is what is not a key map

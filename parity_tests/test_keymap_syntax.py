@@ -223,16 +223,20 @@ def test_rule_errors_name_the_rule():
                 ("c", "z[:, 0:x]", None),
                 ("d", "w[4:2]", None),
                 ("e", "v", None, {"offset": float("nan")}),
+                ("f", "u", "(a b) c -> c (b a); a=x"),
+                ("g", "t", "(a b) c -> c (b a); a=2, z=3"),
             ]
         )
     text = str(info.value)
-    assert "5 bad rule(s)" in text
+    assert "7 bad rule(s)" in text
     for index, says in [
         (0, "unknown key(s) ['shift']"),
         (1, "scale must be nonzero"),
         (2, "slice item '0:x'"),
         (3, "slice item '4:2'"),
         (4, "offset must be finite"),
+        (5, "'a=x' is not an axis size such as 'd=64'"),
+        (6, "gives sizes of axes it does not name: ['z']"),
     ]:
         line = next(line for line in text.splitlines() if line.strip().startswith(f"rule {index} "))
         assert says in line, line

@@ -430,7 +430,7 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
     constants: dict[str, Any] = {}
     offsets: dict[str, tuple[float, float]] = {}
     targets: dict[int, list[tuple[str, str, str, tuple[float, float]]]] = {}  # tensor -> (path, index, layout, affine)
-    read = np.zeros(len(probe.probed), bool)  # per torch tensor: a slab is explained only when it reads all of one
+    read = np.zeros(len(probe.probed), bool)  # per torch tensor: whether any variable holds its elements
     for path, var in variables.items():
         if var.problem is not None:
             unfilled_errors.append((path, var.problem))
@@ -530,6 +530,7 @@ def _region(probe: _Probe, path: str, var: _Var, region: Region, targets, offset
     assert var.ids is not None and var.scale is not None and var.offset is not None
     tensor = region.tensor
     key = probe.probed[tensor]
+    read[tensor] = True  # the loader reads it, whether or not what it does is explained
     ids = var.ids[region.selector]  # a view (basic indexing): made relative to the tensor in place, no copy
     ids -= ids.dtype.type(probe.starts[tensor])
     size = int(probe.starts[tensor + 1] - probe.starts[tensor])
@@ -549,7 +550,6 @@ def _region(probe: _Probe, path: str, var: _Var, region: Region, targets, offset
             f"holds the elements of {key!r} (shape {probe.shapes[key]}) in an order no einops rearrange of it "
             "gives (a flip, a roll, a gather)"
         )
-    read[tensor] = True
     affine = (scale, offset)
     if affine != (1.0, 0.0):
         offsets[path + region.index] = affine

@@ -114,6 +114,7 @@ def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
             per_torch[k].append((stride, size, j, f))
     letters = iter(string.ascii_lowercase)
     name: dict[tuple[int, int], str] = {}
+    size_of: dict[str, int] = {}
     left = []
     for k, parts in enumerate(per_torch):
         parts.sort(reverse=True)  # outer (largest stride) first
@@ -128,6 +129,7 @@ def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
             left.append("1")
             continue
         names = [name.setdefault((j, f), next(letters)) for _, _, j, f in parts]
+        size_of.update((name[(j, f)], size) for _, size, j, f in parts)
         left.append(names[0] if len(names) == 1 else f"({' '.join(names)})")
     right = []
     for j, found in enumerate(axes):
@@ -135,7 +137,23 @@ def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
         right.append("1" if not names else names[0] if len(names) == 1 else f"({' '.join(names)})")
     lhs, rhs = " ".join(left), " ".join(right)
     pattern = "identity" if lhs == rhs else f"{lhs} -> {rhs}"
+    if pattern != "identity" and not _sizes_known(left, right):  # "(a b c) d -> d (a c b)": einops needs sizes
+        grouped = [n for group in left + right if group.startswith("(") for n in group.strip("()").split()]
+        pattern += "; " + ", ".join(f"{n}={size_of[n]}" for n in sorted(set(grouped)))
     return pattern if reproduces(pattern, ids, torch_shape) else None
+
+
+def _sizes_known(left: list[str], right: list[str]) -> bool:
+    """Whether einops reads every axis size of ``left -> right`` (and back) from the two shapes: each axis of a
+    group stands alone on the other side."""
+    singles = [{g for g in side if not g.startswith("(")} for side in (left, right)]
+    return all(
+        n in singles[1 - s]
+        for s, side in enumerate((left, right))
+        for g in side
+        if g.startswith("(")
+        for n in g.strip("()").split()
+    )
 
 
 def reproduces(pattern: str, ids: np.ndarray, torch_shape: Shape) -> bool:

@@ -118,7 +118,7 @@ class ArrayLayout:
     def needs_torch_shape(self) -> bool:
         """Whether :meth:`to_torch` needs torch's shape: a reshape, or axes merged on the flax side."""
         if self.pattern is not None:
-            flax_side = ParsedExpression(self.pattern.split("->")[1])
+            flax_side = ParsedExpression(split_sizes(self.pattern)[0].split("->")[1])
             return any(len([a for a in g if isinstance(a, str)]) > 1 for g in flax_side.composition if g != "…")
         return self.reshape is not None
 
@@ -128,9 +128,10 @@ class ArrayLayout:
         Raises ``ValueError`` when the sizes do not fit. Works on NumPy and JAX arrays.
         """
         if self.pattern is not None:
+            expression, sizes = split_sizes(self.pattern)
             try:
-                rhs = ParsedExpression(self.pattern.split("->")[1])
-                out = einops.rearrange(array, self.pattern, **_single_axis_sizes(rhs, flax_shape))
+                rhs = ParsedExpression(expression.split("->")[1])
+                out = einops.rearrange(array, expression, **{**_single_axis_sizes(rhs, flax_shape), **sizes})
             except einops.EinopsError as error:
                 raise ValueError(f"layout {self.pattern!r} does not fit: {_einops_reason(error)}") from None
         else:
@@ -158,10 +159,11 @@ class ArrayLayout:
         if self.needs_torch_shape and torch_shape is None:
             raise NeedsTorchShape(f"layout {self} cannot be inverted from the flax shape alone")
         if self.pattern is not None:
-            lhs, rhs = self.pattern.split("->")
+            expression, given = split_sizes(self.pattern)
+            lhs, rhs = expression.split("->")
             sizes = _single_axis_sizes(ParsedExpression(lhs), torch_shape) if torch_shape is not None else {}
             try:
-                out = einops.rearrange(array, f"{rhs} -> {lhs}", **sizes)
+                out = einops.rearrange(array, f"{rhs} -> {lhs}", **{**sizes, **given})
             except einops.EinopsError as error:
                 raise ValueError(f"layout {self.pattern!r} does not invert: {_einops_reason(error)}") from None
         elif self.reshape is None:
@@ -193,6 +195,20 @@ class ArrayLayout:
 IDENTITY = ArrayLayout()
 
 
+def split_sizes(pattern: str) -> tuple[str, dict[str, int]]:
+    """An einops pattern with the sizes of split axes after a semicolon, ``"(h two d) i -> i (h d two); two=2, d=64"``,
+    as ``(pattern, {axis: size})``: the sizes einops cannot read from the shapes (several unknown axes in one group).
+    ``ValueError`` for a size that is not ``name=positive integer``."""
+    expression, _, given = pattern.partition(";")
+    sizes = {}
+    for item in given.replace(",", " ").split():
+        name, equals, value = item.partition("=")
+        if not equals or not name.isidentifier() or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"layout {pattern!r}: {item!r} is not an axis size such as 'd=64'")
+        sizes[name] = int(value)
+    return expression.strip(), sizes
+
+
 def _einops_reason(error: Exception) -> str:
     return " ".join(str(error).split())
 
@@ -208,12 +224,17 @@ def parse_layout(layout: Any) -> ArrayLayout:
     if isinstance(layout, str):
         if layout.count("->") != 1:
             raise ValueError(f"layout {layout!r} must be an einops rearrange pattern 'torch axes -> flax axes'")
+        expression, sizes = split_sizes(layout)
         try:
-            lhs, rhs = (ParsedExpression(side) for side in layout.split("->"))
+            lhs, rhs = (ParsedExpression(side) for side in expression.split("->"))
         except einops.EinopsError as error:
             raise ValueError(f"layout {layout!r} is not a rearrange pattern: {_einops_reason(error)}") from None
         if lhs.identifiers != rhs.identifiers:
             raise ValueError(f"layout {layout!r} must name the same axes on both sides")
+        if not sizes.keys() <= lhs.identifiers:
+            raise ValueError(
+                f"layout {layout!r} gives sizes of axes it does not name: {sorted(sizes.keys() - lhs.identifiers)}"
+            )
         return ArrayLayout(pattern=layout.strip())
     if isinstance(layout, (tuple, list)) and len(layout) == 3:
         permutation, reshape, reshape_first = layout
