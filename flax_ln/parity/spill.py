@@ -48,7 +48,9 @@ def to_file(array: np.ndarray) -> np.ndarray:
         return array
     fd, path = tempfile.mkstemp(prefix="flax-ln-gradient-")
     try:
-        os.posix_fallocate(fd, 0, array.nbytes)  # reserve the space now: a full disk under a map is a SIGBUS later
+        reserve = getattr(os, "posix_fallocate", None)  # not on macOS, which has no MemAvailable: no spill there
+        if reserve is not None:
+            reserve(fd, 0, array.nbytes)  # reserve the space now: a full disk under a map is a SIGBUS later
         mapped = np.memmap(path, dtype=array.dtype, mode="r+", shape=array.shape)
     except OSError as err:
         warnings.warn(
