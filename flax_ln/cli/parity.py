@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write one self-contained HTML page of every model checked: the module trees side by side, shaded "
         "by error, the first divergence and culprits marked, every tensor in a sortable table",
     )
-    parser.add_argument("--quiet", action="store_true", help="print only the summary lines")
+    parser.add_argument("--quiet", action="store_true", help="print only the summary lines, and no progress bar")
     parser.add_argument("--worst", type=int, default=8, help="rows per table (default 8)")
     parser.add_argument(
         "--attribute",

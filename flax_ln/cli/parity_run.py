@@ -190,7 +190,12 @@ def run_parity(args: argparse.Namespace, mesh=None) -> int:
                 report.stored_dtype = case.stored_dtype
             else:
                 report = check_case(
-                    case, tolerances, capture_modules=capture_modules(args), attribute=args.attribute, mesh=mesh
+                    case,
+                    tolerances,
+                    capture_modules=capture_modules(args),
+                    attribute=args.attribute,
+                    mesh=mesh,
+                    quiet=args.quiet,
                 )
             if args.train_steps and case.train is not None:
                 report.train_steps = check_training(case, args.train_steps, tolerances)

@@ -77,10 +77,11 @@ def check_case(
     mode: str = "grad",
     attribute: bool = False,
     mesh=None,
+    quiet: bool = False,
 ) -> ParityReport:
     """:func:`compare_modules` on a case (its ``forward``, LM metrics on ``case.lm_logits``). ``capture_modules``
-    records every submodule's error even when all pass; ``mode``, ``attribute`` and ``mesh`` as in
-    :func:`compare_modules`; the report names ``case.stored_dtype``."""
+    records every submodule's error even when all pass; ``mode``, ``attribute``, ``mesh`` and ``quiet`` (no
+    progress bar) as in :func:`compare_modules`; the report names ``case.stored_dtype``."""
     report = compare_modules(
         case.torch_model,
         case.flax_model,
@@ -97,6 +98,7 @@ def check_case(
         attribute=attribute,
         lm_logits=case.lm_logits,
         mesh=mesh,
+        quiet=quiet,
     )
     report.stored_dtype = case.stored_dtype
     return report

@@ -36,6 +36,7 @@ from flax_ln.parity.policy import (
     whole_norm,
     zero_gradient_names,
 )
+from flax_ln.parity.progress import Progress
 from flax_ln.parity.report import ParityReport, environment
 from flax_ln.parity.shared import as_shared, zero_shared
 from flax_ln.parity.spill import should_spill
@@ -70,22 +71,20 @@ _TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
 
 def _judge(
     side: TorchSide,
-    flax: FlaxSide,
-    call: Call,
+    values: tuple[dict[str, np.ndarray], dict[str, str], Any],
     tolerances: Mapping[str, Tolerance],
-    mesh,
     zero_evidence: Callable[[], set[str]],
     want_zero: bool = False,
 ) -> tuple[ParityReport, dict[str, np.ndarray], set[str]]:
-    """Every tensor of ``side.expected`` against the flax side's value: the report, not yet localised, the flax
-    side's values, and the gradients float64 shows are zero in the mathematics (when some gradient needed them,
-    or, in float64, ``want_zero``; else the empty set).
+    """Every tensor of ``side.expected`` against the flax side's ``values`` (:meth:`FlaxSide.values`): the report,
+    not yet localised, the flax side's values, and the gradients float64 shows are zero in the mathematics (when
+    some gradient needed them, or, in float64, ``want_zero``; else the empty set).
 
     A gradient passes as zero only on float64's word: in a float64 comparison both sides' gradients (islands
     lifted) say so; otherwise ``zero_evidence()`` does. Either is asked only when some gradient needs it, and so
     is the whole gradient's norm: a comparison that passes reads each gradient once."""
     dtype = side.dtype
-    actual, dropped, sharding = flax.values(side, call, mesh)
+    actual, dropped, sharding = values
     exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
     param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]
     norm = functools.cache(lambda: whole_norm(side.expected[k] for k in param_grads))
@@ -178,17 +177,21 @@ def _load_and_judge(
     plan=None,
     rerun: Callable[[dict[str, np.ndarray]], TorchSide] | None = None,
     want_zero: bool = False,
+    judging: Callable[[], None] = lambda: None,
 ):
     """Load the flax side of ``kind`` with ``side``'s weights (through ``weights``, a key map, when given), run
     and compare it, add the ties, LM metrics and attribution. ``rerun``: the torch side again with other tangents
-    (:func:`~flax_ln.parity.torch_side.with_tangents`), for :func:`~flax_ln.parity.shared.as_shared`."""
+    (:func:`~flax_ln.parity.torch_side.with_tangents`), for :func:`~flax_ln.parity.shared.as_shared`;
+    ``judging()`` is called when the flax side has run, before its values are compared (a progress phase)."""
     flax = kind.load(flax_module, side, flax_inputs, weights, plan)
     shared = {} if flax.plan is None else flax.plan.shared()
     if flax.plan is not None and shared:
         side = as_shared(side, flax.plan, rerun)
         evidence = zero_evidence
         zero_evidence = lambda: zero_shared(evidence(), shared)  # noqa: E731
-    report, actual, zero = _judge(side, flax, call, tolerances, mesh, zero_evidence, want_zero)
+    values = flax.values(side, call, mesh)
+    judging()
+    report, actual, zero = _judge(side, values, tolerances, zero_evidence, want_zero)
     report.ties = flax.ties()
     report.shared = shared
     report.constants = {} if flax.plan is None else {p: describe_value(v) for p, v in flax.plan.constants.items()}
@@ -286,6 +289,7 @@ def compare_modules(
     modules: Mapping[str, Any] | None = None,
     islands: str = "lift",
     torch_factory: Callable[[], Any] | None = None,
+    quiet: bool = False,
 ) -> ParityReport:
     """Compare a torch module with its NNX twin: every output, and the gradient of every floating input and parameter.
 
@@ -393,6 +397,9 @@ def compare_modules(
         weights and checked equal to them. A transformers model (with a ``config``) is
         rebuilt as ``type(m)(m.config)`` without it; any other module without it has its
         float32-rounded float64 buffers listed in ``report.islands`` (not lifted).
+      quiet: no progress bar. Without it, a comparison that runs longer than two seconds shows a bar of its
+        phases on a terminal (:class:`~flax_ln.parity.progress.Progress`; never when ``sys.stderr`` is not a
+        terminal, or with the environment variable ``FLAX_LN_PROGRESS=0``).
 
     Frozen torch parameters (``requires_grad=False``) are loaded and compared through the
     outputs, but have no gradient: they are listed in ``report.frozen``. An input with
@@ -433,9 +440,12 @@ def compare_modules(
     explicit = dtype is not None
     dtype = resolve_dtype(torch_module, dtype)
     float64_check, zero, plan = None, None, None
-    if not explicit and dtype != "float64":  # the default: the float64 check, islands lifted, beside it
-        float64_check, zero, plan = comparison.run("float64", None, None, want_zero=True)
-    report, _, _ = comparison.run(dtype, zero, plan)
+    checked = not explicit and dtype != "float64"  # the default: the float64 check, islands lifted, beside it
+    label = name or type(torch_module).__name__
+    with Progress(comparison.phases * (1 + checked), label=label, quiet=quiet) as progress:
+        if checked:
+            float64_check, zero, plan = comparison.run("float64", None, None, True, progress, "float64 check: ")
+        report, _, _ = comparison.run(dtype, zero, plan, progress=progress)
     report.float64_check = float64_check
     report.discovery = getattr(weights, "discovery", None)
     return _stamp(report, started)
@@ -463,15 +473,35 @@ class Comparison:
     islands: str
     torch_factory: Callable[[], Any] | None
 
+    @property
+    def phases(self) -> int:
+        """The progress phases of one :meth:`run`: torch, flax, the comparison, and localisation when it may run."""
+        return 3 + (self.capture_modules or self.localize_failures)
+
     def run(
-        self, dtype: str, zero: set[str] | None, plan: KeyPlan | None, want_zero: bool = False
+        self,
+        dtype: str,
+        zero: set[str] | None,
+        plan: KeyPlan | None,
+        want_zero: bool = False,
+        progress: Progress | None = None,
+        prefix: str = "",
     ) -> tuple[ParityReport, set[str], Any]:
         """The comparison in ``dtype`` (floating inputs cast to its parameter dtype; in float64 on float64
         copies, islands lifted or kept): the report, the gradients float64 shows are zero, and the key map's
         plan. ``zero``: those gradients from a float64 check already run, else a float64 run of the torch side
         says, when asked; ``plan``: that check's plan (the same variables and keys), not built again;
         ``want_zero``: in float64, find those gradients even when no gradient of this run needs them (for a run
-        in another dtype to come)."""
+        in another dtype to come). ``progress``: the bar its phases advance, each shown after ``prefix``."""
+        bar = progress or Progress(0, label="", quiet=True)
+        shown = 0
+
+        def phase(text: str) -> None:  # the phase before (if any) is done; ``text`` runs now
+            nonlocal shown
+            bar.advance(min(shown, 1))
+            bar.phase(prefix + text)
+            shown += 1
+
         opts = self.call_options
         want = parameter_dtype(dtype)
         inputs, cast = cast_floats(self.inputs, want)
@@ -492,6 +522,7 @@ class Comparison:
             numerics(dtype),
             torch_model_for(self.torch_module, dtype, self.islands, self.torch_factory, found) as model,
         ):
+            phase("torch forward and backward")
             with torch_lifted(model, dtype, self.islands, found):
                 side = run_torch_side(
                     model,
@@ -509,6 +540,7 @@ class Comparison:
                 with torch_lifted(model, dtype, self.islands, found):
                     return with_tangents(side, model, call, tangents)
 
+            phase("flax load, compile and run")
             with flax_lifted(dtype, self.islands, found):
                 report, flax, zero_found = _load_and_judge(
                     self.kind,
@@ -524,10 +556,12 @@ class Comparison:
                     plan,
                     rerun,
                     want_zero,
+                    lambda: phase("comparison"),
                 )
             if dtype == "float64":
                 found.add(flax.rounded_tables())
             if self.capture_modules or (self.localize_failures and not report.passed):
+                phase("localisation")
                 try:
                     if self.kind.localization_note is None:  # a kind without modules has no pairs for the records
                         with torch_lifted(model, dtype, self.islands, found):
@@ -540,6 +574,7 @@ class Comparison:
                     )
                 with flax_lifted(dtype, self.islands, found):
                     localize(report, side, flax, call, tolerances["output"], self.modules)
+        bar.advance(self.phases - shown + 1)  # past the last phase, and a localisation not needed
         report.input_casts = casts
         report.islands = found.islands
         return report, zero_found, flax.plan
