@@ -54,6 +54,29 @@ def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw[start : start + size].view(dtype).reshape(shape)
 
 
+TILE = 256  # a tile of TILE x TILE float64 elements (512 KiB) stays in a core's cache while it is copied
+
+
+def copy_into(dest: np.ndarray, source: np.ndarray) -> None:
+    """``dest[...] = source`` (cast as needed). A matrix read across its rows (a transposed view, as a layout
+    gives) is copied tile by tile: an element-by-element strided copy misses the cache on every read, and
+    took three times as long for a GPT-2 XL projection."""
+    if source.ndim < 2 or source.flags.c_contiguous or source.strides[-1] == source.itemsize:
+        np.copyto(dest, source, casting="unsafe")
+        return
+    rows, cols = source.shape[-2:]
+    for i in range(0, rows, TILE):
+        for j in range(0, cols, TILE):
+            np.copyto(dest[..., i : i + TILE, j : j + TILE], source[..., i : i + TILE, j : j + TILE], casting="unsafe")
+
+
+def contiguous_copy(source: np.ndarray) -> np.ndarray:
+    """An owned C-contiguous copy of ``source`` (:func:`copy_into`)."""
+    out = np.empty(source.shape, source.dtype)
+    copy_into(out, source)
+    return out
+
+
 def assign(var: nnx.Variable, new: np.ndarray, *, owned: bool = False) -> None:
     """Set ``var`` to an owned copy of ``new`` in its own dtype, placed with its sharding. ``owned``: ``new`` is
     already a copy no one else holds, in that dtype (from :func:`host_buffer`): it is used as it is."""
@@ -66,6 +89,6 @@ def assign(var: nnx.Variable, new: np.ndarray, *, owned: bool = False) -> None:
     # one from flax_ln.sharding.abstract_model(make, mesh); None is the default device.
     if not (owned and new.dtype == np.dtype(old.dtype)):
         copy = host_buffer(np.shape(new), old.dtype)
-        np.copyto(copy, new, casting="unsafe")
+        copy_into(copy, np.asarray(new))
         new = copy
     var.set_value(jax.device_put(new, getattr(old, "sharding", None), may_alias=True))

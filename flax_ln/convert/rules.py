@@ -34,7 +34,15 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert.assign import SAVED_KINDS, ModuleT, as_numpy, assign, dtype_problem, host_buffer
+from flax_ln.convert.assign import (
+    SAVED_KINDS,
+    ModuleT,
+    as_numpy,
+    assign,
+    contiguous_copy,
+    dtype_problem,
+    host_buffer,
+)
 from flax_ln.convert.errors import ConversionError, MissingRuleError
 from flax_ln.convert.layouts import Permute
 from flax_ln.convert.ties import Tie, find_ties
@@ -409,7 +417,7 @@ def _torch_layout(entry: _Entry, host_values: dict[int, np.ndarray], views: bool
         value = value[entry.layer]
     if entry.leaf.layout is not None:
         value = value.transpose(entry.leaf.layout.to_torch(value.ndim))
-    return value if views else np.array(value)
+    return value if views else contiguous_copy(value)
 
 
 def _aliases(expected: Iterable[str], keys: Iterable[str], ties: Mapping[str, Iterable[str]]) -> dict[str, str]:
