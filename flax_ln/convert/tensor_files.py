@@ -50,6 +50,7 @@ class StoredTensor:
     name: str
     shape: tuple[int, ...]
     swapped: bool
+    code: str = ""  # the safetensors dtype code ("F32", "BF16", ...) when the reader kept it
 
     def read(self, index: tuple[slice, ...] | None = None, *, transpose: bool = False) -> np.ndarray:
         """The block ``index`` of the tensor (of its last-two-axes transpose if ``transpose``).
@@ -153,6 +154,34 @@ def read_json_object(file: Path, holds: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{file}: expected a JSON object ({{...}}) holding {holds}, got a JSON {_json_type(data)}")
     return data
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, StoredTensor]:
+    """Every tensor of a safetensors checkpoint by its stored name, headers only: ``path`` is a ``.safetensors``
+    file, or a folder holding ``model.safetensors``, a sharded save's index, or ``*.safetensors`` files.
+
+    A name stored twice, a missing path and a folder without safetensors are ``ValueError`` or
+    ``FileNotFoundError`` naming them."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    elif (path / INDEX_FILE).is_file():
+        files = shard_files(path, path / INDEX_FILE)
+    elif path.is_dir() and sorted(path.glob("*.safetensors")):
+        files = sorted(path.glob("*.safetensors"))
+    else:
+        raise FileNotFoundError(
+            f"{path}: no safetensors checkpoint (a .safetensors file, or a folder with model.safetensors, "
+            f"{INDEX_FILE} or *.safetensors files); save one with safetensors.torch.save_file(model.state_dict(), ...)"
+        )
+    tensors: dict[str, StoredTensor] = {}
+    for file, name, shape, code in read_headers(files):
+        if name in tensors:
+            raise ValueError(f"{file}: {name!r} is stored twice (also in {tensors[name].file}); keep one copy")
+        tensors[name] = StoredTensor(file, name, shape, False, code)
+    return tensors
 
 
 def shard_files(folder: Path, index_file: Path) -> list[Path]:

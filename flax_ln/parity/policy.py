@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from flax_ln.parity.tensor_stats import PairStats, pair_stats, sum_of_squares
 from flax_ln.parity.tensor_stats import norm as tensor_norm
-from flax_ln.parity.tensor_stats import pair_stats, sum_of_squares
 
 
 def relative_error(actual, expected) -> float:
@@ -159,6 +159,7 @@ def compare_tensors(
     gradient_norm: float = 0.0,
     zero_in_float64: bool = False,
     dtype: str | None = None,
+    stats: PairStats | None = None,
 ) -> TensorResult:
     """Compare ``actual`` (flax) with ``expected`` (torch). NaN/Inf are flagged and fail.
 
@@ -172,6 +173,7 @@ def compare_tensors(
       zero_in_float64: float64 shows this gradient is zero in the mathematics
         (:func:`zero_gradient_names`); only then may it pass by ``tolerance.gtol`` (``passed_by="zero"``).
       dtype: the dtype ``actual`` must have, if any (a different dtype fails).
+      stats: ``pair_stats(actual, expected)`` when the caller has it already (it is read once either way).
     """
 
     def unusable(problem: str) -> TensorResult:
@@ -188,7 +190,7 @@ def compare_tensors(
         return unusable(f"shape: flax {a.shape}, torch {b.shape}")
     if b.size == 0:
         return unusable(f"no elements to compare (shape {b.shape}): nothing compared is not a pass")
-    stats = pair_stats(a, b)  # float64, block by block: no float64 copy of the whole tensor
+    stats = stats or pair_stats(a, b)  # float64, block by block: no float64 copy of the whole tensor
     nonfinite = None
     if any(stats.nan.values()) or any(stats.inf.values()):
         nonfinite = ", ".join(
@@ -200,7 +202,7 @@ def compare_tensors(
     criteria = {
         "rtol": rel <= tolerance.rtol,
         "atol": max_abs <= tolerance.atol,
-        "zero": zero_in_float64 and stats.diff_norm <= tolerance.gtol * gradient_norm,
+        "zero": passes_as_zero(stats.diff_norm, tolerance, gradient_norm, zero_in_float64),
     }
     passed_by = next((c for c, held in criteria.items() if held), None) if nonfinite is None else None
     return TensorResult(
@@ -225,10 +227,22 @@ def zero_gradient_names(*float64_grads: Mapping[str, Any]) -> set[str]:
                 f"zero_gradient_names needs float64 gradients (zero in the mathematics is a float64 fact); "
                 f"{narrow[:3]} are {np.asarray(grads[narrow[0]]).dtype}: take them from a float64 run"
             )
-        norm = whole_norm(grads.values())
-        zero = {n for n, g in grads.items() if tensor_norm(g) <= ZERO_IN_FLOAT64 * norm}
+        zero = zero_by_norms({n: tensor_norm(g) for n, g in grads.items()})
         names = zero if names is None else names & zero
     return names or set()
+
+
+def zero_by_norms(norms: Mapping[str, float]) -> set[str]:
+    """The names whose norm (one side's float64 gradient, by name) is at most :data:`ZERO_IN_FLOAT64` times the
+    norm of all of them taken together: :func:`zero_gradient_names` from norms alone (a streamed comparison
+    never holds the whole gradient)."""
+    whole = math.sqrt(sum(n * n for n in norms.values()))
+    return {name for name, n in norms.items() if n <= ZERO_IN_FLOAT64 * whole}
+
+
+def passes_as_zero(diff_norm: float, tolerance: Tolerance, gradient_norm: float, zero_in_float64: bool) -> bool:
+    """A gradient float64 shows is zero passes when its error norm is at most ``gtol`` times the whole gradient's."""
+    return zero_in_float64 and diff_norm <= tolerance.gtol * gradient_norm
 
 
 @contextlib.contextmanager

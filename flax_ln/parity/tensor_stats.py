@@ -80,7 +80,8 @@ class PairStats:
     over the positions finite on both sides and its first position (``None`` when no position is finite on
     both); ``relative``: ``||a - b|| / ||b||`` over the finite positions (``||a - b||`` when ``||b||`` is 0),
     ``inf`` when the two have non-finite values at different positions or of different values (NaN matching
-    NaN); ``diff_norm``: the norm of the error over the positions finite on both sides."""
+    NaN); ``diff_norm``: the norm of the error over the positions finite on both sides; ``actual_norm`` and
+    ``expected_norm``: each side's norm over those positions."""
 
     nan: dict[str, int]
     inf: dict[str, int]
@@ -88,6 +89,8 @@ class PairStats:
     index: tuple[int, ...] | None
     relative: float
     diff_norm: float
+    actual_norm: float
+    expected_norm: float
 
 
 def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
@@ -95,13 +98,13 @@ def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
     nan = {"flax": 0, "torch": 0}
     inf = {"flax": 0, "torch": 0}
     best, best_at, any_finite = -1.0, 0, False
-    diff_squares = scale_squares = 0.0
+    diff_squares = scale_squares = actual_squares = 0.0
     same_nonfinite = True
     at = 0
     for a, b in _blocks(np.asarray(actual), np.asarray(expected)):
         with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf, a square past range: the slow path sees them
             diff = a - b
-            diff_block, scale_block = _squares(diff), _squares(b)
+            diff_block, scale_block, actual_block = _squares(diff), _squares(b), _squares(a)
         if math.isfinite(diff_block) and math.isfinite(scale_block):  # every element finite (NaN and Inf propagate)
             diff = np.abs(diff, out=diff) if diff.dtype.kind == "f" else np.abs(diff)
             any_finite = any_finite or diff.size > 0
@@ -115,15 +118,16 @@ def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
             finite = finite_a & finite_b
             any_finite = any_finite or bool(finite.any())
             diff = np.abs(np.where(finite, a, 0.0) - np.where(finite, b, 0.0))
-            scale = np.where(finite, b, 0.0)
+            scale, actual_finite = np.where(finite, b, 0.0), np.where(finite, a, 0.0)
             with np.errstate(over="ignore"):  # a square past float64's range is inf, as np.linalg.norm's
-                diff_block, scale_block = _squares(diff), _squares(scale)
+                diff_block, scale_block, actual_block = _squares(diff), _squares(scale), _squares(actual_finite)
         if diff.size:
             i = int(np.argmax(diff))
             if diff[i] > best:  # strictly: the first position of the largest error, as one argmax would give
                 best, best_at = float(diff[i]), at + i
         diff_squares += diff_block
         scale_squares += scale_block
+        actual_squares += actual_block
         at += a.size
     diff_norm = math.sqrt(diff_squares)
     if any_finite:
@@ -136,4 +140,4 @@ def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
     else:
         scale_norm = math.sqrt(scale_squares)
         relative = diff_norm / scale_norm if scale_norm > 0 else diff_norm
-    return PairStats(nan, inf, max_abs, index, relative, diff_norm)
+    return PairStats(nan, inf, max_abs, index, relative, diff_norm, math.sqrt(actual_squares), math.sqrt(scale_squares))

@@ -34,7 +34,7 @@ def _torch():
     return torch
 
 
-def _cotangents(outputs: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
+def output_cotangents(outputs: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
     """Fixed random cotangents for the floating outputs, shared by both sides."""
     rng = np.random.default_rng(seed)
     return {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in outputs.items() if is_float(v)}
@@ -133,7 +133,7 @@ def _run_torch(module, call: Call, cotangents=None, *, double=False, numbers="fl
     """Outputs, dropped outputs, cotangents, loss and gradients (inputs by ``grad <name>``, trainable parameters
     by name) of the torch side.
 
-    ``cotangents`` (default: drawn by :func:`_cotangents`) weight the outputs in the
+    ``cotangents`` (default: drawn by :func:`output_cotangents`) weight the outputs in the
     differentiated scalar; ``double`` runs in float64 (the module must be float64 then);
     ``numbers``: the dtype of Python numbers among the outputs; ``spill``: the parameter gradients are moved into
     files one at a time (:func:`flax_ln.parity.spill.to_file`), each freed in torch at once. When that scalar depends on
@@ -148,7 +148,7 @@ def _run_torch(module, call: Call, cotangents=None, *, double=False, numbers="fl
         named, raw, dropped = torch_outputs(outputs, "float64" if double else numbers)
         if call.loss is None:
             if cotangents is None:
-                cotangents = _cotangents({k: v for k, v in named.items() if hasattr(raw[k], "detach")})
+                cotangents = output_cotangents({k: v for k, v in named.items() if hasattr(raw[k], "detach")})
             terms = [(raw[k] * torch.from_numpy(c).to(raw[k].dtype)).sum() for k, c in cotangents.items()]
             # summed from the first term, so the scalar has the outputs' dtype (no float32 zero of its own)
             value = sum(terms[1:], terms[0]) if terms else torch.zeros((), dtype=torch.float64 if double else None)
