@@ -176,3 +176,59 @@ KEY_MAP = KeyMap(
         (r"model\.norm\.weight", "final_norm.scale", None),
     ]
 )
+
+
+def _torch_extras(model, ids, *, dtype):
+    """What transformers' ``LlamaModel.forward`` computes once and gives every layer: positions, the causal
+    mask and the rotary tables, made as it makes them (for the hidden states' dtype)."""
+    import torch
+    from transformers.masking_utils import create_causal_mask
+
+    batch, length = ids.shape
+    like = torch.zeros(batch, length, model.config.hidden_size, dtype=dtype)  # (B, T, d): dtype and shape only
+    positions = torch.arange(length).unsqueeze(0)  # (1, T)
+    mask = create_causal_mask(
+        config=model.config, inputs_embeds=like, attention_mask=None, cache=None, position_ids=positions
+    )
+    return {"mask": mask, "positions": positions, "rotary": model.model.rotary_emb(like, position_ids=positions)}
+
+
+def _torch_layer(modules, x, extras):
+    return modules[0](
+        x, attention_mask=extras["mask"], position_ids=extras["positions"], position_embeddings=extras["rotary"]
+    )
+
+
+def _torch_head(modules, x, extras):
+    norm, head = modules
+    return head(norm(x))
+
+
+def _port_head(modules, x, extras):
+    norm, head = modules
+    return head(norm(x))
+
+
+def stages(config: LlamaConfig):
+    """This port against ``transformers.LlamaForCausalLM`` as a chain of stages, for
+    ``flax_ln.parity.compare_streamed``: the embedding, each decoder layer, the final norm with the head. The
+    port computes its rotary tables and mask inside each block; transformers' layers take them as arguments."""
+    from flax_ln.parity import Stage, Stages
+
+    return Stages(
+        [
+            Stage(
+                "embedding", ("model.embed_tokens",), ("tok",), lambda m, x, e: m[0](x[0]), lambda m, x, e: m[0](x[0])
+            ),
+            Stage(
+                "layer {i}",
+                ("model.layers.{i}",),
+                ("blocks.{i}",),
+                _torch_layer,
+                lambda m, x, e: m[0](x),
+                layers=config.layers,
+            ),
+            Stage("head", ("model.norm", "lm_head"), ("final_norm", "head"), _torch_head, _port_head),
+        ],
+        torch_extras=_torch_extras,
+    )

@@ -22,6 +22,9 @@ The engine, by concern:
   which modules are the same layer, the first divergence and isolated mode, once for every kind;
 * :mod:`.compare`: ``compare_modules``, ``assert_parity`` and ``compare_side`` (the flax side
   against a ``TorchSide``), with :mod:`.shared` for distinct torch tensors that fill one flax variable;
+* :mod:`.streamed`: ``compare_streamed``, the same comparison stage by stage from a checkpoint, for models
+  larger than memory, over :mod:`.stages` (a model as a chain of stages) and :mod:`.stream_sides` (each side,
+  one stage's weights at a time);
 * :mod:`.case`: a model with its inputs and training step (``Case``, ``check_case``, ``check_training``);
 * :mod:`.report`: what a comparison found; :mod:`.render`: the report as text and as a chart.
 
@@ -46,6 +49,9 @@ from flax_ln.parity.policy import (
     zero_gradient_names,
 )
 from flax_ln.parity.report import FirstDivergence, Isolation, ParityReport
+from flax_ln.parity.stages import Stage, Stages
+from flax_ln.parity.stream_sides import parameters_on_meta
+from flax_ln.parity.streamed import compare_streamed
 
 __all__ = [
     "Case",
@@ -56,6 +62,8 @@ __all__ = [
     "KeyMap",
     "Linen",
     "ParityReport",
+    "Stage",
+    "Stages",
     "TOLERANCES",
     "TensorResult",
     "Tolerance",
@@ -64,8 +72,10 @@ __all__ = [
     "check_case",
     "check_training",
     "compare_modules",
+    "compare_streamed",
     "compare_tensors",
     "lm_metrics",
+    "parameters_on_meta",
     "relative_error",
     "zero_gradient_names",
 ]
