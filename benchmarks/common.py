@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -197,3 +198,20 @@ def plain_linear_products():
     finally:
         for module, product in zip(modules, saved):
             module.linear_dot_general = product
+
+
+class PeakAnonymous(threading.Thread):
+    """The peak of this process's anonymous memory (``RssAnon``), sampled every 20 ms while it runs (``start()``,
+    then ``done.set()``). ``ru_maxrss`` also counts file pages mapped in (a checkpoint being read, gradients kept
+    in files), which the kernel can drop."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak_kib, self.done = 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        self.peak_kib = max(self.peak_kib, int(line.split()[1]))  # "RssAnon:  123 kB"

@@ -28,9 +28,10 @@ import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from common import PeakAnonymous
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"gpt2": "gpt2", "gpt2-medium": None, "gpt2-xl": "gpt2_xl"}
@@ -109,22 +110,6 @@ def measure_floor(model: str, dtype: str, seq: int) -> dict:
     return dict(torch_s=torch_s, compile_s=compile_s, flax_s=flax_s, n_params=n_params, peak_gib=_peak_gib())
 
 
-class _PeakAnonymous(threading.Thread):
-    """The peak of the process's anonymous memory (``RssAnon``), sampled every 20 ms. ``ru_maxrss`` also counts
-    file pages mapped in, which the kernel can drop (torch's gradients kept in files when memory is short)."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak_kib, self.done = 0, threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(0.02):
-            with open("/proc/self/status", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("RssAnon:"):
-                        self.peak_kib = max(self.peak_kib, int(line.split()[1]))  # "RssAnon:  123 kB"
-
-
 def measure_engine(model: str, dtype: str, seq: int) -> dict:
     """``compare_modules`` with an explicit ``dtype`` (the verdict is printed, so a failing run is seen)."""
     import jax
@@ -140,7 +125,7 @@ def measure_engine(model: str, dtype: str, seq: int) -> dict:
 
     import_s = time.perf_counter() - t_import
     before = _peak_gib()
-    sampler = _PeakAnonymous()
+    sampler = PeakAnonymous()
     sampler.start()
     t0 = time.perf_counter()
     report = compare_modules(torch_model, flax_model, idx, dtype=dtype)
