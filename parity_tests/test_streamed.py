@@ -20,6 +20,7 @@ import flax_ln
 import torch_ref
 from flax_ln.convert import ConversionError
 from flax_ln.parity import Stage, Stages, compare_modules, compare_streamed, parameters_on_meta
+from flax_ln.parity.stages import gpt_stages
 from flax_ln.parity.stream_sides import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,3 +251,14 @@ def test_a_model_built_on_meta_whole_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="parameters_on_meta"):
         compare_streamed(meta, llama_port(config, "float32"), np.zeros((1, 4), int), checkpoint=folder,
                          stages=llama.stages(config), weights=llama.KEY_MAP, dtype="float32")  # fmt: skip
+
+
+def test_a_stage_path_that_names_no_module_is_refused_before_any_stage_runs(gpt_checkpoint, monkeypatch):
+    """A typo in the last stage's flax path is found before the first stage's weights are read."""
+    _, folder = gpt_checkpoint
+    monkeypatch.setattr(Checkpoint, "read", lambda self, keys: pytest.fail("a stage ran before the paths were checked"))
+    auto = gpt_stages(meta_gpt(), abstract_gpt(False))
+    head = dataclasses.replace(auto.stages[-1], flax=("transformer.ln_f", "lm_heed"))
+    stages = Stages([*auto.stages[:-1], head])
+    with pytest.raises(ValueError, match="lm_heed"):
+        compare_streamed(meta_gpt(), abstract_gpt(False), IDS, checkpoint=folder, stages=stages, dtype="float32")

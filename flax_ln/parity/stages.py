@@ -212,11 +212,16 @@ def torch_wrapper(paths: Sequence[str], modules: Sequence[Any]) -> Any:
     return _nest(list(zip(paths, modules)), torch.nn.ModuleDict)
 
 
+def wrapper_path(path: str) -> str:
+    """Where :func:`flax_wrapper` holds the module of stage path ``path``: a stacked layer's ``base[i]`` at
+    ``base.i``, any other at ``path``."""
+    return _STACKED.sub(r"\g<base>.\g<index>", path)
+
+
 def flax_wrapper(paths: Sequence[str], modules: Sequence[nnx.Module]) -> nnx.Module:
-    """One ``nnx.Module`` holding ``modules`` at their ``paths`` (a stacked layer's ``base[i]`` at ``base.i``):
-    the converter and a key map name its variables as they name the whole model's."""
-    plain = [(_STACKED.sub(r"\g<base>.\g<index>", p), m) for p, m in zip(paths, modules)]
-    return _nest(plain, lambda children: nnx.Dict(**children))
+    """One ``nnx.Module`` holding ``modules`` at their ``paths`` (:func:`wrapper_path`): the converter and a key map
+    name its variables as they name the whole model's."""
+    return _nest([(wrapper_path(p), m) for p, m in zip(paths, modules)], lambda children: nnx.Dict(**children))
 
 
 def materialized(module: nnx.Module, layer: int | None, dtype: str | None) -> nnx.Module:

@@ -40,7 +40,16 @@ from flax_ln.parity.policy import (
 )
 from flax_ln.parity.progress import Progress
 from flax_ln.parity.report import ParityReport, environment
-from flax_ln.parity.stages import BoundStage, Stages, flax_submodule, flax_wrapper, gpt_stages, materialized
+from flax_ln.parity.stages import (
+    BoundStage,
+    Stages,
+    flax_submodule,
+    flax_wrapper,
+    gpt_stages,
+    materialized,
+    torch_modules,
+    wrapper_path,
+)
 from flax_ln.parity.stream_sides import (
     Checkpoint,
     FlaxRunner,
@@ -292,10 +301,14 @@ class Streamed:
     # -----------------------------------------------------------------------------------------
 
     def _stage_params(self) -> list[list[str]]:
-        """Each stage's torch parameters (canonical names); every trainable parameter must be in some stage."""
+        """Each stage's torch parameters (canonical names); every stage's paths name modules on both sides, and
+        every parameter is in some stage: checked before any stage runs."""
         out = []
         names = list(self.canonical)
         for b in self.bound:
+            torch_modules(self.skeleton, b.torch_paths)
+            for path in b.flax_paths:
+                flax_submodule(self.flax_module, path)
             prefixes = tuple(p + "." for p in b.torch_paths)
             out.append(list(dict.fromkeys(self.canonical[k] for k in names if k.startswith(prefixes))))
         covered = {k for s in out for k in s}
@@ -428,7 +441,7 @@ class Streamed:
 
         b = self.bound[k]
         t, _ = torch_stage(self.skeleton, b, self.ckpt, self.dtype)
-        flax_paths = [p.replace("[", ".").rstrip("]") for p in b.flax_paths]
+        flax_paths = [wrapper_path(p) for p in b.flax_paths]
         f = flax_wrapper(
             b.flax_paths, [materialized(*flax_submodule(self.flax_module, p), self.dtype) for p in b.flax_paths]
         )
