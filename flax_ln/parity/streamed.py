@@ -195,14 +195,19 @@ class Gradients:
     pending: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # tied: [torch sum, flax sum, stages left]
 
     def add(self, name: str, torch_grad: np.ndarray, flax_grad: Any, stages_left: int) -> None:
+        """One stage's gradient of parameter ``name`` on each side (``flax_grad`` ``None``: the flax side has none),
+        judged once its last stage (``stages_left``, counting this one) has given it."""
         if name in self.pending or stages_left > 1:
             entry = self.pending.setdefault(name, [0, 0, stages_left])
-            entry[0], entry[1], entry[2] = entry[0] + torch_grad, entry[1] + np.asarray(flax_grad), entry[2] - 1
+            flax_sum = None if flax_grad is None or entry[1] is None else entry[1] + np.asarray(flax_grad)
+            entry[0], entry[1], entry[2] = entry[0] + torch_grad, flax_sum, entry[2] - 1
             if entry[2] > 0:
                 return
             torch_grad, flax_grad = self.pending.pop(name)[:2]
-        flax_grad, torch_grad = np.asarray(flax_grad), np.asarray(torch_grad)
-        stats = pair_stats(flax_grad, torch_grad) if flax_grad.shape == torch_grad.shape else None
+        torch_grad = np.asarray(torch_grad)
+        flax_grad = None if flax_grad is None else np.asarray(flax_grad)
+        same_shape = flax_grad is not None and flax_grad.shape == torch_grad.shape
+        stats = pair_stats(flax_grad, torch_grad) if same_shape else None
         self.results[name] = compare_tensors(
             name, "param grad", flax_grad, torch_grad, self.tolerance, dtype=str(torch_grad.dtype), stats=stats
         )
