@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert import ConversionError, KeyMap, KeyPlan, load_torch_state_dict
+from flax_ln.convert import ConversionError, KeyMap, KeyPlan, fill_tree, load_torch_state_dict
 from flax_ln.convert.keymap import key_map_error, match_targets
 from flax_ln.convert.rules import export_with_rules, torch_leaves
 from flax_ln.convert.tensor_files import SAFETENSORS_FLOATS, StoredTensor, checkpoint_tensors
@@ -319,10 +320,16 @@ def flax_stage(
         load_torch_state_dict(wrapper, tensors)
     else:
         with stage_of_a_key_map():
-            plan = weights.resolve(wrapper, tensors)
-            load_torch_state_dict(wrapper, tensors, weights=weights)
+            plan = fill_tree(wrapper, tensors, weights)  # checked, filled, and its plan: one resolution
     graphdefs, params, rest = zip(*(nnx.split(m, nnx.Param, ...) for m in modules))  # each (graph, params, rest)
     return FlaxStage(bound, graphdefs, params, rest, plan, torch_names)
+
+
+def run_stage(stage: BoundStage, graphdefs, params, rest, x: Any, extras: Mapping[str, Any]) -> Any:
+    """The stage's flax run on its modules merged from ``(graphdefs, params, rest)``: what each compiled function
+    traces."""
+    modules = [nnx.merge(g, p, r) for g, p, r in zip(graphdefs, params, rest)]
+    return stage.stage.flax_run(modules, x, extras)
 
 
 class FlaxRunner:
@@ -334,26 +341,20 @@ class FlaxRunner:
         self._gradients: dict[Any, Any] = {}
 
     def forward(self, stage: FlaxStage, x: Any, extras: Mapping[str, Any]) -> Any:
-        run = stage.bound.stage.flax_run
-        key = (run, stage.graphdefs)
+        bound, graphdefs = stage.bound, stage.graphdefs
+        key = (bound.stage.flax_run, graphdefs)
         if key not in self._forward:
-
-            def forward(params, rest, x, extras):
-                modules = [nnx.merge(g, p, r) for g, p, r in zip(stage.graphdefs, params, rest)]
-                return run(modules, x, extras)
-
-            self._forward[key] = jax.jit(forward)
+            self._forward[key] = jax.jit(functools.partial(run_stage, bound, graphdefs))
         return self._forward[key](stage.params, stage.rest, x, extras)
 
     def gradients(self, stage: FlaxStage, x: Any, extras: Mapping[str, Any], cotangents: Mapping[str, Any]):
         """``(parameter gradients, x's gradient)`` of the stage for its outputs' ``cotangents``."""
-        run, graphdefs = stage.bound.stage.flax_run, stage.graphdefs
-        key = (run, graphdefs)
+        bound, graphdefs = stage.bound, stage.graphdefs
+        key = (bound.stage.flax_run, graphdefs)
         if key not in self._gradients:
 
             def value(params, x, rest, extras, cotangents):
-                modules = [nnx.merge(g, p, r) for g, p, r in zip(graphdefs, params, rest)]
-                return project(run(modules, x, extras), cotangents)
+                return project(run_stage(bound, graphdefs, params, rest, x, extras), cotangents)
 
             self._gradients[key] = jax.jit(jax.grad(value, argnums=(0, 1), allow_int=True))
         cot = {k: jnp.asarray(c) for k, c in cotangents.items()}
