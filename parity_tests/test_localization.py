@@ -122,17 +122,19 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """fc2(gelu(fc1(x))) with the GELU inline; ``approximate`` plants the tanh form."""
+    """fc2(gelu(fc1(x))) with the GELU inline; ``approximate`` plants the tanh form, ``fc1_input`` a cast."""
 
     def __init__(self, *, param_dtype, rngs):
         self.fc1 = nnx.Linear(WIDTH, 2 * WIDTH, param_dtype=param_dtype, rngs=rngs)
         self.fc2 = nnx.Linear(2 * WIDTH, WIDTH, param_dtype=param_dtype, rngs=rngs)
         self.approximate = False
         self.traced_scale = 1.0  # a planted mistake that only a traced (jit) run makes
+        self.fc1_input = None  # a dtype fc1's input is cast to
 
     def __call__(self, x):
         scale = self.traced_scale if isinstance(x, jax.core.Tracer) else 1.0
-        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=self.approximate)) * scale
+        hidden = self.fc1(x if self.fc1_input is None else x.astype(self.fc1_input)).astype(x.dtype)
+        return self.fc2(jax.nn.gelu(hidden, approximate=self.approximate)) * scale
 
 
 class Layer(nnx.Module):
@@ -304,6 +306,20 @@ def test_an_activation_inline_between_two_linears_is_named_between_them(dtype):
     assert report.first_divergence.flax_between == ("layers.0.mlp.fc1", "layers.0.mlp.fc2")
     assert report.isolation.own_code == ["layers.0.mlp"]
     assert "in layers.0.mlp <-> layers.0.mlp, between layers.0.mlp.fc1 and layers.0.mlp.fc2" in str(report)
+
+
+def _plant_bfloat16_input(port):
+    port.layers[1].mlp.fc1_input = jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_cast_to_bfloat16_before_a_child_is_named_in_the_parent_not_the_child(dtype):
+    """The MLP rounds fc1's input to bfloat16: fc1's input already differs (a bfloat16 activation is recorded and
+    compared), and fc1 run alone on torch's input, not narrowed to the port's bfloat16, agrees; the cast is the
+    MLP's code before fc1."""
+    report = lm_parity(dtype, _plant_bfloat16_input)
+    named(report, "layers.1.mlp", "layers.1.mlp", between=(None, "layers.1.mlp.fc1"))
+    assert "layers.1.mlp.fc1" in [r.name for r in report.module_inputs if not r.passed]
 
 
 def test_an_error_in_localisation_keeps_the_verdict_and_every_result(monkeypatch):

@@ -29,9 +29,14 @@ def as_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+def is_floating(dtype: Any) -> bool:
+    """Whether ``dtype`` is floating, bfloat16 and the float8 kinds too (ml_dtypes types NumPy does not rank)."""
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
 def dtype_problem(got: np.dtype, want: np.dtype) -> str | None:
     """Why a ``got`` value cannot replace a ``want`` variable: floats stay floating, integers stay integer."""
-    if jnp.issubdtype(want, jnp.floating) and not jnp.issubdtype(got, jnp.floating):
+    if is_floating(want) and not is_floating(got):
         return (
             f"dtype {got} is not floating, but the parameter is {want}; pass floating-point weights "
             "(e.g. tensor.float()), an integer or bool tensor here is usually the wrong key"

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert.assign import as_numpy
+from flax_ln.convert.assign import as_numpy, is_floating
 from flax_ln.convert.discover_layout import Region, describe_part, fold_families, layout_of, regions
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.tensor_files import write_streamed
@@ -124,10 +124,6 @@ def _tree(loaded: Any, kind: str | None) -> VariableTree:
     )
 
 
-def _floating(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-
-
 class _Probe:
     """Runs the loader on probe state dicts and reads back every floating variable."""
 
@@ -141,7 +137,7 @@ class _Probe:
         self.shapes = {k: tuple(state[k].shape) for k in state}
         self.dtypes = {k: state[k].dtype for k in state}
         self.originals = state
-        self.probed = [k for k in self.keys if np.issubdtype(self.dtypes[k], np.number) or _floating(self.dtypes[k])]
+        self.probed = [k for k in self.keys if np.issubdtype(self.dtypes[k], np.number) or is_floating(self.dtypes[k])]
         sizes = [int(np.prod(self.shapes[k], dtype=np.int64)) for k in self.probed]
         self.starts = np.cumsum([0, *sizes])  # tensor i holds ids starts[i]:starts[i+1]
         self.total = int(self.starts[-1])
@@ -236,7 +232,7 @@ def measure(
     # known, kept only where some element is left at init; scale and offset as one number broadcast where uniform;
     # then the ids (int32 below 2**31 elements).
     tree = probe.run(functools.partial(_constant, 2))
-    info = {p: spec for p, spec in tree.variables().items() if _floating(spec[1])}
+    info = {p: spec for p, spec in tree.variables().items() if is_floating(spec[1])}
     variables = {
         p: _Var(shape, np.dtype(dtype), required, tree.read(p)) for p, (shape, dtype, required) in info.items()
     }
@@ -270,7 +266,7 @@ def measure(
     digits = [v for v in variables.values() if v.scale is not None]
     limit = min(
         [_EXACT.get(np.dtype(v.dtype).name, 2**24) for v in digits]
-        + [_EXACT.get(np.dtype(d).name, 2**53) for d in probe.dtypes.values() if _floating(d)]
+        + [_EXACT.get(np.dtype(d).name, 2**53) for d in probe.dtypes.values() if is_floating(d)]
         + [_MAX_BASE]
     )
     reach = max([_reach(v)[0] for v in digits] + [1.0])

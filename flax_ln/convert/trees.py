@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ln.convert.assign import SAVED_KINDS, assign
+from flax_ln.convert.assign import SAVED_KINDS, assign, is_floating
 from flax_ln.convert.layouts import Shape
 
 
@@ -136,7 +136,7 @@ class PytreeTree:
 
     def required(self, steps: tuple[str, ...], dtype: np.dtype) -> bool:
         """Whether the leaf at ``steps`` must be filled by loading: every floating leaf."""
-        return bool(jnp.issubdtype(dtype, jnp.floating))  # bfloat16 too (an ml_dtypes type NumPy does not rank)
+        return is_floating(dtype)
 
     def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
         """See :meth:`VariableTree.variables`."""

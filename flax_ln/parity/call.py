@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from flax_ln.convert.assign import is_floating
+
 Forward = Callable[..., Any]  # forward(module, *inputs, **kwargs) -> the outputs
 
 SELECT_OUTPUTS = (
@@ -37,8 +39,10 @@ def as_inputs(inputs: Any) -> tuple[np.ndarray, ...]:
 
 
 def is_float(x: Any) -> bool:
-    """Whether ``x`` holds floating values."""
-    return bool(np.issubdtype(np.asarray(x).dtype, np.floating))
+    """Whether ``x`` (an array, a jax tracer, a torch tensor or a Python number) holds floating values,
+    bfloat16 included."""
+    dtype = getattr(x, "dtype", None)
+    return is_floating(dtype if isinstance(dtype, np.dtype) else np.asarray(x).dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from flax_ln.convert.assign import as_numpy, is_floating
+
 WHOLE_MODEL = "(whole model)"  # the path under which the root module's own call is recorded
 
 Records = dict[str, tuple[list[np.ndarray], list[np.ndarray]]]  # path -> (inputs, outputs)
@@ -28,7 +30,7 @@ def plain_value(value: Any) -> Any:
     """A call argument as data: a NumPy array for a tensor, the value itself for None/bool/int/float/str
     (and tuples/lists of those), else :class:`Unsupported` naming its type."""
     if hasattr(value, "detach"):  # a torch.Tensor
-        return value.detach().numpy().copy()
+        return as_numpy(value).copy()
     if isinstance(value, (np.ndarray, jax.Array)):
         return np.array(value)  # a copy, as for a tensor
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -49,8 +51,8 @@ def floating_leaves(tree: Any) -> list[np.ndarray]:
     if isinstance(tree, jax.core.Tracer):
         return []  # inside a jit/scan trace: no values to record
     if hasattr(tree, "detach"):  # a torch.Tensor: copied now, so that a later in-place op cannot change the record
-        tree = tree.detach().cpu().numpy().copy()
-    if isinstance(tree, (np.ndarray, jax.Array)) and np.issubdtype(tree.dtype, np.floating):
+        tree = as_numpy(tree).copy()
+    if isinstance(tree, (np.ndarray, jax.Array)) and is_floating(tree.dtype):  # bfloat16 too
         return [np.array(tree)]  # a copy: never a view of a caller's array or of a device buffer
     return []
 

@@ -18,6 +18,7 @@ from einops.parsing import ParsedExpression
 
 from flax_ln.convert import KeyPlan
 from flax_ln.convert.layouts import ArrayLayout, Permute, parse_layout
+from flax_ln.parity.call import is_float
 from flax_ln.parity.capture import WHOLE_MODEL
 
 NO_HOLDER = "no flax module holds its parameters"  # why a torch module has no pair, when pairs go by parameters
@@ -338,15 +339,16 @@ def _permutation(
 
 
 def _is_floating_array(leaf) -> bool:
-    return hasattr(leaf, "dtype") and hasattr(leaf, "shape") and np.issubdtype(leaf.dtype, np.floating)
+    return hasattr(leaf, "dtype") and hasattr(leaf, "shape") and is_float(leaf)
 
 
 def substitute_floats(pairs: Pairs, path: str, leaves: list, torch_inputs: Sequence[np.ndarray]) -> list | str:
     """The flax call's argument ``leaves`` with its floating arrays replaced, in order, by torch's recorded
-    floating inputs put into the flax layout (each onto the shape and dtype flax's own had); a floating
-    argument torch has no counterpart for, or one whose shape torch's does not fit after the first, keeps the
-    port's own value (a mask, a cache, a rotary table); or why the first cannot be replaced (torch's call
-    recorded no floating input: the port's own would not make the run one of the module alone)."""
+    floating inputs put into the flax layout (each onto the shape flax's own had, and its dtype unless that is
+    narrower than torch's); a floating argument torch has no counterpart for, or one whose shape torch's does
+    not fit after the first, keeps the port's own value (a mask, a cache, a rotary table); or why the first
+    cannot be replaced (torch's call recorded no floating input: the port's own would not make the run one of
+    the module alone)."""
     out, k = list(leaves), 0
     if not torch_inputs and any(map(_is_floating_array, leaves)):  # on the port's own activations: not alone
         return "torch's call recorded no floating input to put in the flax call's place"
@@ -363,7 +365,8 @@ def substitute_floats(pairs: Pairs, path: str, leaves: list, torch_inputs: Seque
                 )
                 return f"input 0: {why}"
             break
-        out[i] = np.asarray(moved, leaf.dtype)
+        # never narrower than torch's: a port's cast to bfloat16 before the call is its caller's code, not the call's
+        out[i] = np.asarray(moved, np.promote_types(leaf.dtype, np.asarray(moved).dtype))
         k += 1
     if k == 0 and torch_inputs:
         return "the flax call has no floating argument to put torch's inputs in"
