@@ -26,6 +26,8 @@ from flax_ln.parity.stream_sides import Checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # examples/ is not installed; the port is imported from the checkout
     sys.path.insert(0, str(ROOT))
+from test_localization import BATCH, HEAD, HEADS, LM, SEQ, VOCAB, TorchLM, lm_key_map, randomized  # noqa: E402
+
 from examples.ports import llama  # noqa: E402
 
 CONFIG = flax_ln.GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16)
@@ -78,6 +80,8 @@ def assert_same_results(streamed, whole):
     assert [r.name for r in streamed.results] == [r.name for r in whole.results]
     for s, w in zip(streamed.results, whole.results):
         assert (s.passed, s.passed_by, s.shape, s.kind) == (w.passed, w.passed_by, w.shape, w.kind), s.name
+        if s.passed_by == "zero":  # rounding noise around an exact zero on both sides: its relative error is noise
+            continue
         bound = s.tolerance.rtol
         assert abs(s.relative_error - w.relative_error) <= bound * max(1.0, w.relative_error), s.name
     assert streamed.passed == whole.passed
@@ -105,6 +109,19 @@ def test_gpt_streamed_agrees_with_the_whole_model_comparison_and_reads_one_stage
     assert layers == {"0", "1", "2"}
     assert max(len({k.split(".")[2] for k in keys if k.startswith("transformer.h.")}) for keys in reads) == 1
     assert all(not any(k.startswith("transformer.h.") for k in keys) for keys in reads if "lm_head.weight" in keys)
+
+
+def test_a_bfloat16_checkpoint_is_compared_in_float64_as_its_weights_widened(gpt_checkpoint, tmp_path):
+    """Real checkpoints are mostly stored in bfloat16: its tensors are widened to the comparison's dtype, so the
+    streamed run agrees with the whole-model one on the same weights widened in torch."""
+    torch_model, _ = gpt_checkpoint
+    rounded = torch_ref.GPT(CONFIG).eval()
+    rounded.load_state_dict({k: v.bfloat16().float() for k, v in torch_model.state_dict().items()})
+    folder = save({k: v.bfloat16() for k, v in torch_model.state_dict().items()}, tmp_path)
+    streamed = compare_streamed(meta_gpt(), abstract_gpt(False, "float64"), IDS, checkpoint=folder, dtype="float64")
+    whole = compare_modules(rounded, real_gpt(False), IDS, dtype="float64")
+    assert streamed.passed, str(streamed)
+    assert_same_results(streamed, whole)
 
 
 def test_a_planted_layernorm_eps_is_named_where_the_whole_model_comparison_names_it(gpt_checkpoint):
@@ -173,6 +190,60 @@ def test_llama_port_with_declared_stages_agrees_with_the_whole_model_comparison(
         assert not streamed.passed
         assert streamed.first_divergence.module == whole.first_divergence.module == "model.layers.1.self_attn"
         assert streamed.first_divergence.flax_module == "blocks.1.attn"
+
+
+def lm_stages():
+    """The localisation tests' language model (its attention's key bias has a gradient that is zero in the
+    mathematics: softmax ignores a shift shared by every key) as embedding, two layers and head."""
+
+    def torch_extras(model, ids, dtype):
+        return {"mask": torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()}
+
+    def flax_extras(model, ids, dtype):
+        empty = jnp.zeros((ids.shape[0], 0, HEADS, HEAD), dtype)  # (B, 0, n, h): nothing cached
+        return {"mask": jnp.tril(jnp.ones((ids.shape[1], ids.shape[1]), bool)), "cache": (empty, empty)}
+
+    def embed(m, x, e):
+        return m[0](x[0])
+
+    def head(m, x, e):
+        return m[1](m[0](x))
+
+    return Stages(
+        [
+            Stage("embedding", ("embed_tokens",), ("embedder",), embed, embed),
+            Stage(
+                "layer {i}",
+                ("layers.{i}",),
+                ("layers.{i}",),
+                lambda m, x, e: m[0](x, e["mask"]),
+                lambda m, x, e: m[0](x, e["mask"], cache=e["cache"]),
+                layers=2,
+            ),
+            Stage("head", ("norm", "lm_head"), ("norm", "head"), head, head),
+        ],
+        torch_extras=torch_extras,
+        flax_extras=flax_extras,
+    )
+
+
+def test_explicit_float32_passes_a_gradient_float64_shows_is_zero_as_the_whole_model_comparison_does(tmp_path):
+    """dtype="float32" alone: the key biases' gradients are float32 noise around an exact zero and fail the
+    relative tolerance; the streamed comparison asks a float64 streamed run which gradients are zero, as
+    compare_modules asks a float64 run, and both pass them as zero."""
+    torch_model = randomized(TorchLM(), "float32")
+    folder = save(torch_model.state_dict(), tmp_path)
+    with parameters_on_meta():
+        meta = TorchLM()
+    ids = np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ))
+    options = dict(weights=lm_key_map(), dtype="float32")
+    streamed = compare_streamed(meta, nnx.eval_shape(lambda: LM("float32")), ids, checkpoint=folder,
+                                stages=lm_stages(), **options)  # fmt: skip
+    whole = compare_modules(torch_model, nnx.eval_shape(lambda: LM("float32")), ids, **options)
+    assert streamed.passed, str(streamed)
+    assert_same_results(streamed, whole)
+    zero = [r.name for r in streamed.results if r.passed_by == "zero"]
+    assert zero == ["layers.0.attn.k_proj.bias", "layers.1.attn.k_proj.bias"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -110,8 +110,8 @@ def compare_streamed(
       localize_failures: on failure, run the stages alone to find the first that differs, and localise in it.
 
     Reverse mode only (no ``mode="jvp"``). A gradient passes as zero only on float64's word: in float64 from
-    both sides' gradient norms; in float32 from the default's float64 check (with an explicit
-    ``dtype="float32"`` every gradient is held to the relative tolerance).
+    both sides' gradient norms; in float32 from the default's float64 check, or, with an explicit
+    ``dtype="float32"``, from a streamed float64 run made only when some failing gradient needs it.
     """
     started = time.perf_counter()
     check_island_mode(islands)
@@ -144,8 +144,11 @@ def compare_streamed(
     )
     float64_check, zero = None, None
     if not explicit and dtype != "float64":
-        float64_check, zero = Streamed(dtype="float64", **options).run(None)
-    report, _ = Streamed(dtype=dtype, **options).run(zero)
+        float64_check, zero = Streamed(dtype="float64", **options).run(set)
+    evidence = {**options, "localize_failures": False}  # its verdict is not asked, only which gradients are zero
+    report, _ = Streamed(dtype=dtype, **options).run(
+        (lambda: zero) if zero is not None else lambda: Streamed(dtype="float64", **evidence).run(set)[1]
+    )
     report.float64_check = float64_check
     report.seconds = time.perf_counter() - started
     return report
@@ -219,13 +222,22 @@ class Gradients:
         """The gradients both sides' float64 norms show are zero in the mathematics."""
         return zero_by_norms(self.torch_norms) & zero_by_norms(self.flax_norms)
 
-    def judged(self, zero: set[str]) -> dict[str, TensorResult]:
-        """Every result, a failing one passed as zero where float64 says it is zero and its error is within
-        ``gtol`` of the whole gradient's norm (torch's), as the whole-model comparison judges it."""
+    def could_pass_as_zero(self) -> list[str]:
+        """The failing gradients whose error is within ``gtol`` of the whole gradient's norm (torch's): those that
+        pass if float64 shows they are zero in the mathematics."""
         norm = math.sqrt(sum(n * n for n in self.torch_norms.values()))
+        return [
+            name
+            for name, diff in self.diff_norms.items()
+            if not self.results[name].passed and passes_as_zero(diff, self.tolerance, norm, True)
+        ]
+
+    def judged(self, zero: set[str]) -> dict[str, TensorResult]:
+        """Every result, a failing one passed as zero where float64 says it is zero (``zero``) and it could pass
+        as zero, as the whole-model comparison judges it."""
         out = dict(self.results)
-        for name, diff in self.diff_norms.items():
-            if not out[name].passed and passes_as_zero(diff, self.tolerance, norm, name in zero):
+        for name in self.could_pass_as_zero():
+            if name in zero:
                 out[name] = dataclasses.replace(out[name], passed=True, passed_by="zero")
         return out
 
@@ -251,8 +263,9 @@ class Streamed:
     localize_failures: bool
     dtype: str
 
-    def run(self, zero: set[str] | None) -> tuple[ParityReport, set[str]]:
-        """The report, and the gradients float64 shows are zero (in float64; else ``zero``, from the float64 check)."""
+    def run(self, zero_evidence: Callable[[], set[str]]) -> tuple[ParityReport, set[str]]:
+        """The report, and the gradients float64 shows are zero: in float64 from both sides' norms; else
+        ``zero_evidence()``'s, asked only when some failing gradient could pass as zero."""
         import torch
 
         self.found = Found()
@@ -286,7 +299,10 @@ class Streamed:
             torch_acts, flax_acts, outputs = self._forward(torch_inputs, flax_inputs)
             results, dropped, cotangents = outputs
             grads, input_grads, torch_cots = self._backward(torch_acts, flax_acts, cotangents, names)
-            zero_found = grads.zero_in_float64() if self.dtype == "float64" else set(zero or ())
+            if self.dtype == "float64":
+                zero_found = grads.zero_in_float64()
+            else:
+                zero_found = set(zero_evidence()) if grads.could_pass_as_zero() else set()
             judged = grads.judged(zero_found)
             order = [self.canonical[k] for k, p in self.skeleton.named_parameters() if p.requires_grad]
             results += input_grads + [judged[k] for k in dict.fromkeys(order)]
