@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
+from flax import linen, nnx
 from safetensors.torch import save_file
 
 import flax_ln
@@ -333,3 +333,26 @@ def test_a_stage_path_that_names_no_module_is_refused_before_any_stage_runs(gpt_
     stages = Stages([*auto.stages[:-1], head])
     with pytest.raises(ValueError, match="lm_heed"):
         compare_streamed(meta_gpt(), abstract_gpt(False), IDS, checkpoint=folder, stages=stages, dtype="float32")
+
+
+def test_a_linen_module_or_a_function_is_refused_naming_compare_modules(gpt_checkpoint):
+    _, folder = gpt_checkpoint
+    stages = gpt_stages(meta_gpt(), abstract_gpt(False))
+    for port in (linen.Dense(16), lambda x: x):
+        with pytest.raises(TypeError, match="NNX module .* compare_modules"):
+            compare_streamed(meta_gpt(), port, IDS, checkpoint=folder, stages=stages)
+
+
+def test_an_error_in_a_declared_stage_names_the_stage_and_the_step(gpt_checkpoint):
+    """A declaration's mistake (an extra it never computed) raises the caller's own error, with a note saying
+    which stage and which side's step raised it."""
+    _, folder = gpt_checkpoint
+    stages = gpt_stages(meta_gpt(), abstract_gpt(False))
+    block = next(s for s in stages.stages if s.layers)
+    wrong = dataclasses.replace(block, flax_run=lambda m, x, e: m[0](x) + e["missing"])
+    stages = dataclasses.replace(stages, stages=[wrong if s is block else s for s in stages.stages])
+    with pytest.raises(KeyError, match="missing") as err:
+        compare_streamed(meta_gpt(), abstract_gpt(False), IDS, checkpoint=folder, stages=stages, dtype="float32")
+    if sys.version_info >= (3, 11):  # notes are Python 3.11's
+        ours = "compare_streamed: raised in forward: stage 2/5 'block 0': flax forward"
+        assert err.value.__notes__[-1].startswith(ours)  # after jax's own note on its filtered traceback

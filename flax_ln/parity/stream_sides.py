@@ -123,6 +123,32 @@ class Checkpoint:
         return out
 
 
+def check_models(torch_model: Any, flax_model: Any) -> None:
+    """``TypeError`` unless ``torch_model`` is a ``torch.nn.Module`` and ``flax_model`` an NNX module: a stage is
+    cut out of each by module paths."""
+    torch = _torch()
+    if not isinstance(torch_model, torch.nn.Module):
+        raise TypeError(f"compare_streamed's torch_module must be a torch.nn.Module, got {type(torch_model).__name__}")
+    if not isinstance(flax_model, nnx.Module):
+        raise TypeError(
+            f"compare_streamed's flax_module must be an NNX module (abstract from nnx.eval_shape, or not), got "
+            f"{type(flax_model).__name__}: its stages are cut out by module paths. Compare a Linen module or a "
+            "plain function whole with compare_modules"
+        )
+
+
+@contextlib.contextmanager
+def naming_the_stage(what: str) -> Iterator[None]:
+    """An error raised inside says, in a note (Python 3.11+), which stage and which side's step raised it: a
+    stage's run is the caller's declaration, and its error alone would not say where in the chain it was."""
+    try:
+        yield
+    except Exception as err:
+        if hasattr(err, "add_note"):
+            err.add_note(f"compare_streamed: raised in {what}")
+        raise
+
+
 def check_whole(torch_model: Any, flax_model: nnx.Module, weights: KeyMap | None, dtype: str) -> None:
     """Check the whole model's conversion before any stage runs, from shapes alone (both models may hold no
     weights): through ``weights``, every problem loading would find; through the rules, every torch parameter

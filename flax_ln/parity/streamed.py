@@ -13,6 +13,7 @@ localises a model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -54,9 +55,11 @@ from flax_ln.parity.stream_sides import (
     Checkpoint,
     FlaxRunner,
     check_buffers,
+    check_models,
     check_whole,
     flax_stage,
     float_grad,
+    naming_the_stage,
     parameters_on_meta,
     project,
     single_output,
@@ -115,6 +118,7 @@ def compare_streamed(
     """
     started = time.perf_counter()
     check_island_mode(islands)
+    check_models(torch_module, flax_module)
     stages = stages if stages is not None else gpt_stages(torch_module, flax_module)
     if stages is None:
         raise ValueError(
@@ -289,11 +293,12 @@ class Streamed:
             flax_inputs = tuple(jnp.asarray(x) for x in inputs)
             self.torch_extras, self.flax_extras = {}, {}
             if self.stages.torch_extras is not None:
-                with torch_lifted(self.skeleton, self.dtype, self.islands, self.found):
+                lifted = torch_lifted(self.skeleton, self.dtype, self.islands, self.found)
+                with naming_the_stage("torch_extras"), lifted:
                     dt = getattr(torch, self.dtype)
                     self.torch_extras = dict(self.stages.torch_extras(self.skeleton, *torch_inputs, dtype=dt))
             if self.stages.flax_extras is not None:
-                with flax_lifted(self.dtype, self.islands, self.found):
+                with naming_the_stage("flax_extras"), flax_lifted(self.dtype, self.islands, self.found):
                     dt = jnp.dtype(self.dtype)
                     self.flax_extras = dict(self.stages.flax_extras(self.flax_module, *flax_inputs, dtype=dt))
             torch_acts, flax_acts, outputs = self._forward(torch_inputs, flax_inputs)
@@ -347,8 +352,11 @@ class Streamed:
         f = flax_stage(self.flax_module, b, tensors, self.dtype, self.weights, frozenset(tensors))
         return t, f
 
-    def _phase(self, k: int, what: str) -> None:
-        self.progress.phase(f"{self.sweep} stage {k + 1}/{len(self.bound)} {self.bound[k].name}: {what}")
+    def _phase(self, k: int, what: str) -> contextlib.AbstractContextManager[None]:
+        """Shows stage ``k``'s step ``what`` as the progress phase; an error raised in the block names it."""
+        where = f"{self.sweep} stage {k + 1}/{len(self.bound)} {self.bound[k].name!r}: {what}"
+        self.progress.phase(where)
+        return naming_the_stage(where)
 
     def _forward(self, torch_inputs, flax_inputs):
         """Both sides' forward pass: the activations entering each stage, and the outputs' results."""
@@ -357,17 +365,15 @@ class Streamed:
         flax_acts: list[Any] = [flax_inputs]
         last = len(self.bound) - 1
         for k, b in enumerate(self.bound):
-            self._phase(k, "loading its weights")
-            t, f = self._load(k)
-            self._phase(k, "torch forward")
-            with torch_lifted(t.wrapper, self.dtype, self.islands, self.found):
+            with self._phase(k, "loading its weights"):
+                t, f = self._load(k)
+            with self._phase(k, "torch forward"), torch_lifted(t.wrapper, self.dtype, self.islands, self.found):
                 t_out = t.forward(torch_acts[-1], self.torch_extras)
-            self._phase(k, "flax forward (compiled once per kind of stage)")
-            with flax_lifted(self.dtype, self.islands, self.found):
-                f_out = self.runner.forward(f, flax_acts[-1], self.flax_extras)
-            if k < last:
-                torch_acts.append(single_output(t_out, b.name))
-                flax_acts.append(single_output(f_out, b.name))
+                torch_acts.append(single_output(t_out, b.name) if k < last else None)
+            with self._phase(k, "flax forward (compiled once per kind of stage)"):
+                with flax_lifted(self.dtype, self.islands, self.found):
+                    f_out = self.runner.forward(f, flax_acts[-1], self.flax_extras)
+                flax_acts.append(single_output(f_out, b.name) if k < last else None)
             del t, f
             self.progress.advance()
         torch_fn, flax_fn = self.forward
@@ -398,14 +404,13 @@ class Streamed:
         input_results: list[TensorResult] = []
         for k in reversed(range(len(self.bound))):
             torch_cots[k] = torch_cot
-            self._phase(k, "loading its weights")
-            t, f = self._load(k)
-            self._phase(k, "torch backward")
-            with torch_lifted(t.wrapper, self.dtype, self.islands, self.found):
+            with self._phase(k, "loading its weights"):
+                t, f = self._load(k)
+            with self._phase(k, "torch backward"), torch_lifted(t.wrapper, self.dtype, self.islands, self.found):
                 t_grads, t_x = t.gradients(torch_acts[k], self.torch_extras, torch_cot)
-            self._phase(k, "flax backward (compiled once per kind of stage)")
-            with flax_lifted(self.dtype, self.islands, self.found):
-                f_params, f_x = self.runner.gradients(f, flax_acts[k], self.flax_extras, flax_cot)
+            with self._phase(k, "flax backward (compiled once per kind of stage)"):
+                with flax_lifted(self.dtype, self.islands, self.found):
+                    f_params, f_x = self.runner.gradients(f, flax_acts[k], self.flax_extras, flax_cot)
             self._phase(k, "comparison")
             f_grads = f.torch_gradients(f_params)
             for key, g in t_grads.items():  # by the stage's names; compared under the model's
@@ -439,8 +444,8 @@ class Streamed:
         becomes the report's, and the note names it."""
         self.sweep = "alone:"
         for k, b in enumerate(self.bound):
-            self._phase(k, "on torch's activation and cotangent")
-            sub = self._alone(k, inputs, torch_acts, torch_cots[k])
+            with self._phase(k, "on torch's activation and cotangent"):
+                sub = self._alone(k, inputs, torch_acts, torch_cots[k])
             self.progress.advance()
             if not sub.passed:
                 report.first_divergence, report.isolation = sub.first_divergence, sub.isolation
