@@ -22,6 +22,7 @@ from flax_ln.convert import ConversionError
 from flax_ln.parity import Stage, Stages, compare_modules, compare_streamed, parameters_on_meta
 from flax_ln.parity.stages import gpt_stages
 from flax_ln.parity.stream_sides import Checkpoint
+from flax_ln.parity.streamed import Streamed
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # examples/ is not installed; the port is imported from the checkout
@@ -356,3 +357,17 @@ def test_an_error_in_a_declared_stage_names_the_stage_and_the_step(gpt_checkpoin
     if sys.version_info >= (3, 11):  # notes are Python 3.11's
         ours = "compare_streamed: raised in forward: stage 2/5 'block 0': flax forward"
         assert err.value.__notes__[-1].startswith(ours)  # after jax's own note on its filtered traceback
+
+
+def test_an_error_in_running_a_stage_alone_keeps_the_verdict_and_every_result(gpt_checkpoint, monkeypatch):
+    """Localisation never costs the verdict: the failing report keeps every result, and its note says what failed."""
+    _, folder = gpt_checkpoint
+
+    def broken(self, k, *args):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(Streamed, "_alone", broken)
+    port = abstract_gpt(False, "float64", 1e-2)
+    report = compare_streamed(meta_gpt(), port, IDS, checkpoint=folder, dtype="float64")
+    assert not report.passed and len(report.results) == 1 + len(list(meta_gpt().parameters()))
+    assert "running stage 1/5 'embedding' alone failed (RuntimeError: planted)" in report.localization_note

@@ -412,11 +412,11 @@ class Streamed:
             with self._phase(k, "flax backward (compiled once per kind of stage)"):
                 with flax_lifted(self.dtype, self.islands, self.found):
                     f_params, f_x = self.runner.gradients(f, flax_acts[k], self.flax_extras, flax_cot)
-            self._phase(k, "comparison")
-            f_grads = f.torch_gradients(f_params)
-            for key, g in t_grads.items():  # by the stage's names; compared under the model's
-                name = self.canonical.get(key, key)
-                grads.add(name, g, f_grads.get(key), stages_of.get(name, 1))
+            with self._phase(k, "comparison"):
+                f_grads = f.torch_gradients(f_params)
+                for key, g in t_grads.items():  # by the stage's names; compared under the model's
+                    name = self.canonical.get(key, key)
+                    grads.add(name, g, f_grads.get(key), stages_of.get(name, 1))
             if k > 0:
                 torch_cot, flax_cot = {"output": t_x.detach().numpy()}, {"output": f_x}
             else:
@@ -442,11 +442,19 @@ class Streamed:
 
     def _isolate(self, report: ParityReport, inputs, torch_acts, torch_cots) -> None:
         """Each stage alone on torch's activations and cotangent, in order, until one differs: its localisation
-        becomes the report's, and the note names it."""
+        becomes the report's, and the note names it. An error in running a stage alone ends the search with a
+        note: localisation never costs the verdict."""
         self.sweep = "alone:"
         for k, b in enumerate(self.bound):
-            with self._phase(k, "on torch's activation and cotangent"):
-                sub = self._alone(k, inputs, torch_acts, torch_cots[k])
+            try:
+                with self._phase(k, "on torch's activation and cotangent"):
+                    sub = self._alone(k, inputs, torch_acts, torch_cots[k])
+            except Exception as err:  # noqa: BLE001 - the verdict and every result stand; the error is reported
+                report.localization_note = (
+                    f"{report.localization_note}; running stage {k + 1}/{len(self.bound)} {b.name!r} alone failed "
+                    f"({type(err).__name__}: {str(err)[:300]}); the verdict and every tensor's result stand"
+                )
+                return
             self.progress.advance()
             if not sub.passed:
                 report.first_divergence, report.isolation = sub.first_divergence, sub.isolation
@@ -454,7 +462,9 @@ class Streamed:
                 report.localization_note = (
                     f"{report.localization_note}; stage {k + 1}/{len(self.bound)} {b.name!r} (torch "
                     f"{', '.join(b.torch_paths)}) is the first whose own computation differs, run alone on torch's "
-                    f"activations and cotangent" + (f"; stages 1-{k} agree alone" if k else "")
+                    f"activations and cotangent"
+                    + (f"; stages 1-{k} agree alone" if k else "")
+                    + (f"; in it: {sub.localization_note}" if sub.localization_note else "")
                 )
                 return
         report.localization_note = (
