@@ -228,16 +228,20 @@ def lm_stages():
     )
 
 
-def test_explicit_float32_passes_a_gradient_float64_shows_is_zero_as_the_whole_model_comparison_does(tmp_path):
-    """dtype="float32" alone: the key biases' gradients are float32 noise around an exact zero and fail the
-    relative tolerance; the streamed comparison asks a float64 streamed run which gradients are zero, as
-    compare_modules asks a float64 run, and both pass them as zero."""
+@pytest.mark.parametrize("dtype", ["float32", None], ids=["explicit-float32", "default"])
+def test_a_gradient_float64_shows_is_zero_passes_and_islands_are_named_as_in_the_whole_model_comparison(
+    tmp_path, dtype
+):
+    """The key biases' float32 gradients are noise around an exact zero and fail the relative tolerance. With
+    dtype="float32" alone the streamed comparison asks a float64 streamed run which gradients are zero, as
+    compare_modules asks a float64 run; by default the float64 check says. Both pass them as zero. The float64
+    check names the port's float32 island (nnx.Embed's own compute dtype) by its path in the whole model."""
     torch_model = randomized(TorchLM(), "float32")
     folder = save(torch_model.state_dict(), tmp_path)
     with parameters_on_meta():
         meta = TorchLM()
     ids = np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ))
-    options = dict(weights=lm_key_map(), dtype="float32")
+    options = dict(weights=lm_key_map(), dtype=dtype)
     streamed = compare_streamed(meta, nnx.eval_shape(lambda: LM("float32")), ids, checkpoint=folder,
                                 stages=lm_stages(), **options)  # fmt: skip
     whole = compare_modules(torch_model, nnx.eval_shape(lambda: LM("float32")), ids, **options)
@@ -245,6 +249,10 @@ def test_explicit_float32_passes_a_gradient_float64_shows_is_zero_as_the_whole_m
     assert_same_results(streamed, whole)
     zero = [r.name for r in streamed.results if r.passed_by == "zero"]
     assert zero == ["layers.0.attn.k_proj.bias", "layers.1.attn.k_proj.bias"]
+    if dtype is None:
+        flax_islands = [i for i in streamed.float64_check.islands if i.side == "flax"]
+        assert flax_islands == [i for i in whole.float64_check.islands if i.side == "flax"]
+        assert [i.module for i in flax_islands] == ["embedder.table"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -218,10 +218,20 @@ def wrapper_path(path: str) -> str:
     return _STACKED.sub(r"\g<base>.\g<index>", path)
 
 
-def flax_wrapper(paths: Sequence[str], modules: Sequence[nnx.Module]) -> nnx.Module:
-    """One ``nnx.Module`` holding ``modules`` at their ``paths`` (:func:`wrapper_path`): the converter and a key map
+class StageModules(nnx.Dict):
+    """A stage's flax modules at their model paths, whose :meth:`run` runs the stage from a method of theirs: a
+    float32 island found inside is named by its path in the whole model, as a whole-model comparison names it."""
+
+    def run(self, run: Run, modules: Sequence[nnx.Module], x: Any, extras: Mapping[str, Any]) -> Any:
+        return run(modules, x, extras)
+
+
+def flax_wrapper(
+    paths: Sequence[str], modules: Sequence[nnx.Module], container: type[nnx.Dict] = nnx.Dict
+) -> nnx.Module:
+    """One ``container`` holding ``modules`` at their ``paths`` (:func:`wrapper_path`): the converter and a key map
     name its variables as they name the whole model's."""
-    return _nest([(wrapper_path(p), m) for p, m in zip(paths, modules)], lambda children: nnx.Dict(**children))
+    return _nest([(wrapper_path(p), m) for p, m in zip(paths, modules)], lambda children: container(**children))
 
 
 def materialized(module: nnx.Module, layer: int | None, dtype: str | None) -> nnx.Module:

@@ -27,7 +27,15 @@ from flax_ln.convert.tensor_files import SAFETENSORS_FLOATS, StoredTensor, check
 from flax_ln.convert.trees import NNXTree
 from flax_ln.parity.call import is_float, named_outputs
 from flax_ln.parity.islands import Island
-from flax_ln.parity.stages import BoundStage, flax_submodule, flax_wrapper, materialized, torch_modules, torch_wrapper
+from flax_ln.parity.stages import (
+    BoundStage,
+    StageModules,
+    flax_submodule,
+    flax_wrapper,
+    materialized,
+    torch_modules,
+    torch_wrapper,
+)
 
 
 def _torch():
@@ -355,7 +363,9 @@ def run_stage(stage: BoundStage, graphdefs, params, rest, x: Any, extras: Mappin
     """The stage's flax run on its modules merged from ``(graphdefs, params, rest)``: what each compiled function
     traces."""
     modules = [nnx.merge(g, p, r) for g, p, r in zip(graphdefs, params, rest)]
-    return stage.stage.flax_run(modules, x, extras)
+    root = flax_wrapper(stage.flax_paths, modules, StageModules)
+    assert isinstance(root, StageModules)  # every level of the nesting is one
+    return root.run(stage.stage.flax_run, modules, x, extras)
 
 
 class FlaxRunner:
