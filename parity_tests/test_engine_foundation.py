@@ -840,6 +840,17 @@ def test_python_numbers_compare_in_the_comparisons_dtype_with_x64_off():
     assert report["scale"].relative_error == 0.0 and report.float64_check.passed
 
 
+def test_a_bfloat16_input_is_cast_to_the_comparisons_dtype_like_any_floating_input():
+    """NumPy does not rank ml_dtypes' bfloat16 as floating; the engine does: the input is widened exactly (and
+    differentiated), and the report says so."""
+    torch_model, flax_model, x = linear_pair()
+    x = np.asarray(x).astype(jnp.bfloat16)
+    report = compare_modules(torch_model, flax_model, x, dtype="float32")
+    assert report.passed, str(report)
+    assert report.input_casts == {"input 0": "bfloat16 -> float32"}
+    assert "grad input 0" in [r.name for r in report.results]
+
+
 def test_dict_outputs_are_matched_by_key_and_missing_keys_are_named():
     torch_model, flax_model, x = linear_pair()
     torch_forward = lambda m, x: {"a": m(x), "b": 2 * m(x)}  # noqa: E731

@@ -41,6 +41,8 @@ def as_inputs(inputs: Any) -> tuple[np.ndarray, ...]:
 def is_float(x: Any) -> bool:
     """Whether ``x`` (an array, a jax tracer, a torch tensor or a Python number) holds floating values,
     bfloat16 included."""
+    if hasattr(x, "is_floating_point"):  # a torch.Tensor (NumPy cannot take a bfloat16 one)
+        return bool(x.is_floating_point())
     dtype = getattr(x, "dtype", None)
     return is_floating(dtype if isinstance(dtype, np.dtype) else np.asarray(x).dtype)
 
