@@ -77,10 +77,10 @@ def tie_names(torch_model: Any) -> dict[str, str]:
     return out
 
 
-def tie_groups(torch_model: Any) -> dict[str, list[str]]:
-    """Each parameter's compared name -> every name that holds it (:func:`tie_names` grouped)."""
+def tie_groups(names: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each parameter's compared name -> every name that holds it: :func:`tie_names`'s ``names`` grouped."""
     groups: dict[str, list[str]] = {}
-    for name, canonical in tie_names(torch_model).items():
+    for name, canonical in names.items():
         groups.setdefault(canonical, []).append(name)
     return groups
 
@@ -97,7 +97,7 @@ class Checkpoint:
         self.stored = checkpoint_tensors(path)
         self.dtype = np.dtype(dtype)
         canonical = tie_names(torch_model)
-        groups = tie_groups(torch_model)
+        groups = tie_groups(canonical)
         specs = torch_model.state_dict(keep_vars=True)
         self.sources: dict[str, StoredTensor] = {}
         missing, mismatched = set(), []
@@ -166,7 +166,7 @@ def check_whole(torch_model: Any, flax_model: nnx.Module, weights: KeyMap | None
         for k, t in torch_model.state_dict(keep_vars=True).items()
     }
     if weights is not None:
-        ties = {k: v for k, v in tie_groups(torch_model).items() if len(v) > 1}
+        ties = {k: v for k, v in tie_groups(tie_names(torch_model)).items() if len(v) > 1}
         _, problems = match_targets(weights, NNXTree(flax_model), specs, ties, stacklevel=5)
         if problems:
             raise key_map_error(problems)
