@@ -36,7 +36,8 @@ class Stage:
       torch: the torch module paths it holds, as ``named_modules()`` names them; ``{i}`` is the layer.
       flax: the flax module paths, dotted; ``{i}`` is the layer, and ``"h[{i}]"`` is layer ``i`` of
         layers stacked on a leading axis (``nnx.vmap``, a scan over layers).
-      torch_run, flax_run: ``run(modules, x, extras)``, the stage's computation on each side.
+      torch_run: ``run(modules, x, extras)``, the stage's computation on the torch side.
+      flax_run: ``run(modules, x, extras)``, the stage's computation on the flax side.
       layers: the stage repeats for ``i`` in ``range(layers)``; ``None``: it is one stage.
     """
 

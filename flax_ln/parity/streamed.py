@@ -109,7 +109,11 @@ def compare_streamed(
       forward: what is compared of the last stage's result: ``fn(outputs)`` for both sides, or a pair
         ``(torch_fn, flax_fn)``; default: the outputs as they are.
       quiet: no progress on the terminal (it is shown only on a terminal, never in captured output).
-      tolerances, islands, torch_factory, input_names, name: as ``compare_modules``'s.
+      tolerances: as :func:`~flax_ln.parity.compare_modules`'s.
+      islands: as :func:`~flax_ln.parity.compare_modules`'s.
+      torch_factory: as :func:`~flax_ln.parity.compare_modules`'s.
+      input_names: as :func:`~flax_ln.parity.compare_modules`'s.
+      name: as :func:`~flax_ln.parity.compare_modules`'s.
       localize_failures: on failure, run the stages alone to find the first that differs, and localise in it.
 
     Reverse mode only (no ``mode="jvp"``). A gradient passes as zero only on float64's word: in float64 from
