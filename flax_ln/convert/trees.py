@@ -66,7 +66,7 @@ class NNXTree:
     def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
         """See :meth:`VariableTree.variables`."""
         return {
-            p: (tuple(v.shape), v.dtype, isinstance(v, SAVED_KINDS))
+            p: (tuple(v.shape), value_dtype(v), isinstance(v, SAVED_KINDS))
             for p, v in self._vars.items()
             if hasattr(v, "shape")
         }
@@ -100,6 +100,18 @@ class NNXTree:
         """See :meth:`VariableTree.write`."""
         for path, value in values.items():
             assign(self._vars[path], value)
+
+
+def is_python_number(leaf: Any) -> bool:
+    """Whether a pytree leaf is a Python number (``bool``, ``int``, ``float``, ``complex``): a hyper-parameter
+    beside the arrays of a parameter pytree, never a parameter, never cast."""
+    return isinstance(leaf, (bool, int, float, complex))
+
+
+def value_dtype(variable: nnx.Variable) -> np.dtype:
+    """The dtype of the array ``variable`` holds (or of its ``jax.ShapeDtypeStruct``), never its ``dtype`` metadata:
+    ``nnx.Param(x, dtype=jnp.float32)`` keeps saying float32 after its value is cast."""
+    return np.dtype(variable.get_value().dtype)
 
 
 def path_step(key: Any) -> str:
@@ -142,6 +154,8 @@ class PytreeTree:
         """See :meth:`VariableTree.variables`."""
         out = {}
         for steps, name in zip(self._steps, self._names):
+            if is_python_number(self._leaves[name]):  # a hyper-parameter (a Python int, float or bool): not a variable
+                continue
             shape, dtype = _shape_dtype(self._leaves[name])
             out[name] = (shape, dtype, self.required(steps, dtype))
         return out

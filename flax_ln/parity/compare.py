@@ -18,6 +18,7 @@ from flax import nnx
 from flax_ln.convert import KeyMap, KeyPlan
 from flax_ln.convert.keymap_syntax import describe_value
 from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
+from flax_ln.parity.failure import describe_failure, note_failure
 from flax_ln.parity.flax_side import FlaxSide, Function, Linen
 from flax_ln.parity.function_side import FunctionSide
 from flax_ln.parity.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
@@ -38,7 +39,7 @@ from flax_ln.parity.policy import (
 )
 from flax_ln.parity.progress import Progress
 from flax_ln.parity.report import ParityReport, environment
-from flax_ln.parity.shared import as_shared, zero_shared
+from flax_ln.parity.shared import as_shared, one_variable_for_distinct_parameters, zero_shared
 from flax_ln.parity.spill import should_spill
 from flax_ln.parity.torch_side import (
     MODES,
@@ -51,13 +52,22 @@ from flax_ln.parity.torch_side import (
 )
 from flax_ln.pytest_plugin import page_path
 
-# The kinds of flax side: a user's flax side is of the first that takes it (NNX takes any other object).
+# The kinds of flax side: a user's flax side is of the first that takes it.
 KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, NNXSide)
 
 
 def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
-    """The kind of flax side ``flax_module`` is: the first of :data:`KINDS` that takes it."""
-    return next(kind for kind in KINDS if kind.takes(flax_module))
+    """The kind of flax side ``flax_module`` is: the first of :data:`KINDS` that takes it; ``TypeError`` (before
+    any work) for an object none takes."""
+    kind = next((kind for kind in KINDS if kind.takes(flax_module)), None)
+    if kind is None:
+        raise TypeError(
+            f"the flax side is a {type(flax_module).__module__}.{type(flax_module).__qualname__}, which the engine "
+            "does not know: compare_modules takes an nnx.Module, flax_ln.parity.Linen(module, variables) or "
+            "flax_ln.parity.Function(apply, params). Wrap a model of another module system (a pytree with its own "
+            "call) as Function(apply, params), with params its arrays and apply(params, *inputs) calling it"
+        )
+    return kind
 
 
 _TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
@@ -185,6 +195,7 @@ def _load_and_judge(
     ``judging()`` is called when the flax side has run, before its values are compared (a progress phase)."""
     flax = kind.load(flax_module, side, flax_inputs, weights, plan)
     shared = {} if flax.plan is None else flax.plan.shared()
+    one_variable = one_variable_for_distinct_parameters(side, shared, tolerances["grad"])
     if flax.plan is not None and shared:
         side = as_shared(side, flax.plan, rerun)
         evidence = zero_evidence
@@ -192,6 +203,7 @@ def _load_and_judge(
     values = flax.values(side, call, mesh)
     judging()
     report, actual, zero = _judge(side, values, tolerances, zero_evidence, want_zero)
+    report.results += one_variable
     report.ties = flax.ties()
     report.shared = shared
     report.constants = {} if flax.plan is None else {p: describe_value(v) for p, v in flax.plan.constants.items()}
@@ -375,12 +387,13 @@ def compare_modules(
         names through each layout's inverse (tied copies summed), ``jvp`` parameter tangents go
         into the flax layout through it, ``report.ties`` lists the ties, and localisation pairs
         modules by their parameters (:func:`~flax_ln.parity.localize.pair_modules`). Distinct
-        torch tensors of equal value that fill one flax variable (``report.shared``,
-        :meth:`~flax_ln.convert.KeyPlan.shared`) are compared as one: in ``"jvp"`` they all take
-        the first one's tangent, carried through the layouts (torch runs again with it); in
-        ``"grad"`` the variable's gradient is compared, under the first key, against the sum of
-        torch's gradients in that key's layout, and the others have no result. ``None``:
-        the converter's rules and mirrored trees.
+        torch parameters that fill one flax variable (``report.shared``,
+        :meth:`~flax_ln.convert.KeyPlan.shared`) fail: the port holds one variable where torch
+        keeps two (equal at initialisation, apart after training), said in a failing result under
+        the second key; the rest is compared with them as one (in ``"jvp"`` they all take the
+        first one's tangent, torch running again with it; in ``"grad"`` the variable's gradient
+        against the sum of torch's, under the first key). ``None``: the converter's rules and
+        mirrored trees.
       modules: with ``weights``, ``{torch_path: flax_path | (flax_path, layout) | None}``: add a
         pair (a parameter-free module), give a pair's activation layout (an einops pattern,
         torch -> flax), or remove an automatic pair (``None``).
@@ -444,7 +457,12 @@ def compare_modules(
     label = name or type(torch_module).__name__
     with Progress(comparison.phases * (1 + checked), label=label, quiet=quiet) as progress:
         if checked:
-            float64_check, zero, plan = comparison.run("float64", None, None, True, progress, "float64 check: ")
+            check_started = time.perf_counter()
+            try:
+                float64_check, zero, plan = comparison.run("float64", None, None, True, progress, "float64 check: ")
+            except Exception as err:  # noqa: BLE001 - a float64 check that cannot run is a finding; float32 stands
+                float64_check = ParityReport(label, "float64", [], error=describe_failure(err))
+            _stamp(float64_check, check_started)
         report, _, _ = comparison.run(dtype, zero, plan, progress=progress)
     report.float64_check = float64_check
     report.discovery = getattr(weights, "discovery", None)
@@ -493,13 +511,30 @@ class Comparison:
         says, when asked; ``plan``: that check's plan (the same variables and keys), not built again;
         ``want_zero``: in float64, find those gradients even when no gradient of this run needs them (for a run
         in another dtype to come). ``progress``: the bar its phases advance, each shown after ``prefix``."""
+        stage = ["building the float64 copies" if dtype == "float64" else "preparing the inputs"]
+        try:
+            return self._run(dtype, zero, plan, want_zero, progress, prefix, stage)
+        except Exception as err:
+            if dtype == "float64":  # say where it came from: a port that runs in float32 may not be x64-safe
+                where = f"compare_modules: raised in the float64 run, {stage[0]}"
+                note_failure(err, where + (" (x64 on)" if "flax" in stage[0] else ""))
+            raise
+
+    def _run(self, dtype, zero, plan, want_zero, progress, prefix, stage: list[str]):
         bar = progress or Progress(0, label="", quiet=True)
         shown = 0
+        stages = {
+            "torch forward and backward": "running the torch side",
+            "flax load, compile and run": "loading, tracing and running the flax side",
+            "comparison": "comparing",
+            "localisation": "localising",
+        }
 
         def phase(text: str) -> None:  # the phase before (if any) is done; ``text`` runs now
             nonlocal shown
             bar.advance(min(shown, 1))
             bar.phase(prefix + text)
+            stage[0] = stages[text]
             shown += 1
 
         opts = self.call_options

@@ -37,7 +37,7 @@ from flax import linen
 from flax_ln.convert import KeyMap, KeyPlan, Tie, find_ties
 from flax_ln.convert.keymap_transfer import write_by_plan
 from flax_ln.convert.layouts import Permute
-from flax_ln.convert.trees import LinenTree, PytreeTree, VariableTree
+from flax_ln.convert.trees import LinenTree, PytreeTree, VariableTree, is_python_number
 from flax_ln.parity.call import (
     Call,
     check_same_outputs,
@@ -163,16 +163,23 @@ def require_differentiable(tree: Any, noun: str, fix: str, floating_only: bool =
 
 
 def as_float64(tree: Any) -> Any:
-    """Every floating leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``) in float64 (call under x64)."""
+    """Every floating leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``) in float64 (call under x64); Python
+    numbers (hyper-parameters) as they are."""
 
     def cast(x: Any) -> Any:
-        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        if is_python_number(x) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             return x
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, jnp.float64)
         return jnp.asarray(x, jnp.float64)
 
     return jax.tree.map(cast, tree)
+
+
+def widens_to_float64(dtypes: set[np.dtype]) -> bool:
+    """Whether parameters of these floating ``dtypes`` are copied to float64 for a float64 comparison: float32 ones,
+    alone or beside float64 ones (a port built partly under x64). Half precision is the port's own: refused."""
+    return np.dtype(np.float32) in dtypes and dtypes <= {np.dtype(np.float32), np.dtype(np.float64)}
 
 
 def _axis_order(torch_input: np.ndarray, flax_input: np.ndarray, index: int) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_ln.convert import KeyMap, PytreeTree
+from flax_ln.convert.trees import is_python_number
 from flax_ln.parity.call import with_floats
 from flax_ln.parity.flax_side import Function, Parts
 from flax_ln.parity.tree_side import TreeSide
@@ -49,12 +50,16 @@ class FunctionSide(TreeSide):
             raise TypeError(f"Function(apply, params): apply must be callable, got {type(flax_module.apply).__name__}")
 
     def parts(self) -> Parts:
-        """The floating leaves are differentiated, the others (integer tables) are state."""
+        """The floating arrays are differentiated, the other leaves (integer tables, Python numbers) are state."""
         apply = self.wrapper.apply
         variables = self.tree.tree()
         leaves, treedef = jax.tree_util.tree_flatten(variables)
         names = list(self.tree.names(variables))
-        floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+        floating = [
+            i
+            for i, x in enumerate(leaves)
+            if not is_python_number(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        ]
         others = [None if i in floating else x for i, x in enumerate(leaves)]
 
         def build(params, rest):

@@ -28,8 +28,9 @@ import numpy as np
 from flax import linen, nnx
 
 from flax_ln.convert import KeyMap, KeyPlan, Tie, fill_tree, rules
+from flax_ln.convert.assign import is_floating
 from flax_ln.convert.layouts import Permute
-from flax_ln.convert.trees import NNXTree
+from flax_ln.convert.trees import NNXTree, value_dtype
 from flax_ln.parity.call import is_float
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
 from flax_ln.parity.flax_side import (
@@ -41,6 +42,7 @@ from flax_ln.parity.flax_side import (
     require_differentiable,
     require_key_map,
     torch_ties,
+    widens_to_float64,
     write_through,
 )
 from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups, substitute_floats
@@ -134,30 +136,34 @@ def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, Own
 def _check_flax_params(model: nnx.Module, dtype: str) -> None:
     want = np.dtype(parameter_dtype(dtype))
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Param) and jnp.issubdtype(node.dtype, jnp.floating) and np.dtype(node.dtype) != want:
+        if isinstance(node, nnx.Param) and jnp.issubdtype(have := value_dtype(node), jnp.floating) and have != want:
             hint = " under jax.enable_x64(True)" if want == np.float64 else ""
             raise ValueError(
-                f"compare_modules(dtype={dtype!r}): flax parameter {'.'.join(map(str, path))!r} is {node.dtype}, "
-                f"expected {want}: build the flax module with param_dtype=jnp.{want}{hint}"
+                f"compare_modules(dtype={dtype!r}): flax parameter {'.'.join(map(str, path))!r} holds {have} "
+                f"values, expected {want}: build the flax module with param_dtype=jnp.{want}{hint}"
             )
 
 
 def _floating_param_dtypes(model: nnx.Module) -> set[np.dtype]:
     return {
-        np.dtype(node.dtype)
+        have
         for _, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.Param) and jnp.issubdtype(node.dtype, jnp.floating)
+        if isinstance(node, nnx.Param) and jnp.issubdtype(have := value_dtype(node), jnp.floating)
     }
 
 
 def _float64_twin(model: nnx.Module, *, compute_dtypes: bool = True) -> nnx.Module:
-    """A copy of ``model`` with every floating parameter and buffer in float64 and, with ``compute_dtypes``,
-    every module's compute ``dtype`` set to float64 (call under x64). Without it a port's own float32 compute
-    dtypes stay: its float32 islands, which lifting (or ``islands="keep"``) decides about."""
+    """A copy of ``model`` with every floating parameter and buffer in float64 (a variable's ``dtype`` metadata
+    follows its value) and, with ``compute_dtypes``, every module's compute ``dtype`` set to float64 (call under
+    x64). Without it a port's own float32 compute dtypes stay: its float32 islands, which lifting (or
+    ``islands="keep"``) decides about."""
     twin = nnx.clone(model)
     graphdef, state = nnx.split(twin)
     state = as_float64(state)
     twin = nnx.merge(graphdef, state)
+    for _, node in nnx.iter_graph(twin):
+        if isinstance(node, nnx.Variable) and node.has_metadata("dtype") and is_floating(value_dtype(node)):
+            node.set_metadata("dtype", value_dtype(node))
     for _, module in nnx.iter_modules(twin):
         for attr in ("dtype", "param_dtype") if compute_dtypes else ("param_dtype",):
             value = getattr(module, attr, None)
@@ -225,8 +231,8 @@ class NNXSide(FlaxSide):
 
     @classmethod
     def takes(cls, flax_module: Any) -> bool:
-        """Any flax side not of another kind is taken as an NNX module (its load says what is wrong with it)."""
-        return True
+        """An ``nnx.Module``; a bare Linen module too, for :meth:`check` to name the wrapper it needs."""
+        return isinstance(flax_module, (nnx.Module, linen.Module))
 
     @classmethod
     def check(cls, flax_module: Any, weights: KeyMap | None, mesh) -> None:
@@ -251,7 +257,7 @@ class NNXSide(FlaxSide):
         """Check the flax parameters' dtype, load the torch weights into the caller's module (through ``weights``,
         a key map, when given; else the converter's rules), and pair each input with torch's."""
         inputs, orders = paired_inputs(side, flax_inputs)
-        if side.dtype == "float64" and _floating_param_dtypes(flax_module) == {np.dtype(np.float32)}:
+        if side.dtype == "float64" and widens_to_float64(_floating_param_dtypes(flax_module)):
             flax_module = _float64_twin(flax_module, compute_dtypes=False)  # a copy: the caller's port is unchanged
         _check_flax_params(flax_module, side.dtype)
         aliases = torch_ties(side)

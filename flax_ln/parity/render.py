@@ -52,6 +52,9 @@ from flax_ln.parity.policy import TensorResult
 #                          versions, x64, matmul precision); not printed: flax-ln parity prints it once as its header
 #   "float64 check":       sections (the float64 comparison's own sections, islands lifted, which the default
 #                          runs beside the comparison in the torch parameters' dtype)
+#   "could not run":       error (why the comparison raised: its exception and stage; the float64 check's)
+#   "verdict":             passed, run ((dtype, passed) of the run), check (the float64 check passed): the overall
+#                          line of a report with a float64 check
 KINDS = (
     "title",
     "tensors",
@@ -75,6 +78,8 @@ KINDS = (
     "ties",
     "environment",
     "float64 check",
+    "could not run",
+    "verdict",
 )
 QUIET_KINDS = frozenset(
     {
@@ -88,6 +93,8 @@ QUIET_KINDS = frozenset(
         "nothing compared",
         "localization note",
         "float64 check",
+        "could not run",
+        "verdict",
     }
 )  # what ``--quiet`` prints
 
@@ -159,9 +166,24 @@ def _summary(d: Mapping[str, Any]) -> list[str]:
         + (f" ({k['zero']} zero in float64)" if k["zero"] else "")
         for k in d["kinds"]
     )
+    passed = d.get("run_passed", d["passed"]) if d.get("checked") else d["passed"]  # this run's own verdict
     return [
         f"summary: {d['within']}/{d['compared']} within tolerance ({kinds}) "
-        f"in {d['seconds']:.1f}s -> {'PASS' if d['passed'] else 'FAIL'}"
+        f"in {d['seconds']:.1f}s -> {'PASS' if passed else 'FAIL'}"
+    ]
+
+
+def _verdict(d: Mapping[str, Any]) -> list[str]:
+    dtype, run = d["run"]
+    words = f"{dtype} {'PASS' if run else 'FAIL'}, float64 check {'PASS' if d['check'] else 'FAIL'}"
+    return [f"verdict: {'PASS' if d['passed'] else 'FAIL'} ({words})"]
+
+
+def _could_not_run(d: Mapping[str, Any]) -> list[str]:
+    return [
+        f"could not run: {d['error']}",
+        '  (the float32 results stand; to check float32 alone, pass dtype="float32"; a port that is not '
+        "x64-safe is a finding in itself: docs/ports.md, 'When the port is not x64-safe')",
     ]
 
 
@@ -291,6 +313,11 @@ def _float64_check(sections: Sequence[Section]) -> list[str]:
     """The float64 check, indented under its own line: a passing one by its summary and islands, a failing one
     whole."""
     by_kind = {s.kind: s for s in sections}
+    if "could not run" in by_kind:
+        return [
+            "float64 check could not run:",
+            *("  " + line for line in _could_not_run(by_kind["could not run"].data)),
+        ]
     if by_kind["summary"].data["passed"]:
         lines = [f"{by_kind['title'].data['title']} {section_text(by_kind['summary'])}"]
         lines += _islands(by_kind["islands"].data) if "islands" in by_kind else []
@@ -330,6 +357,8 @@ _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "ties": lambda d: [],  # in --json and the HTML page
     "environment": lambda d: [],  # the CLI's header line (format_environment)
     "float64 check": lambda d: _float64_check(d["sections"]),
+    "could not run": _could_not_run,
+    "verdict": _verdict,
 }
 
 

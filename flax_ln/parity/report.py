@@ -146,6 +146,7 @@ class ParityReport:
     constants: dict[str, str] = dataclasses.field(default_factory=dict)  # key map constants: path -> its value
     discovery: Any = None  # the key map's discovery (how it was measured from a port's loader), when it has one
     float64_check: ParityReport | None = None  # the default's float64 comparison, islands lifted
+    error: str | None = None  # why this comparison could not run (a float64 check that raised), with its stage
     # every recorded torch submodule, execution order -> the dotted path of its flax twin (None: unpaired)
     module_pairs: dict[str, str | None] = dataclasses.field(default_factory=dict)
     module_inputs: list[TensorResult] = dataclasses.field(default_factory=list)  # each pair's worst input error
@@ -155,11 +156,16 @@ class ParityReport:
     def passed(self) -> bool:
         """Every tensor within tolerance, at least one compared (nothing compared is not a pass), and the
         float64 check passed when one ran."""
+        return self.run_passed and (self.float64_check is None or self.float64_check.passed)
+
+    @property
+    def run_passed(self) -> bool:
+        """This run's own verdict, its float64 check aside: every tensor within tolerance, at least one compared."""
         return (
-            bool(self.results)
+            self.error is None
+            and bool(self.results)
             and all(r.passed for r in self.results)
             and all(s["passed"] for s in self.train_steps)
-            and (self.float64_check is None or self.float64_check.passed)
         )
 
     def __getitem__(self, name: str) -> TensorResult:
@@ -224,6 +230,7 @@ class ParityReport:
             "constants": self.constants,
             "discovery": None if self.discovery is None else str(self.discovery),
             "float64_check": None if self.float64_check is None else self.float64_check.to_json(),
+            "error": self.error,
             "module_pairs": self.module_pairs,
             "module_inputs": [r.to_json() for r in self.module_inputs],
             "module_skipped": self.module_skipped,
@@ -277,6 +284,8 @@ class ParityReport:
                 "summary",
                 {
                     "passed": self.passed,
+                    "run_passed": self.run_passed,
+                    "checked": self.float64_check is not None,
                     "compared": len(results),
                     "within": len(results) - len(failed),
                     "seconds": self.seconds,
@@ -314,7 +323,9 @@ class ParityReport:
                     },
                 )
             )
-        if not results:
+        if self.error is not None:
+            sections.append(Section("could not run", {"error": self.error}))
+        elif not results:
             sections.append(Section("nothing compared"))
         if self.mode == "grad" and results and not any(r.kind in ("param grad", "input grad") for r in results):
             sections.append(Section("no gradients", {"frozen": len(self.frozen)}))
@@ -346,6 +357,12 @@ class ParityReport:
             sections.append(Section("environment", self.environment))
         if self.float64_check is not None:
             sections.append(Section("float64 check", {"sections": self.float64_check.sections(worst)}))
+            sections.append(
+                Section(
+                    "verdict",
+                    {"passed": self.passed, "run": (self.dtype, self.run_passed), "check": self.float64_check.passed},
+                )
+            )
         return sections
 
     def _modules_section(self) -> Section:
@@ -478,6 +495,7 @@ def report_from_dict(d: dict[str, Any]) -> ParityReport:
         islands=[Island(**i) for i in d.get("islands", [])],
         input_casts=d.get("input_casts", {}),
         float64_check=None if d.get("float64_check") is None else report_from_dict(d["float64_check"]),
+        error=d.get("error"),
         module_pairs=d.get("module_pairs", {}),
         module_inputs=[result_from_json(r) for r in d.get("module_inputs", [])],
         environment=d.get("environment"),

@@ -4,12 +4,39 @@ comparison matches them, one tangent and one gradient for all of them. Imports n
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from flax_ln.convert import KeyPlan, Tie
+from flax_ln.parity.policy import TensorResult, Tolerance
 from flax_ln.parity.torch_side import TorchSide
+
+
+def one_variable_for_distinct_parameters(
+    side: TorchSide, shared: Mapping[str, Tie], tolerance: Tolerance
+) -> list[TensorResult]:
+    """A failing result for each torch parameter that fills a flax variable another distinct torch parameter fills
+    too (under every member but the first): the port then computes another model, which equal values at
+    initialisation (every norm weight 1) hide. Buffers of equal value are not parameters, and a tie of one torch
+    tensor under several names is not in ``shared``."""
+    parameters = {*side.param_names, *side.frozen}
+    results = []
+    for tie in shared.values():
+        members = [k for k in tie.torch_aliases if k in parameters]
+        for key in members[1:]:
+            problem = (
+                f"the port holds one variable ({', '.join(tie.flax_paths)}) where torch keeps "
+                f"{len(members)} parameters ({', '.join(members)}): equal now, as at initialisation, they move "
+                "apart in training; give the port a variable for each"
+            )
+            shape = tuple(np.shape(side.state_dict[key]))
+            kind = "param grad" if side.mode == "grad" else "param"
+            results.append(
+                TensorResult(key, kind, shape, math.inf, None, math.inf, tolerance, None, False, problem=problem)
+            )
+    return results
 
 
 def zero_shared(zero: set[str], shared: Mapping[str, Tie]) -> set[str]:

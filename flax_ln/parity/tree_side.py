@@ -18,6 +18,7 @@ from flax_ln.parity.flax_side import (
     require_differentiable,
     require_key_map,
     torch_ties,
+    widens_to_float64,
     write_through,
 )
 from flax_ln.parity.policy import parameter_dtype
@@ -97,7 +98,7 @@ class TreeSide(FlaxSide):
         empty = cls.tree_type(cls.variables_of(flax_module))
         variables = empty.variables().values()
         floating = {dtype for _, dtype, required in variables if required and np.issubdtype(dtype, np.floating)}
-        if side.dtype == "float64" and floating == {np.dtype(np.float32)}:
+        if side.dtype == "float64" and widens_to_float64(floating):
             empty = cls.tree_type(as_float64(empty.tree()))  # float64 in one argument, on the copy it fills
         _check_tree_params(empty, side.dtype, cls.variable_noun)
         tree = cls.tree_type(empty.tree())
