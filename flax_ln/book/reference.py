@@ -30,8 +30,8 @@ import flax_ln
 from flax_ln._atomic import write_atomically
 from flax_ln.book import reference_schema
 from flax_ln.parity.capture import Unsupported
-from flax_ln.parity.compare import compare_side
 from flax_ln.parity.policy import numerics, parameter_dtype
+from flax_ln.parity.stored import compare_side
 from flax_ln.parity.torch_side import TorchSide
 
 METADATA_KEY = "flax_ln_reference"

@@ -20,7 +20,7 @@ The engine, by concern:
   flax side (:mod:`.nnx_side`, :mod:`.linen_side`, :mod:`.function_side`, the last two over
   :mod:`.tree_side`); :mod:`.capture`: recording submodule calls; :mod:`.pairing` and :mod:`.localize`:
   which modules are the same layer, the first divergence and isolated mode, once for every kind;
-* :mod:`.compare`: ``compare_modules``, ``assert_parity`` and ``compare_side`` (the flax side
+* :mod:`.compare`: ``compare_modules`` and ``assert_parity``; :mod:`.stored`: ``compare_side`` (the flax side
   against a ``TorchSide``), with :mod:`.shared` for distinct torch tensors that fill one flax variable;
 * :mod:`.streamed`: ``compare_streamed``, the same comparison stage by stage from a checkpoint, for models
   larger than memory, over :mod:`.stages` (a model as a chain of stages) and :mod:`.stream_sides` (each side,

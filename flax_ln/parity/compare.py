@@ -1,11 +1,9 @@
-"""The comparison: :func:`compare_modules` (the one public entry point), :func:`assert_parity`, and
-:func:`compare_side`, the flax side against a :class:`~flax_ln.parity.torch_side.TorchSide` (torch-free: a
-reference file's torch side needs no torch)."""
+"""The comparison: :func:`compare_modules` (the one public entry point) and :func:`assert_parity`; what a
+stored torch side is compared with (:func:`load_and_judge`) is shared with :mod:`flax_ln.parity.stored`."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +21,7 @@ from flax_ln.parity.flax_side import FlaxSide, Function, Linen
 from flax_ln.parity.function_side import FunctionSide
 from flax_ln.parity.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
 from flax_ln.parity.linen_side import LinenSide
-from flax_ln.parity.localize import localize
+from flax_ln.parity.localize import check_torch_paths, localize
 from flax_ln.parity.nnx_side import NNXSide
 from flax_ln.parity.policy import (
     HALF_PRECISION,
@@ -173,7 +171,7 @@ def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.nd
         )
 
 
-def _load_and_judge(
+def load_and_judge(
     kind: type[FlaxSide],
     side: TorchSide,
     flax_module,
@@ -215,66 +213,10 @@ def _load_and_judge(
     return report, flax, zero
 
 
-def check_torch_paths(torch_module, modules: Mapping[str, Any] | None) -> None:
-    """Raise ``ValueError`` (before any compute) for a key of ``modules=`` that names no torch submodule (a typo
-    would otherwise pair or remove nothing, silently), listing the nearest known paths."""
-    known = [path for path, _ in torch_module.named_modules() if path]
-    for path in modules or {}:
-        if path not in known:
-            near = difflib.get_close_matches(path, known, n=5, cutoff=0.5) or known[:5]
-            raise ValueError(
-                f"modules={{{path!r}: ...}}: the torch module {type(torch_module).__name__} has no submodule "
-                f"{path!r}; the nearest of its module paths (named_modules()): {near}. Give a torch path as "
-                "named_modules() names it"
-            )
-
-
-def _stamp(report: ParityReport, started: float) -> ParityReport:
+def stamp(report: ParityReport, started: float) -> ParityReport:
     """The one place a report is timed (from ``started``, a ``time.perf_counter()``)."""
     report.seconds = time.perf_counter() - started
     return report
-
-
-def compare_side(
-    side: TorchSide,
-    flax_module: nnx.Module,
-    *,
-    flax_inputs=None,
-    forward: Any = None,
-    loss=None,
-    tolerances: Mapping[str, Tolerance] | None = None,
-    localize_failures: bool = True,
-    capture_modules: bool = False,
-    lm_logits: str | None = None,
-    mesh=None,
-) -> ParityReport:
-    """The flax side against a stored :class:`TorchSide` (a reference file's, or one saved from a live run).
-
-    The same comparison as :func:`compare_modules` (``forward``, ``loss``, ``flax_inputs``,
-    ``tolerances``, ``lm_logits`` and ``mesh`` as there; only the flax function of a
-    ``forward`` pair runs), with no torch: localisation uses the side's stored
-    ``records``/``calls`` when it has them; attribution runs when ``side.truth`` is set.
-    ``mesh``: localisation, isolated mode and the float64 twin of attribution run
-    unsharded.
-    """
-    started = time.perf_counter()
-    kind = flax_side_kind(flax_module)
-    if kind.needs_key_map:
-        raise TypeError(
-            "compare_side (a stored reference file) takes an NNX module; Linen and Function flax sides are "
-            "compared live, with compare_modules(..., weights=KeyMap(...))"
-        )
-    tolerances = tolerances_for(side.dtype, tolerances)
-    call = side.call(forward, loss)
-    flax_inputs = None if flax_inputs is None else as_inputs(flax_inputs)
-    stored_zero = set(side.float64_zero or ())  # a reference file carries float64's word on each gradient
-    with numerics(side.dtype):
-        report, flax, _ = _load_and_judge(
-            kind, side, flax_module, call, flax_inputs, tolerances, lm_logits, mesh, None, lambda: stored_zero
-        )
-        if capture_modules or (localize_failures and not report.passed):
-            localize(report, side, flax, call, tolerances["output"])
-    return _stamp(report, started)
 
 
 def compare_modules(
@@ -301,6 +243,7 @@ def compare_modules(
     modules: Mapping[str, Any] | None = None,
     islands: str = "lift",
     torch_factory: Callable[[], Any] | None = None,
+    flax_factory: Callable[[], Any] | None = None,
     quiet: bool = False,
 ) -> ParityReport:
     """Compare a torch module with its NNX twin: every output, and the gradient of every floating input and parameter.
@@ -410,6 +353,11 @@ def compare_modules(
         weights and checked equal to them. A transformers model (with a ``config``) is
         rebuilt as ``type(m)(m.config)`` without it; any other module without it has its
         float32-rounded float64 buffers listed in ``report.islands`` (not lifted).
+      flax_factory: a zero-argument callable that builds the flax side afresh (an NNX module, or a ``Linen`` or
+        ``Function`` of the same kind as ``flax_module``): with ``islands="lift"`` the float64 run builds it with
+        lifting active and x64 on, so that float32 constants the port makes at construction (``jnp.array(d **
+        -0.5, jnp.float32)``, an ``nnx.data`` table) are float64 (listed as lifted), then fills its variables
+        with the weights as usual. Without it such constants are listed in ``report.islands`` as not lifted.
       quiet: no progress bar. Without it, a comparison that runs longer than two seconds shows a bar of its
         phases on a terminal (:class:`~flax_ln.parity.progress.Progress`; never when ``sys.stderr`` is not a
         terminal, or with the environment variable ``FLAX_LN_PROGRESS=0``).
@@ -449,6 +397,7 @@ def compare_modules(
         modules,
         islands,
         torch_factory,
+        flax_factory,
     )
     explicit = dtype is not None
     dtype = resolve_dtype(torch_module, dtype)
@@ -462,11 +411,11 @@ def compare_modules(
                 float64_check, zero, plan = comparison.run("float64", None, None, True, progress, "float64 check: ")
             except Exception as err:  # noqa: BLE001 - a float64 check that cannot run is a finding; float32 stands
                 float64_check = ParityReport(label, "float64", [], error=describe_failure(err))
-            _stamp(float64_check, check_started)
+            stamp(float64_check, check_started)
         report, _, _ = comparison.run(dtype, zero, plan, progress=progress)
     report.float64_check = float64_check
     report.discovery = getattr(weights, "discovery", None)
-    return _stamp(report, started)
+    return stamp(report, started)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,6 +439,21 @@ class Comparison:
     modules: Mapping[str, Any] | None
     islands: str
     torch_factory: Callable[[], Any] | None
+    flax_factory: Callable[[], Any] | None = None
+
+    def flax_side_for(self, dtype: str) -> Any:
+        """The flax side a run in ``dtype`` loads: the caller's, or, in a float64 run that lifts, the one
+        ``flax_factory`` builds now (call inside :func:`~flax_ln.parity.lifting.flax_lifted`), so that constants it
+        makes at construction are float64 (listed as lifted); of the caller's kind."""
+        if self.flax_factory is None or dtype != "float64" or self.islands != "lift":
+            return self.flax_module
+        built = self.flax_factory()
+        if flax_side_kind(built) is not self.kind:
+            raise TypeError(
+                f"flax_factory built a {type(built).__name__}, but the flax side is a "
+                f"{type(self.flax_module).__name__}: the factory must build the same kind of flax side"
+            )
+        return built
 
     @property
     def phases(self) -> int:
@@ -577,10 +541,10 @@ class Comparison:
 
             phase("flax load, compile and run")
             with flax_lifted(dtype, self.islands, found):
-                report, flax, zero_found = _load_and_judge(
+                report, flax, zero_found = load_and_judge(
                     self.kind,
                     side,
-                    self.flax_module,
+                    self.flax_side_for(dtype),
                     call,
                     flax_inputs,
                     tolerances,

@@ -53,11 +53,13 @@ import numpy as np
 from flax import linen, nnx
 from jax._src import core as jax_core
 from jax._src import dtypes as jax_dtypes
+from jax._src.interpreters import partial_eval as jax_pe
 from jax._src.lax.control_flow import loops as jax_loops
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 from jax.extend.core import primitives as prims
 
+from flax_ln.parity.capture import WHOLE_MODEL
 from flax_ln.parity.islands import Island
 
 source_info_util.register_exclusion(__file__)  # a promotion's source line is its caller's, not this file's
@@ -89,9 +91,13 @@ _MIXING = (
 
 @dataclasses.dataclass
 class Lifting:
-    """What one :func:`lift_float32` context lifted: ``islands``, one per (module, kind), in order found."""
+    """What one :func:`lift_float32` context lifted: ``islands``, one per (module, kind), in order found.
+
+    ``ports``: the models whose module paths name the islands (:func:`name_modules_of`), latest first; without
+    one, a path is taken from the outermost NNX module running."""
 
     islands: list[Island] = dataclasses.field(default_factory=list)
+    ports: list[nnx.Module] = dataclasses.field(default_factory=list)
     _roots: dict[int, tuple[nnx.Module, dict[int, tuple[str, nnx.Module]]]] = dataclasses.field(
         default_factory=dict, init=False, repr=False
     )  # id(root) -> (root, id(module) -> (path, module))
@@ -105,11 +111,12 @@ class Lifting:
     def module_path(self, frame: FrameType | None) -> str | None:
         """The dotted path of the innermost flax module whose method is running at ``frame`` or above.
 
-        NNX: the path from the outermost NNX module on the stack ("" for that module itself). A
-        module that a lifted transform (``nnx.scan``/``nnx.vmap`` over stacked layers) hands in as a
-        copy is placed by its type: at the one module of that type under the nearest module known,
-        else ``None``. Linen: the bound module's own path. ``None`` when no flax module is running
-        (so under a backward rule traced after the forward returned).
+        NNX: the path in the port (:attr:`ports`, the model the comparison runs, whatever function calls which
+        of its submodules; ``"(whole model)"`` for its root), else from the outermost NNX module on the stack.
+        A module that a lifted transform (``nnx.scan``/``nnx.vmap`` over stacked layers) hands in as a copy is
+        placed by its type: at the one module of that type under the nearest module known, else ``None``.
+        Linen: the bound module's own path. ``None`` when no flax module of the port is running (so under a
+        backward rule traced after the forward returned).
         """
         chain: list[nnx.Module] = []  # innermost first
         linen_path: str | None = None
@@ -124,21 +131,38 @@ class Lifting:
                     linen_path = None if scope is None else ".".join(map(str, scope.path))
             frame = frame.f_back
         if linen_path is not None or not chain:
-            return linen_path
-        root = chain[-1]
-        if id(root) not in self._roots or self._roots[id(root)][0] is not root:
-            self._roots[id(root)] = (root, _modules(root))
-        known = self._roots[id(root)][1]
-        depth = next(k for k, m in enumerate(chain) if id(m) in known)  # the root itself is known
+            return (linen_path or WHOLE_MODEL) if linen_path is not None else None
+        for root in self.ports or [chain[-1]]:
+            known = self._known(root)
+            depth = next((k for k, m in enumerate(chain) if id(m) in known), None)
+            if depth is not None:
+                break
+        else:
+            return None  # no module of the port is running
         path = known[id(chain[depth])][0]
         if depth == 0:
-            return path
+            return path or WHOLE_MODEL
         copy = chain[depth - 1]  # the outermost module on the stack that is not the root's own
         places = [p for p, m in known.values() if type(m) is type(copy) and (not path or p.startswith(path + "."))]
         inner = _modules(copy).get(id(chain[0]))
         if len(places) != 1 or inner is None:
             return None
-        return ".".join(part for part in (places[0], inner[0]) if part)
+        return ".".join(part for part in (places[0], inner[0]) if part) or WHOLE_MODEL
+
+    def _known(self, root: nnx.Module) -> dict[int, tuple[str, nnx.Module]]:
+        if id(root) not in self._roots or self._roots[id(root)][0] is not root:
+            self._roots[id(root)] = (root, _modules(root))
+        return self._roots[id(root)][1]
+
+
+def name_modules_of(port: Any) -> Any:
+    """Name the islands that tracing meets in ``port`` (an NNX module) by its module paths, in the active
+    :func:`lift_float32` context (none: nothing); returns ``port``. The flax side calls it on the model it runs,
+    and on each copy a jitted function merges, so that a path is the port's however its forward calls it."""
+    session = _active()
+    if session is not None and isinstance(port, nnx.Module) and not any(p is port for p in session.ports):
+        session.ports.insert(0, port)
+    return port
 
 
 def _modules(root: nnx.Module) -> dict[int, tuple[str, nnx.Module]]:
@@ -147,6 +171,8 @@ def _modules(root: nnx.Module) -> dict[int, tuple[str, nnx.Module]]:
 
 _ORIGINAL_CANONICALIZE = jax_dtypes.check_and_canonicalize_user_dtype
 _ORIGINAL_CARRY_PROMOTION = jax_loops._promote_weak_typed_input
+_CONST_NAMES = ("new_const", "pure", "lift")  # a concrete value entering a trace: a captured constant
+_ORIGINAL_CONSTS = {name: getattr(jax_pe.DynamicJaxprTrace, name) for name in _CONST_NAMES}
 _LIFT_TOKEN = jax.make_user_context(None)  # the active context's token: a key of every JAX cache
 _SESSIONS: dict[int, Lifting] = {}
 _TOKENS = itertools.count(1)
@@ -170,10 +196,10 @@ def _is_public(name: str) -> bool:
 def _call_site(frame: FrameType | None) -> tuple[str | None, bool, FrameType | None]:
     """(the outermost public JAX function running, whether a random draw runs, the caller's frame).
 
-    The caller's frame is the first one, going out from ``frame``, that is not JAX's own.
+    The caller's frame is the first one, going out from ``frame``, that is not JAX's own (nor this module's).
     """
     entry, drawing = None, False
-    while frame is not None and _module_name(frame).startswith("jax."):
+    while frame is not None and (_module_name(frame).startswith("jax.") or _module_name(frame) == __name__):
         drawing = drawing or _module_name(frame).startswith(_DRAWS)
         entry = frame.f_code.co_name if _is_public(frame.f_code.co_name) else entry
         frame = frame.f_back
@@ -192,6 +218,16 @@ def _words(fun_name: str | None, entry: str | None, dtype: np.dtype) -> str:
     return words if entry in (None, name) else f"{words} (in {entry})"  # a public function's own request
 
 
+def _initialising(frame: FrameType | None) -> bool:
+    """Whether Linen's own shape check of a parameter's initialiser runs (``scope.param`` evaluates ``init_fn``
+    abstractly on every apply): initialisation, not the model's computation."""
+    while frame is not None:
+        if frame.f_code.co_name == "param" and _module_name(frame) == "flax.core.scope":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _lifting_canonicalize(dtype: Any, fun_name: str | None = None) -> Any:
     canonical = _ORIGINAL_CANONICALIZE(dtype, fun_name)
     wider = WIDER.get(canonical) if isinstance(canonical, np.dtype) else None
@@ -199,7 +235,7 @@ def _lifting_canonicalize(dtype: Any, fun_name: str | None = None) -> Any:
     if session is None:
         return canonical
     entry, drawing, caller = _call_site(sys._getframe(1))
-    if drawing:
+    if drawing or _initialising(caller):
         return canonical
     session.add(session.module_path(caller), _words(fun_name, entry, canonical), lifted=True)
     return wider
@@ -237,6 +273,36 @@ def _promoting_carry(
     return _widen(in_val, wider), True
 
 
+def _not_captured(frame: FrameType | None) -> bool:
+    """Whether a constant entering the trace at ``frame`` was not captured from outside it: :func:`_widen` promoting
+    a float32 value (listed as that promotion), or an inner jaxpr inlined into the trace (its constants were met
+    when it was traced, and its folded ones are computed inside)."""
+    while frame is not None and _module_name(frame).startswith(("jax.", __name__)):
+        if frame.f_code is _widen.__code__ or frame.f_code.co_name == "inline_jaxpr_into_trace":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _naming_new_const(new_const: Callable[..., Any]) -> Callable[..., Any]:
+    def naming(trace: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _active()
+        dtype = getattr(value, "dtype", None)
+        weak = jax_dtypes.is_weakly_typed(value) or getattr(kwargs.get("aval"), "weak_type", False)
+        captured = isinstance(dtype, np.dtype) and dtype in WIDER and not weak
+        if session is not None and captured and not _not_captured(sys._getframe(1)):  # a Python number is weak
+            _, drawing, caller = _call_site(sys._getframe(1))
+            if not drawing and not _initialising(caller):
+                what = (
+                    f"a {dtype} constant {tuple(np.shape(value))} built before the comparison: its value is already "
+                    "rounded (build the port under lifting: flax_factory=)"
+                )
+                session.add(session.module_path(caller), what, lifted=False)
+        return new_const(trace, value, *args, **kwargs)
+
+    return naming
+
+
 def _widen(value: Any, dtype: np.dtype) -> Any:
     weak = jax_dtypes.is_weakly_typed(value)
     return prims.convert_element_type_p.bind(value, new_dtype=dtype, weak_type=weak, sharding=None)
@@ -248,6 +314,8 @@ def _install() -> None:
         if _installed[0] == 1:
             jax_dtypes.check_and_canonicalize_user_dtype = _lifting_canonicalize
             jax_loops._promote_weak_typed_input = _promoting_carry
+            for name, original in _ORIGINAL_CONSTS.items():
+                setattr(jax_pe.DynamicJaxprTrace, name, _naming_new_const(original))
             for primitive in _MIXING:
                 primitive.bind = _promoting_bind(primitive)  # type: ignore[method-assign]
 
@@ -258,6 +326,8 @@ def _uninstall() -> None:
         if _installed[0] == 0:
             jax_dtypes.check_and_canonicalize_user_dtype = _ORIGINAL_CANONICALIZE
             jax_loops._promote_weak_typed_input = _ORIGINAL_CARRY_PROMOTION
+            for name, original in _ORIGINAL_CONSTS.items():
+                setattr(jax_pe.DynamicJaxprTrace, name, original)
             for primitive in _MIXING:
                 del primitive.bind
 

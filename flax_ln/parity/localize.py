@@ -6,6 +6,7 @@ puts them in a report and never lets an error there lose the verdict. Imports no
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -480,3 +481,17 @@ def _confirm_between(report: ParityReport) -> None:
     report.first_divergence = dataclasses.replace(
         fd, module=child, flax_module=flax_child or child, between=None, flax_between=None
     )
+
+
+def check_torch_paths(torch_module, modules: Mapping[str, Any] | None) -> None:
+    """Raise ``ValueError`` (before any compute) for a key of ``modules=`` that names no torch submodule (a typo
+    would otherwise pair or remove nothing, silently), listing the nearest known paths."""
+    known = [path for path, _ in torch_module.named_modules() if path]
+    for path in modules or {}:
+        if path not in known:
+            near = difflib.get_close_matches(path, known, n=5, cutoff=0.5) or known[:5]
+            raise ValueError(
+                f"modules={{{path!r}: ...}}: the torch module {type(torch_module).__name__} has no submodule "
+                f"{path!r}; the nearest of its module paths (named_modules()): {near}. Give a torch path as "
+                "named_modules() names it"
+            )

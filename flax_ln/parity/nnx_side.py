@@ -16,7 +16,6 @@ itself is part of that call. The first completed call with a floating output is 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,6 +44,8 @@ from flax_ln.parity.flax_side import (
     widens_to_float64,
     write_through,
 )
+from flax_ln.parity.islands import Island
+from flax_ln.parity.jax_islands import name_modules_of
 from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups, substitute_floats
 from flax_ln.parity.policy import parameter_dtype
 from flax_ln.parity.torch_side import TorchSide
@@ -172,6 +173,22 @@ def _float64_twin(model: nnx.Module, *, compute_dtypes: bool = True) -> nnx.Modu
     return twin
 
 
+def _float32_constants(model: nnx.Module) -> list[Island]:
+    """The float32 arrays ``model`` holds outside its variables (``nnx.data(jnp.array(..., jnp.float32))``, a
+    plain array attribute): built before the comparison, so already rounded; a float64 run holds them widened."""
+    islands = []
+    for path, value in nnx.to_flat_state(nnx.state(model)):
+        dtype = getattr(value, "dtype", None)
+        if not isinstance(value, nnx.Variable) and dtype is not None and np.dtype(dtype) == np.float32:
+            module, leaf = ".".join(map(str, path[:-1])) or WHOLE_MODEL, str(path[-1])
+            what = (
+                f"a float32 constant {tuple(np.shape(value))} built before the comparison: its value is already "
+                f"rounded (attribute {leaf}; build the port under lifting: flax_factory=)"
+            )
+            islands.append(Island("flax", module, what, lifted=False))
+    return islands
+
+
 def _nnx_flat(state) -> dict[str, Any]:
     return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state)}
 
@@ -223,6 +240,7 @@ class NNXSide(FlaxSide):
     model: nnx.Module
     own_calls: dict[str, OwnCall] = dataclasses.field(default_factory=dict)  # by flax path, from record()
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # torch's ties, by the rules
+    constants: list[Island] = dataclasses.field(default_factory=list)  # float32 arrays held outside variables
 
     needs_key_map: ClassVar[bool] = False
     buffers_as_values: ClassVar[bool] = True  # the converter checks the buffers flax recomputes against their values
@@ -257,6 +275,7 @@ class NNXSide(FlaxSide):
         """Check the flax parameters' dtype, load the torch weights into the caller's module (through ``weights``,
         a key map, when given; else the converter's rules), and pair each input with torch's."""
         inputs, orders = paired_inputs(side, flax_inputs)
+        constants = _float32_constants(flax_module) if side.dtype == "float64" else []
         if side.dtype == "float64" and widens_to_float64(_floating_param_dtypes(flax_module)):
             flax_module = _float64_twin(flax_module, compute_dtypes=False)  # a copy: the caller's port is unchanged
         _check_flax_params(flax_module, side.dtype)
@@ -269,7 +288,7 @@ class NNXSide(FlaxSide):
             plan = fill_tree(NNXTree(flax_module), side.state_dict, key_map, ties=torch_ties(side), plan=plan)
         model = nnx.clone(flax_module)
         model.eval()
-        return cls(inputs, orders, plan, flax_module, model, aliases=aliases)
+        return cls(inputs, orders, plan, flax_module, model, aliases=aliases, constants=constants)
 
     def variable_tree(self) -> NNXTree:
         return NNXTree(self.model)
@@ -280,7 +299,7 @@ class NNXSide(FlaxSide):
 
     def parts(self) -> Parts:
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)  # type: ignore[misc]  # nnx.split's result is typed as a variadic tuple
-        return Parts(functools.partial(nnx.merge, graphdef), params, rest, _nnx_flat)
+        return Parts(lambda p, r: name_modules_of(nnx.merge(graphdef, p, r)), params, rest, _nnx_flat)
 
     def torch_gradients(self, parts: Parts, param_grads: Any, rest: Any) -> dict[str, Any]:
         """Through the converter's rules without a key map (the module tree mirrors torch's; read-only views of the
@@ -302,12 +321,17 @@ class NNXSide(FlaxSide):
 
     # ---- its module tree
 
+    def rounded_tables(self) -> list[Island]:
+        """And the float32 arrays the port holds outside its variables (``nnx.data``, plain attributes)."""
+        return [*super().rounded_tables(), *self.constants]
+
     def eager_model(self) -> nnx.Module:
-        return self.model
+        return name_modules_of(self.model)
 
     def record(self, forward: Callable[[], Any]) -> Records:
         """And each submodule's own call, kept whole for isolation."""
         self.own_calls = {}
+        name_modules_of(self.model)
         return capture_nnx(self.model, forward, self.own_calls)
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
