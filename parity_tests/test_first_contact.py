@@ -270,3 +270,26 @@ def test_one_norm_used_twice_for_two_torch_norms_fails(mode):
     assert not failing.passed and "norm_a.weight" in failing.problem and "norm.scale" in failing.problem
     assert "one variable" in failing.problem
     assert report.shared["norm_a.weight"].torch_aliases == ("norm_a.weight", "norm_b.weight")
+
+
+# ---- the report's words
+
+
+def test_each_run_has_its_own_line_time_and_verdict():
+    torch.manual_seed(0)
+    report = compare_modules(TorchScaledNorm(), _function_port(), _x(), weights=NORM_MAP)
+    assert report.float64_check.seconds > 0  # its own time, not "in 0.0s"
+    lines = str(report).splitlines()
+    summary = next(line for line in lines if line.startswith("summary:"))
+    assert summary.endswith("-> PASS")  # the float32 run's own verdict: it passed
+    assert lines[-1] == "verdict: FAIL (float32 PASS, float64 check FAIL)"
+
+
+def test_a_key_map_error_names_the_sides_own_kind_of_variable():
+    from flax_ln.convert import ConversionError
+
+    port = _function_port()
+    incomplete = KeyMap([(r"weight", "scale", None), (r"proj\..*", None, None)])
+    with pytest.raises(ConversionError) as err:
+        compare_modules(TorchScaledNorm(), port, _x(), weights=incomplete, dtype="float32")
+    assert "floating leaf of the pytree" in str(err.value) and "nnx.Param" not in str(err.value)

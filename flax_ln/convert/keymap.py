@@ -101,10 +101,13 @@ from flax_ln.convert.layouts import ArrayLayout, Shape, shape_only
 from flax_ln.convert.ties import Tie, find_ties
 from flax_ln.convert.trees import NNXTree, VariableTree
 
-_FIX = (
-    "each torch key must match exactly one rule: add (regex, template, layout) for an unexpected key, or "
-    "(regex, None, None) to ignore it; each nnx.Param and nnx.BatchStat must be named by a rule's template"
-)
+
+def _fix(tree: VariableTree | None) -> str:
+    required = getattr(tree, "required_noun", NNXTree.required_noun)  # what this kind of tree must have filled
+    return (
+        "each torch key must match exactly one rule: add (regex, template, layout) for an unexpected key, or "
+        f"(regex, None, None) to ignore it; each {required} must be named by a rule's template"
+    )
 
 
 class KeyMap:
@@ -231,7 +234,7 @@ class KeyMap:
             self, tree, array_specs(arrays), find_ties(arrays) if ties is None else ties, stacklevel=3
         )
         if problems:
-            raise key_map_error(problems)
+            raise key_map_error(problems, tree=tree)
         return plan
 
 
@@ -564,13 +567,16 @@ def _constants(
     return values, problems
 
 
-def key_map_error(problems: Mapping[str, list], header: str | None = None) -> ConversionError:
-    """One :class:`ConversionError` for every problem :func:`match_targets` (and the value checks) found."""
+def key_map_error(
+    problems: Mapping[str, list], header: str | None = None, tree: VariableTree | None = None
+) -> ConversionError:
+    """One :class:`ConversionError` for every problem :func:`match_targets` (and the value checks) found; its advice
+    names ``tree``'s own kind of variable (an NNX module's by default)."""
     return ConversionError(
         unexpected=problems.get("unexpected", ()),
         mismatched=problems.get("mismatched", ()),
         unfilled=problems.get("unfilled", ()),
-        hint=_FIX,
+        hint=_fix(tree),
         header=header,
     )
 

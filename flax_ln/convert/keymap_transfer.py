@@ -117,7 +117,7 @@ def fill_tree(
     if doubles:
         problems["unfilled"] = problems.get("unfilled", []) + doubles
     if problems:
-        raise key_map_error(problems)
+        raise key_map_error(problems, tree=tree)
     write_by_plan(plan, tree, value, lambda path: plan.constants[path])
     return plan
 
@@ -216,7 +216,7 @@ def export_with_key_map(model: Any, key_map: KeyMap, like: Mapping[str, Any] | N
                 stacklevel=3,
             )
     if problems:
-        raise key_map_error(problems, _EXPORT)
+        raise key_map_error(problems, _EXPORT, tree)
     host: dict[str, np.ndarray] = {}
 
     def torch_value(t: Target) -> np.ndarray:

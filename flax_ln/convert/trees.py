@@ -49,6 +49,8 @@ class NNXTree:
     (RNG state, caches) are filled only where a rule names them.
     """
 
+    required_noun = "nnx.Param and nnx.BatchStat"  # how an error names the variables loading must fill
+
     def __init__(self, model: nnx.Module):
         self.model = model
         self._vars: dict[str, nnx.Variable] = {}
@@ -111,7 +113,7 @@ def is_python_number(leaf: Any) -> bool:
 def value_dtype(variable: nnx.Variable) -> np.dtype:
     """The dtype of the array ``variable`` holds (or of its ``jax.ShapeDtypeStruct``), never its ``dtype`` metadata:
     ``nnx.Param(x, dtype=jnp.float32)`` keeps saying float32 after its value is cast."""
-    return np.dtype(variable.get_value().dtype)
+    return variable.get_value().dtype  # a NumPy dtype, or JAX's own (a PRNG key's) as it is
 
 
 def path_step(key: Any) -> str:
@@ -132,6 +134,8 @@ class PytreeTree:
     ``jax.ShapeDtypeStruct`` (``jax.eval_shape``): only their shapes and dtypes are read
     until they are written.
     """
+
+    required_noun = "floating leaf of the pytree"  # how an error names the variables loading must fill
 
     def __init__(self, tree: Any):
         flat, self._treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -197,6 +201,8 @@ class LinenTree(PytreeTree):
     collection first (``batch_stats.stages.0.bn.mean``). ``params`` and ``batch_stats`` are
     required; other collections are filled only where a rule names them. Writes go into a copy.
     """
+
+    required_noun = "variable of the params and batch_stats collections"
 
     def name_of(self, steps: tuple[str, ...]) -> str:
         """See :meth:`PytreeTree.name_of`."""

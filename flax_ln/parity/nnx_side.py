@@ -179,7 +179,7 @@ def _float32_constants(model: nnx.Module) -> list[Island]:
     islands = []
     for path, value in nnx.to_flat_state(nnx.state(model)):
         dtype = getattr(value, "dtype", None)
-        if not isinstance(value, nnx.Variable) and dtype is not None and np.dtype(dtype) == np.float32:
+        if not isinstance(value, nnx.Variable) and isinstance(dtype, np.dtype) and dtype == np.float32:
             module, leaf = ".".join(map(str, path[:-1])) or WHOLE_MODEL, str(path[-1])
             what = (
                 f"a float32 constant {tuple(np.shape(value))} built before the comparison: its value is already "
