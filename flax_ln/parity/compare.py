@@ -18,6 +18,7 @@ from flax import nnx
 from flax_ln.convert import KeyMap, KeyPlan
 from flax_ln.convert.keymap_syntax import describe_value
 from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
+from flax_ln.parity.equinox_side import EquinoxSide
 from flax_ln.parity.flax_side import FlaxSide, Function, Linen
 from flax_ln.parity.function_side import FunctionSide
 from flax_ln.parity.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
@@ -40,6 +41,7 @@ from flax_ln.parity.progress import Progress
 from flax_ln.parity.report import ParityReport, environment
 from flax_ln.parity.shared import as_shared, zero_shared
 from flax_ln.parity.spill import should_spill
+from flax_ln.parity.split import as_split
 from flax_ln.parity.torch_side import (
     MODES,
     TorchSide,
@@ -52,7 +54,7 @@ from flax_ln.parity.torch_side import (
 from flax_ln.pytest_plugin import page_path
 
 # The kinds of flax side: a user's flax side is of the first that takes it (NNX takes any other object).
-KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, NNXSide)
+KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, EquinoxSide, NNXSide)
 
 
 def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
@@ -189,6 +191,8 @@ def _load_and_judge(
         side = as_shared(side, flax.plan, rerun)
         evidence = zero_evidence
         zero_evidence = lambda: zero_shared(evidence(), shared)  # noqa: E731
+    if flax.plan is not None:  # a torch tensor split across several variables: its gradient slab by slab
+        side, zero_evidence = as_split(side, flax.plan, zero_evidence)
     values = flax.values(side, call, mesh)
     judging()
     report, actual, zero = _judge(side, values, tolerances, zero_evidence, want_zero)

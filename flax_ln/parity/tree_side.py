@@ -120,3 +120,7 @@ class TreeSide(FlaxSide):
     def float64_tree(self) -> PytreeTree:
         """A copy of ``tree`` with every floating variable cast to float64."""
         return self.tree_type(as_float64(self.tree.tree()))
+
+
+# public for the other kinds over a tree of arrays (equinox_side.py)
+check_tree_params = _check_tree_params
