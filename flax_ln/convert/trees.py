@@ -264,6 +264,16 @@ class EquinoxTree(PytreeTree):
         return EquinoxTree(module, self.params)
 
 
+def read_values(tree: VariableTree, path: str) -> np.ndarray | None:
+    """The values of the variable at ``path``; ``None`` for an abstract one (a ``jax.ShapeDtypeStruct``, or a
+    Variable holding one: what ``nnx.eval_shape`` builds and a loader that misses a key leaves behind)."""
+    try:
+        value = tree.read(path)
+    except (TypeError, AttributeError):  # an nnx.Variable holding a ShapeDtypeStruct cannot be indexed
+        return None
+    return None if value.dtype == object else value
+
+
 _KINDS = (
     "an nnx.Module, an equinox.Module, a VariableTree (flax_ln.convert.LinenTree(variables) for a Linen module's "
     "variables, flax_ln.convert.PytreeTree(params) for a parameter pytree), or a flax_ln.parity.Linen, Function or "
