@@ -36,11 +36,19 @@ import numpy as np
 from flax import nnx
 
 from flax_ln.convert.assign import as_numpy, is_floating
-from flax_ln.convert.discover_layout import Region, describe_part, fold_families, layout_of, regions
+from flax_ln.convert.discover_layout import Region, describe_part, fold_families, layout_of, regions, slab_of
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.tensor_files import write_streamed
 from flax_ln.convert.ties import find_ties
-from flax_ln.convert.trees import LinenTree, NNXTree, PytreeTree, VariableTree
+from flax_ln.convert.trees import (
+    EquinoxTree,
+    LinenTree,
+    NNXTree,
+    PytreeTree,
+    VariableTree,
+    is_equinox_module,
+    read_values,
+)
 
 # The largest integer each float holds exactly, with every integer below it.
 _EXACT = {"bfloat16": 2**8, "float16": 2**11, "float32": 2**24, "float64": 2**53}
@@ -104,23 +112,26 @@ class _Var:
     ids: Any = None
     problem: str | None = None
     random: bool = False  # a different value at each load: initialised at random, never read from torch
+    abstract: bool = False  # never filled: the loader left it a jax.ShapeDtypeStruct (no values)
 
 
 def _tree(loaded: Any, kind: str | None) -> VariableTree:
     if isinstance(loaded, nnx.Module):
         return NNXTree(loaded)
+    if is_equinox_module(loaded):  # kind="equinox", or recognised by type
+        return EquinoxTree(loaded)
+    if kind == "function":  # any JAX pytree, named as flax_ln.parity.Function names its params
+        return PytreeTree(loaded)
     if isinstance(loaded, Mapping):
         if kind == "linen":
             return LinenTree(dict(loaded))
-        if kind == "function":
-            return PytreeTree(dict(loaded))
         raise TypeError(
             f"KeyMap.discover: the loader returned a dict but kind={kind!r}; pass kind='linen' for Linen variables "
             "(collections at the top: {'params': ...}) or kind='function' for a parameter pytree"
         )
     raise TypeError(
-        f"KeyMap.discover: the loader must return an nnx.Module or a dict (with kind='linen' or 'function'), "
-        f"got {type(loaded).__name__}"
+        "KeyMap.discover: the loader must return an nnx.Module, an equinox.Module, a dict (with kind='linen') or "
+        f"a pytree (with kind='function'), got {type(loaded).__name__}"
     )
 
 
@@ -143,6 +154,8 @@ class _Probe:
         self.total = int(self.starts[-1])
         self.trainable = {n for n, _ in like.named_parameters()}
         self.loads = 0
+        self.slabs: dict[tuple[int, str], str] = {}  # (tensor, flax name) -> the torch slab it holds (a split)
+        self.slab_sizes: dict[tuple[int, str], int] = {}  # and its element count
 
     def run(self, values: Callable[[np.ndarray], np.ndarray]) -> VariableTree:
         """Load a state dict whose element ``g`` is ``values(g)``; the loaded flax side as a variable tree.
@@ -165,6 +178,7 @@ class _Probe:
                     (key, self.shapes[key], self.dtypes[key], functools.partial(self._blocks, key, values))
                     for key in order
                 ],
+                metadata={"format": "pt"},  # as torch's save_file writes it: transformers' from_pt loaders ask
             )
             config = getattr(self.like, "config", None)
             if config is not None and hasattr(config, "to_json_file"):
@@ -234,12 +248,15 @@ def measure(
     tree = probe.run(functools.partial(_constant, 2))
     info = {p: spec for p, spec in tree.variables().items() if is_floating(spec[1])}
     variables = {
-        p: _Var(shape, np.dtype(dtype), required, tree.read(p)) for p, (shape, dtype, required) in info.items()
+        p: _Var(shape, np.dtype(dtype), required, read_values(tree, p)) for p, (shape, dtype, required) in info.items()
     }
+    for var in variables.values():
+        if var.first is None:
+            var.abstract = var.random = True  # skipped by every load below
     del tree
     again = probe.run(functools.partial(_constant, 2))
     for path, var in variables.items():
-        if not _same(var.first, again.read(path)):
+        if not var.abstract and not _same(var.first, again.read(path)):
             var.random = True  # reported as left at init: no torch element explains a value that moves by itself
             var.scale = var.offset = _compact(np.zeros(var.shape))
     del again
@@ -263,7 +280,7 @@ def measure(
         if var.scale is None or _all_nonzero(var.scale):
             var.first = None
     del five
-    digits = [v for v in variables.values() if v.scale is not None]
+    digits = [v for v in variables.values() if v.scale is not None and not v.abstract]
     limit = min(
         [_EXACT.get(np.dtype(v.dtype).name, 2**24) for v in digits]
         + [_EXACT.get(np.dtype(d).name, 2**53) for d in probe.dtypes.values() if is_floating(d)]
@@ -431,6 +448,13 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if var.problem is not None:
             unfilled_errors.append((path, var.problem))
             continue
+        if var.abstract:
+            what = "never filled: the loader left it abstract (a jax.ShapeDtypeStruct, as nnx.eval_shape builds it)"
+            if _admitted(path, allow_unfilled):
+                unfilled[path] = what
+            else:
+                unfilled_errors.append((path, f"{what}; admit it with allow_unfilled=[{re.escape(path)!r}]"))
+            continue
         assert var.ids is not None and var.scale is not None and var.offset is not None
         filled = var.scale != 0
         if not filled.any():
@@ -462,6 +486,14 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
                 unfilled_errors.append((path + region.index, problem))
         var.ids = var.scale = var.offset = None  # explained: free them
     for tensor, ts in targets.items():
+        split = [probe.slab_sizes.get((tensor, p + index)) for p, index, _, _ in ts]
+        size = int(probe.starts[tensor + 1] - probe.starts[tensor])
+        if any(split) and (not all(split) or sum(n or 0 for n in split) != size):
+            key = probe.probed[tensor]
+            read_part = sum(n or 0 for n in split)
+            mismatched.append(
+                (key, f"the loader reads {read_part} of its {size} elements, in slabs: the tensor is only partly read")
+            )
         layouts: dict[str, str] = {}
         for p, _, layout, _ in ts:
             if layouts.setdefault(p, layout) != layout:
@@ -495,12 +527,16 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if not ts:
             continue
         names = [p + index for p, index, _, _ in ts]
-        if len(ts) > 1:
-            ties[key] = names
+        slabs = [probe.slabs.get((i, name)) for name in names]
         affine = ts[0][3]
         layouts_of = [None if t[2] == "identity" else t[2] for t in ts]
         template: Any = names[0] if len(ts) == 1 else tuple(names)
-        rule: tuple = (re.escape(key), template, layouts_of[0] if len(ts) == 1 else tuple(layouts_of))
+        if any(slabs):  # a split: each variable a slab of the tensor
+            template = dict(zip(slabs, names))
+        elif len(ts) > 1:
+            ties[key] = names
+        one_layout = len(ts) == 1 or (isinstance(template, dict) and len(set(layouts_of)) == 1)  # written once
+        rule: tuple = (re.escape(key), template, layouts_of[0] if one_layout else tuple(layouts_of))
         if affine != (1.0, 0.0):
             rule += ({"scale": affine[0], "offset": affine[1]},)
         rules.append(rule)
@@ -535,15 +571,23 @@ def _region(probe: _Probe, path: str, var: _Var, region: Region, targets, offset
     if np.count_nonzero(seen) < ids.size:
         return f"repeats elements of {key!r} (a broadcast or non-strided gather), not a permutation of it"
     del seen
-    if ids.size != size:
-        return f"holds {ids.size} of the {size} elements of {key!r}: the tensor is only partly read"
+    torch_shape = probe.shapes[key]
+    if ids.size != size:  # a slab of the tensor (a split: q of a fused in_proj_weight), or truly a part
+        found = slab_of(ids, torch_shape)
+        if found is None:
+            return (
+                f"holds {ids.size} of the {size} elements of {key!r}, not a slab of it: the tensor is only partly read"
+            )
+        slab, ids, torch_shape = found
+        probe.slabs[(tensor, path + region.index)] = slab
+        probe.slab_sizes[(tensor, path + region.index)] = ids.size
     scale, offset = _uniform(np.asarray(var.scale[region.selector])), _uniform(np.asarray(var.offset[region.selector]))
     if scale is None or offset is None:
         return f"scale and offset vary within what {key!r} fills: not one affine per tensor"
-    layout = layout_of(ids, probe.shapes[key])
+    layout = layout_of(ids, torch_shape)
     if layout is None:
         return (
-            f"holds the elements of {key!r} (shape {probe.shapes[key]}) in an order no einops rearrange of it "
+            f"holds the elements of {key!r} (shape {torch_shape}) in an order no einops rearrange of it "
             "gives (a flip, a roll, a gather)"
         )
     affine = (scale, offset)

@@ -36,13 +36,13 @@ def regions(tensor_of: np.ndarray, sizes: np.ndarray) -> list[Region] | None:
     """The slabs of a variable, from ``tensor_of`` (each element's torch tensor, flax shape) and ``sizes`` (each
     tensor's element count).
 
-    One tensor of the variable's size: the whole variable. Otherwise the first axis along which every index holds
-    one tensor, cut into runs of equal tensors, and a run that holds a tensor more than once into runs of one copy
-    (a tensor copied twice into a stack); a run of length one drops the axis (``[:, 2]``), a longer one is a slice
-    (``[:, 0:768]``). ``None`` when no axis separates them.
+    One tensor of the variable's size or larger (a slab of it fills the variable): the whole variable. Otherwise
+    the first axis along which every index holds one tensor, cut into runs of equal tensors, and a run that holds a
+    tensor more than once into runs of one copy (a tensor copied twice into a stack); a run of length one drops the
+    axis (``[:, 2]``), a longer one is a slice (``[:, 0:768]``). ``None`` when no axis separates them.
     """
     first = tensor_of.flat[0]
-    if (tensor_of == first).all() and tensor_of.size == sizes[first]:
+    if (tensor_of == first).all() and tensor_of.size <= sizes[first]:  # smaller: a slab of it (a split)
         return [Region("", (), int(first))]
     for axis in range(tensor_of.ndim):
         rows = np.moveaxis(tensor_of, axis, 0).reshape(tensor_of.shape[axis], -1)  # (n, rest)
@@ -65,6 +65,27 @@ def regions(tensor_of: np.ndarray, sizes: np.ndarray) -> list[Region] | None:
             out.append(Region(f"[{lead}{text}]", (slice(None),) * axis + (at,), int(along[start])))
         return out
     return None
+
+
+def slab_of(ids: np.ndarray, shape: tuple[int, ...]) -> tuple[str, np.ndarray, tuple[int, ...]] | None:
+    """The slab of a torch tensor of ``shape`` that ``ids`` (distinct flat positions in it) are, when they are a box
+    of it: its text (``"[0:64]"``, ``"[:, 64:128]"``, ``"[3]"`` where one index of a longer axis is taken), the ids
+    made positions in the slab, and the slab's shape (an indexed axis dropped). ``None`` when they are no box."""
+    index = np.unravel_index(ids.reshape(-1), shape)  # per torch axis, each element's position
+    low = [int(a.min()) for a in index]
+    high = [int(a.max()) + 1 for a in index]
+    if int(np.prod([h - lo for lo, h in zip(low, high)], dtype=np.int64)) != ids.size:
+        return None
+    kept = [k for k in range(len(shape)) if not (high[k] - low[k] == 1 and shape[k] > 1)]
+    box = tuple(high[k] - low[k] for k in kept)
+    inner = np.ravel_multi_index([index[k] - low[k] for k in kept], box) if kept else np.zeros(ids.size, np.int64)
+    items = [
+        str(low[k]) if k not in kept else ":" if (low[k], high[k]) == (0, shape[k]) else f"{low[k]}:{high[k]}"
+        for k in range(len(shape))
+    ]
+    while items and items[-1] == ":":
+        items.pop()
+    return "[" + ", ".join(items) + "]", inner.reshape(ids.shape).astype(ids.dtype), box
 
 
 def _factors(profile: np.ndarray) -> list[tuple[int, int]] | None:
@@ -184,7 +205,7 @@ def describe_part(mask: np.ndarray, what: str) -> str:
     return f"{int(mask.sum())} of {mask.size} elements {what}"
 
 
-_NUMBER = re.compile(r"(?<![A-Za-z0-9])\d+(?![0-9])")
+_NUMBER = re.compile(r"(?<![0-9])\d+(?![0-9])")  # a number, glued to letters or not (layer2, bn1, blocks.3)
 
 
 def _skeleton(key: str) -> str:
@@ -230,6 +251,13 @@ def fold_families(rules: list[tuple], keys: Sequence[str]) -> list[tuple]:
     return out
 
 
+def _templates(template: Any) -> tuple[str, ...]:
+    """A rule's templates: one, a tuple's, or a split's (a dict's values)."""
+    if isinstance(template, dict):
+        return tuple(template.values())
+    return template if isinstance(template, tuple) else (template,)
+
+
 def _fold(skeleton: str, members: list[tuple], keys: Sequence[str]) -> tuple | None:
     regex = re.compile(skeleton)
     raw = [re.sub(r"\\(.)", r"\1", m[0]) for m in members]
@@ -239,11 +267,15 @@ def _fold(skeleton: str, members: list[tuple], keys: Sequence[str]) -> tuple | N
         numbers = regex.fullmatch(re.sub(r"\\(.)", r"\1", source[0])).groups()  # type: ignore[union-attr]
         if len(set(numbers)) != len(numbers):
             continue
-        templates = source[1] if isinstance(source[1], tuple) else (source[1],)
+        if isinstance(source[1], dict) and any(list(m[1]) != list(source[1]) for m in members):
+            return None  # a split's torch slabs differ between members
+        templates = _templates(source[1])
         general = tuple(_generalise(t, list(numbers)) for t in templates)
         if all(
-            tuple(regex.fullmatch(k).expand(t) for t in general) == (m[1] if isinstance(m[1], tuple) else (m[1],))  # type: ignore[union-attr]
+            tuple(regex.fullmatch(k).expand(t) for t in general) == _templates(m[1])  # type: ignore[union-attr]
             for k, m in zip(raw, members)
         ):
+            if isinstance(source[1], dict):
+                return (skeleton, dict(zip(source[1], general)), *source[2:])
             return (skeleton, general if isinstance(source[1], tuple) else general[0], *source[2:])
     return None

@@ -83,21 +83,20 @@ from flax import nnx
 from flax_ln.convert.assign import as_numpy, dtype_problem
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.keymap_syntax import (
-    NO_AFFINE,
-    Affine,
     Region,
     Rule,
     constant_value,
     key_map_source,
     parse_region,
     parse_rule,
-    region_index,
     region_name,
+    slab_items,
     split_template,
     tiling_problems,
     whole_region,
 )
-from flax_ln.convert.layouts import ArrayLayout, Shape, shape_only
+from flax_ln.convert.keymap_target import Target, assemble
+from flax_ln.convert.layouts import Shape, shape_only
 from flax_ln.convert.ties import Tie, find_ties
 from flax_ln.convert.trees import NNXTree, VariableTree
 
@@ -239,79 +238,6 @@ class KeyMap:
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
-    """One flax variable (or region of one) that a torch key fills.
-
-    Args:
-      key: the torch key.
-      rule: the rule that matched it.
-      path: the variable's canonical dotted path (as ``nnx.state`` names it).
-      region: the part it fills, one item per axis of the variable (an index, or a ``(start, stop)`` range).
-      layout: torch -> flax.
-      torch_shape: the torch tensor's shape.
-      flax_shape: the shape of what it fills (the region's).
-      affine: the value change after the layout (``flax = scale * layout(torch) + offset``).
-      variable_shape: the whole variable's shape.
-    """
-
-    key: str
-    rule: Rule
-    path: str
-    region: Region
-    layout: ArrayLayout
-    torch_shape: Shape
-    flax_shape: Shape
-    affine: Affine = NO_AFFINE
-    variable_shape: Shape = ()
-
-    @property
-    def name(self) -> str:
-        """``path``, ``path[i]`` for a slice of its leading axis, or ``path[:, 0:768]`` for another region."""
-        return region_name(self.path, self.region, self.variable_shape)
-
-    @property
-    def at(self) -> tuple[str, Region]:
-        """``(path, region)``: what it fills, as a key."""
-        return self.path, self.region
-
-    @property
-    def index(self) -> int | None:
-        """The slice of a variable stacked along its leading axis, or ``None`` for any other region."""
-        rest = whole_region(self.variable_shape)[1:]
-        if self.region and isinstance(self.region[0], int) and self.region[1:] == rest:
-            return self.region[0]
-        return None
-
-    def to_flax(self, array):
-        """A torch-layout value of this key in this target's flax layout, its affine change applied."""
-        return self.affine.value_to_flax(self.layout.to_flax(array, self.flax_shape))
-
-    def to_torch(self, array):
-        """A flax-layout value of this target (the region) in torch's layout, its affine change undone."""
-        return self.layout.to_torch(self.affine.value_to_torch(array), self.torch_shape)
-
-    def tangent_to_flax(self, array):
-        """A torch-layout tangent of this key in flax's layout: ``scale * layout(t)`` (an offset has no tangent)."""
-        return self.affine.scaled(self.layout.to_flax(array, self.flax_shape))
-
-    def gradient_to_torch(self, array):
-        """A flax gradient of this target's region under torch's layout: ``scale * inverse layout(g)``."""
-        return self.affine.scaled(self.layout.to_torch(array, self.torch_shape))
-
-    def tangent_to_torch(self, array):
-        """The inverse of :meth:`tangent_to_flax`."""
-        return self.layout.to_torch(array, self.torch_shape) / np.asarray(self.affine.scale, np.asarray(array).dtype)
-
-    def gradient_to_flax(self, array):
-        """The inverse of :meth:`gradient_to_torch`."""
-        return self.layout.to_flax(array, self.flax_shape) / np.asarray(self.affine.scale, np.asarray(array).dtype)
-
-    def take(self, value):
-        """This target's part of the whole variable's ``value``: its region."""
-        return value[region_index(self.region)]
-
-
-@dataclasses.dataclass(frozen=True)
 class KeyPlan:
     """A :class:`KeyMap` resolved against one flax model and one torch state dict.
 
@@ -354,9 +280,12 @@ class KeyPlan:
         return tuple(t.to_flax(array) for t in self.targets[key])
 
     def to_torch(self, key: str, flax_values: Mapping[str, Any]):
-        """Torch ``key``'s array from the flax values (canonical path -> whole variable), via its first target."""
-        target = self.targets[key][0]
-        return target.to_torch(target.take(flax_values[target.path]))
+        """Torch ``key``'s array from the flax values (canonical path -> whole variable), via its first target (a
+        split key's from every slab)."""
+        targets = self.targets[key]
+        if targets[0].slab is None:
+            return targets[0].to_torch(targets[0].take(flax_values[targets[0].path]))
+        return assemble(targets, lambda t: t.to_torch(t.take(flax_values[t.path])))
 
     def shared(self) -> dict[str, Tie]:
         """Distinct torch tensors (equal in value: loading checks it) that fill one flax variable or slice.
@@ -401,8 +330,13 @@ class KeyPlan:
             return back.gradient_to_torch(via.gradient_to_flax(array))
         return back.to_torch(via.to_flax(array))
 
+    def split(self) -> dict[str, tuple[Target, ...]]:
+        """The torch keys a split rule sends to several variables, slab by slab: ``{key: its targets}``."""
+        return {k: ts for k, ts in self.targets.items() if ts and ts[0].slab is not None}
+
     def torch_gradients(self, flax_grads: Mapping[str, Any]) -> dict[str, Any]:
-        """Flax gradients (canonical path -> array) under torch's names, tied copies summed.
+        """Flax gradients (canonical path -> array) under torch's names, tied copies summed; a split key's
+        slab by slab, under ``key[slab]`` (``in_proj_weight[0:64]``).
 
         One entry per torch tensor, under its canonical name (``named_parameters()``'s):
         the sum, over every distinct flax variable (or slice) that any of its aliases
@@ -423,6 +357,9 @@ class KeyPlan:
                     continue
                 done.add(t.at)
                 g = t.gradient_to_torch(t.take(flax_grads[t.path]))
+                if t.slab is not None:  # a split key: compared slab by slab, each under its own name
+                    out[region_name(name, t.slab, t.torch_shape)] = g
+                    continue
                 if name != self.canonical(key):  # a variable the first of the shared keys does not fill
                     g = self.carry(key, name, g, "gradient")
                 out[name] = g if name not in out else out[name] + g
@@ -471,9 +408,19 @@ def match_targets(
         rule, match = found[0]
         used.add(rule.index)
         resolved = []
-        for template, layout, affine in zip(rule.templates, rule.layouts, rule.affines):
+        for template, layout, affine, slab_text in zip(rule.templates, rule.layouts, rule.affines, rule.slabs):
             written = match.expand(template)
             where = f"{rule.label} -> {written!r}"
+            slab: Region | None = None
+            slab_shape = tuple(torch_shape)
+            if slab_text is not None:
+                written_slab = match.expand(slab_text)
+                where = f"{rule.label} {written_slab} -> {written!r}"
+                try:
+                    slab, slab_shape = parse_region(slab_items(written_slab), tuple(torch_shape))
+                except ValueError as error:
+                    mismatched.append((key, f"{where}: the torch slab does not fit the tensor: {error}"))
+                    continue
             dotted, items = split_template(written)
             try:
                 path = tree.lookup(dotted)
@@ -493,7 +440,7 @@ def match_targets(
                     mismatched.append((key, f"{where}: {error}"))
                     continue
             try:
-                layout.to_flax(shape_only(torch_shape), shape)
+                layout.to_flax(shape_only(slab_shape), shape)
             except ValueError as error:
                 mismatched.append((key, f"{where} (flax shape {shape}): {error}"))
                 continue
@@ -502,8 +449,12 @@ def match_targets(
                 mismatched.append((key, f"{where}: {problem}"))
                 continue
             resolved.append(
-                Target(key, rule, path, region, layout, tuple(torch_shape), tuple(shape), affine, variable_shape)
+                Target(key, rule, path, region, layout, tuple(torch_shape), tuple(shape), affine, variable_shape, slab)
             )
+        if rule.splits and len(resolved) == len(rule.templates):
+            by_slab = {t.slab: target_labels([t]) for t in resolved if t.slab is not None}
+            gaps = tiling_problems(key, tuple(torch_shape), by_slab, strict)
+            mismatched.extend((key, f"{rule.label}'s torch slabs: {why}") for why in gaps)
         targets[key] = tuple(resolved)
     if warn_unmatched:
         unmatched = [r for r in key_map.rules if r.index not in used]
@@ -535,7 +486,7 @@ def match_targets(
             ties_out[present[0] if name not in present else name] = Tie(tuple(present), tuple(dict.fromkeys(paths)))
     for key, ts in targets.items():
         names = tuple(dict.fromkeys(t.name for t in ts))
-        if len(names) > 1 and key not in alias_group:
+        if len(names) > 1 and key not in alias_group and ts[0].slab is None:  # a split key is no tie
             ties_out[key] = Tie((key,), names)
     problems: dict[str, list] = {"unexpected": unexpected, "mismatched": mismatched, "unfilled": unfilled}
     return KeyPlan(targets, ties_out, unmatched_rules, constants), {k: v for k, v in problems.items() if v}

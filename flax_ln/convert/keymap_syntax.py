@@ -27,6 +27,7 @@ Region = tuple[Item, ...]
 _SUFFIX = re.compile(r"(?P<path>[^\[\]]*)\[(?P<items>[^\[\]]*)\]")
 _REFERENCE = re.compile(r"\\(\d+)|\\g<(\w+)>")
 _RANGE = re.compile(r"(\d*):(\d*)")
+_SLAB = re.compile(r"\[(?P<items>[^\[\]]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,10 +253,18 @@ class Rule:
     templates: tuple[str, ...]
     layouts: tuple[ArrayLayout, ...]
     affines: tuple[Affine, ...] = ()
+    slabs: tuple[str | None, ...] = ()  # per template, the torch slab it takes (``"[0:64]"``); None: all of it
 
     def __post_init__(self):
         if len(self.affines) != len(self.templates):  # rules built without affines: none
             object.__setattr__(self, "affines", (NO_AFFINE,) * len(self.templates))
+        if len(self.slabs) != len(self.templates):  # rules built without slabs: whole tensors
+            object.__setattr__(self, "slabs", (None,) * len(self.templates))
+
+    @property
+    def splits(self) -> bool:
+        """Whether the rule sends slabs of one torch tensor to several variables (a dict template)."""
+        return any(s is not None for s in self.slabs)
 
     @property
     def regex(self) -> re.Pattern:
@@ -268,8 +277,33 @@ class Rule:
         return f"rule {self.index} r'{self.pattern}'"
 
 
+def parse_slab(slab: Any) -> str:
+    """A torch slab of a split rule, ``"[items]"`` (the region syntax, on the torch tensor), checked; ``ValueError``
+    naming the slab otherwise."""
+    if not isinstance(slab, str):
+        raise ValueError(f"a torch slab is a str like '[0:64]' or '[:, 64:128]', got {slab!r}")
+    m = _SLAB.fullmatch(slab.strip())
+    if m is None:
+        raise ValueError(
+            f"torch slab {slab!r} is not '[items]': write the part of the torch tensor as a region, e.g. '[0:64]' "
+            "(rows 0 to 63), '[:, 64:128]' (columns 64 to 127) or '[3]' (slice 3 of a stacked tensor)"
+        )
+    check_suffix(m.group(1))
+    return slab.strip()
+
+
+def slab_items(slab: str) -> str:
+    """The items of a torch slab ``"[items]"``."""
+    m = _SLAB.fullmatch(slab)
+    assert m is not None  # parse_slab
+    return m.group(1)
+
+
 def parse_rule(index: int, item: Any) -> Rule:
-    """One rule, ``(regex, template, layout)`` or ``(regex, template, layout, affine)``, parsed (``ValueError``)."""
+    """One rule, ``(regex, template, layout)`` or ``(regex, template, layout, affine)``, parsed (``ValueError``).
+
+    A dict template, ``{torch slab: template}``, splits the torch tensor: each slab (``"[0:64]"``, the region
+    syntax on the torch side) fills its template's variable; its layout and affine are as a tuple template's."""
     if not (isinstance(item, tuple) and len(item) in (3, 4)):
         raise ValueError("a rule is a (regex, template, layout) triple or a (regex, template, layout, affine) tuple")
     pattern, template, layout, affine = item if len(item) == 4 else (*item, None)
@@ -286,6 +320,14 @@ def parse_rule(index: int, item: Any) -> Rule:
     templates: tuple[str, ...]
     layouts: tuple[ArrayLayout, ...]
     affines: tuple[Affine, ...]
+    slabs: tuple[str | None, ...] = ()
+    if isinstance(template, Mapping):
+        if not template or not all(isinstance(t, str) for t in template.values()):
+            raise ValueError(f"a split rule's template is a non-empty {{torch slab: template}} dict, got {template!r}")
+        slabs = tuple(parse_slab(k) for k in template)
+        template = tuple(template.values())
+        if layout is not None and not isinstance(layout, tuple):
+            layout = (layout,) * len(template)  # one layout for every slab
     if isinstance(template, str):
         templates, layouts, affines = (template,), (parse_layout(layout),), (parse_affine(affine),)
     elif isinstance(template, tuple) and template and all(isinstance(t, str) for t in template):
@@ -313,7 +355,10 @@ def parse_rule(index: int, item: Any) -> Rule:
         if items is not None:
             check_suffix(items)
         check_template(pattern, t)
-    return Rule(index, pattern, tuple(templates), layouts, affines)
+    for slab in slabs:
+        assert slab is not None  # parse_slab
+        check_template(pattern, slab_items(slab))  # a slab may name the regex's groups
+    return Rule(index, pattern, tuple(templates), layouts, affines, slabs)
 
 
 def check_template(pattern: str, template: str) -> None:
@@ -378,7 +423,15 @@ def key_map_source(rules: Sequence, constants: Mapping[str, Any], comments: Mapp
         if not rule.templates:
             lines.append(f"        ({_raw(rule.pattern)}, None, None),")
             continue
-        if len(rule.templates) == 1:
+        if rule.splits:
+            template = "{" + ", ".join(f"{_raw(slab)}: {_raw(t)}" for slab, t in zip(rule.slabs, rule.templates)) + "}"
+            shown = [_layout_source(x) for x in rule.layouts]
+            layout = shown[0] if len(set(shown)) == 1 else "(" + ", ".join(shown) + ")"
+            if all(a.identity for a in rule.affines):
+                affine = "None"
+            else:
+                affine = "(" + ", ".join(_affine_source(a) for a in rule.affines) + ")"
+        elif len(rule.templates) == 1:
             template = _raw(rule.templates[0])
             layout = _layout_source(rule.layouts[0])
             affine = _affine_source(rule.affines[0])

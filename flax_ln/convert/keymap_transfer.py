@@ -21,11 +21,27 @@ from flax import nnx
 
 from flax_ln.convert.assign import ModuleT, as_numpy, dtype_problem
 from flax_ln.convert.errors import ConversionError
-from flax_ln.convert.keymap import KeyMap, KeyPlan, Target, array_specs, key_map_error, match_targets, target_labels
+from flax_ln.convert.keymap import (
+    KeyMap,
+    KeyPlan,
+    Target,
+    array_specs,
+    assemble,
+    key_map_error,
+    match_targets,
+    target_labels,
+)
 from flax_ln.convert.keymap_syntax import Region, parse_region, region_index, region_name, split_template, whole_region
 from flax_ln.convert.layouts import NeedsTorchShape, Shape
 from flax_ln.convert.ties import find_ties
-from flax_ln.convert.trees import NNXTree, VariableTree, as_variable_tree, require_module
+from flax_ln.convert.trees import (
+    EquinoxTree,
+    NNXTree,
+    VariableTree,
+    as_variable_tree,
+    is_equinox_module,
+    require_module,
+)
 
 _EXPORT = "the model does not export through its key map"
 
@@ -65,6 +81,10 @@ def load_with_key_map(
     """:func:`~flax_ln.convert.load_torch_state_dict` with ``weights=key_map``: check all, then write."""
     if not isinstance(key_map, KeyMap):
         raise TypeError(f"weights= takes a KeyMap, got {type(key_map).__name__}")
+    tree = EquinoxTree(model) if is_equinox_module(model) else getattr(model, "variable_tree", lambda: None)()
+    if isinstance(tree, EquinoxTree):  # an Equinox module (or flax_ln.parity.Equinox) is immutable: a filled copy
+        fill_tree(tree, state_dict, key_map, strict=strict)
+        return tree.tree()
     fill_tree(NNXTree(require_module(model, "load_torch_state_dict")), state_dict, key_map, strict=strict)
     return model
 
@@ -229,6 +249,9 @@ def export_with_key_map(model: Any, key_map: KeyMap, like: Mapping[str, Any] | N
     for key, ts in plan.targets.items():
         if not ts:
             continue
+        if ts[0].slab is not None:  # a split key: the tensor reassembled from its slabs
+            out[key] = assemble(ts, torch_value)
+            continue
         copies = [torch_value(t) for t in ts]
         if not all(np.array_equal(copies[0], c) for c in copies[1:]):
             differ.append((key, f"is tied across {', '.join(t.name for t in ts)}, whose values differ"))
@@ -332,6 +355,9 @@ def _invert(key_map: KeyMap, tree: VariableTree) -> tuple[dict[str, tuple[Shape,
     produced: set[str] = set()
     variables = tree.variables()
     for rule in key_map.rules:
+        if rule.splits:  # the torch tensor's shape is not the slabs': export reads it from like=
+            need_like.append((rule.label, f"{rule.label} splits a torch tensor into slabs; pass like= to export it"))
+            continue
         for template, layout in zip(rule.templates, rule.layouts):
             dotted, items = split_template(template)
             regex = _template_regex(dotted)

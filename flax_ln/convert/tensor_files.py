@@ -97,14 +97,16 @@ _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF1
 
 
 def write_streamed(
-    file: str | Path, tensors: Iterable[tuple[str, tuple[int, ...], Any, Callable[[], Iterable[np.ndarray]]]]
+    file: str | Path,
+    tensors: Iterable[tuple[str, tuple[int, ...], Any, Callable[[], Iterable[np.ndarray]]]],
+    metadata: dict[str, str] | None = None,
 ) -> None:
     """Write a safetensors ``file`` from ``(name, shape, dtype, blocks)``, ``blocks()`` yielding the tensor's
     C-order elements in consecutive blocks of ``dtype`` (any sizes, summing to the tensor's): only one block is
-    held at a time. Raises ``ValueError`` naming the tensor whose dtype safetensors cannot store or whose blocks
-    do not add up to its shape."""
+    held at a time; ``metadata`` (str -> str) goes into the header's ``__metadata__``. Raises ``ValueError`` naming
+    the tensor whose dtype safetensors cannot store or whose blocks do not add up to its shape."""
     entries = list(tensors)
-    header: dict[str, Any] = {}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, shape, dtype, _ in entries:
         code = _CODES.get(np.dtype(dtype).name)

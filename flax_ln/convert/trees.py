@@ -8,6 +8,7 @@ A new kind of flax side needs one more class here, if it holds its variables ano
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -184,6 +185,10 @@ class PytreeTree:
             _, dtype = _shape_dtype(self._leaves[path])
             self._leaves[path] = jnp.asarray(np.array(value, dtype=dtype, copy=True))
 
+    def like(self, tree: Any) -> PytreeTree:
+        """The same kind of tree over ``tree`` (a copy of this one's pytree, or its float64 cast)."""
+        return type(self)(tree)
+
     def tree(self) -> Any:
         """The pytree with every written value (a new pytree; the unwritten leaves are the caller's)."""
         return jax.tree_util.tree_unflatten(self._treedef, [self._leaves[n] for n in self._names])
@@ -221,9 +226,82 @@ class LinenTree(PytreeTree):
         return self._steps[self._names.index(name)][0]
 
 
+def is_equinox_module(model: Any) -> bool:
+    """Whether ``model`` is an ``equinox.Module`` (without importing equinox: if it is not imported, it is not)."""
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and isinstance(model, eqx.Module)
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _inexact(leaf: Any) -> bool:
+    """``eqx.is_inexact_array``, abstract leaves (``eqx.filter_eval_shape``) included."""
+    return _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+class EquinoxTree(PytreeTree):
+    """:class:`VariableTree` of an ``equinox.Module``: paths are its attribute names and sequence indices, dotted
+    (``layers.0.attn.query_proj.weight``), as a user reads them.
+
+    Its variables are its array leaves (callables, Python numbers and static fields are not variables); the
+    required ones are the parameters: its inexact arrays, or those ``params`` chooses (an Equinox filter, as
+    ``eqx.partition`` takes it: a callable on leaves or a pytree of bools). Writes go into a copy (an Equinox
+    module is immutable): :meth:`tree` is the filled module.
+    """
+
+    def __init__(self, module: Any, params: Any = None):
+        super().__init__(module)
+        if params is None:
+            chosen = {n for n, leaf in self._leaves.items() if _inexact(leaf)}
+        else:
+            import equinox as eqx  # only for a module that is one
+
+            selected, _ = eqx.partition(module, params)
+            chosen = set(PytreeTree(selected)._names)  # unselected leaves are None: not leaves
+        self.params = params
+        self.chosen = chosen
+
+    def required(self, steps: tuple[str, ...], dtype: np.dtype) -> bool:
+        """The parameters (see the class docstring) must be filled."""
+        return self.name_of(steps) in getattr(self, "chosen", ())
+
+    def variables(self) -> dict[str, tuple[Shape, np.dtype, bool]]:
+        """See :meth:`VariableTree.variables`: the array leaves."""
+        out = {}
+        for name in self._names:
+            leaf = self._leaves[name]
+            if _is_array(leaf):
+                out[name] = (tuple(leaf.shape), np.dtype(leaf.dtype), name in self.chosen)
+        return out
+
+    def lookup(self, path: str) -> str:
+        """See :meth:`VariableTree.lookup`: an array leaf."""
+        found = super().lookup(path)
+        if not _is_array(self._leaves[found]):
+            raise KeyError(f"{path!r} is a {type(self._leaves[found]).__name__}, not an array")
+        return found
+
+    def like(self, module: Any) -> EquinoxTree:
+        """The tree of ``module`` (this one's, another copy) with the same ``params`` filter."""
+        return EquinoxTree(module, self.params)
+
+
+def read_values(tree: VariableTree, path: str) -> np.ndarray | None:
+    """The values of the variable at ``path``; ``None`` for an abstract one (a ``jax.ShapeDtypeStruct``, or a
+    Variable holding one: what ``nnx.eval_shape`` builds and a loader that misses a key leaves behind)."""
+    try:
+        value = tree.read(path)
+    except (TypeError, AttributeError):  # an nnx.Variable holding a ShapeDtypeStruct cannot be indexed
+        return None
+    return None if value.dtype == object else value
+
+
 _KINDS = (
-    "an nnx.Module, a VariableTree (flax_ln.convert.LinenTree(variables) for a Linen module's variables, "
-    "flax_ln.convert.PytreeTree(params) for a parameter pytree), or a flax_ln.parity.Linen or Function"
+    "an nnx.Module, an equinox.Module, a VariableTree (flax_ln.convert.LinenTree(variables) for a Linen module's "
+    "variables, flax_ln.convert.PytreeTree(params) for a parameter pytree), or a flax_ln.parity.Linen, Function or "
+    "Equinox"
 )
 
 
@@ -233,6 +311,8 @@ def as_variable_tree(model: Any, caller: str) -> VariableTree:
     ``caller`` and the kinds it takes for anything else (a bare pytree does not say how its paths are named)."""
     if isinstance(model, nnx.Module):
         return NNXTree(model)
+    if is_equinox_module(model):
+        return EquinoxTree(model)
     if isinstance(model, VariableTree):
         return model
     make = getattr(model, "variable_tree", None)

@@ -37,6 +37,7 @@ does not import it.
 from flax_ln.convert import KeyMap
 from flax_ln.parity.case import Case, TrainSpec, check_case, check_training
 from flax_ln.parity.compare import assert_parity, compare_modules
+from flax_ln.parity.equinox_side import Equinox
 from flax_ln.parity.flax_side import Function, Linen
 from flax_ln.parity.policy import (
     HALF_PRECISION,
@@ -56,6 +57,7 @@ from flax_ln.parity.streamed import compare_streamed
 __all__ = [
     "Case",
     "FirstDivergence",
+    "Equinox",
     "Function",
     "HALF_PRECISION",
     "Isolation",

@@ -16,6 +16,7 @@ from flax import nnx
 from flax_ln.convert import KeyMap, KeyPlan
 from flax_ln.convert.keymap_syntax import describe_value
 from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
+from flax_ln.parity.equinox_side import EquinoxSide
 from flax_ln.parity.failure import describe_failure, note_failure
 from flax_ln.parity.flax_side import FlaxSide, Function, Linen
 from flax_ln.parity.function_side import FunctionSide
@@ -39,6 +40,7 @@ from flax_ln.parity.progress import Progress
 from flax_ln.parity.report import ParityReport, environment
 from flax_ln.parity.shared import as_shared, one_variable_for_distinct_parameters, zero_shared
 from flax_ln.parity.spill import should_spill
+from flax_ln.parity.split import as_split
 from flax_ln.parity.torch_side import (
     MODES,
     TorchSide,
@@ -51,7 +53,7 @@ from flax_ln.parity.torch_side import (
 from flax_ln.pytest_plugin import page_path
 
 # The kinds of flax side: a user's flax side is of the first that takes it.
-KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, NNXSide)
+KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, EquinoxSide, NNXSide)
 
 
 def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
@@ -61,9 +63,10 @@ def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
     if kind is None:
         raise TypeError(
             f"the flax side is a {type(flax_module).__module__}.{type(flax_module).__qualname__}, which the engine "
-            "does not know: compare_modules takes an nnx.Module, flax_ln.parity.Linen(module, variables) or "
-            "flax_ln.parity.Function(apply, params). Wrap a model of another module system (a pytree with its own "
-            "call) as Function(apply, params), with params its arrays and apply(params, *inputs) calling it"
+            "does not know: compare_modules takes an nnx.Module, an equinox.Module, flax_ln.parity.Linen(module, "
+            "variables) or flax_ln.parity.Function(apply, params). Wrap a model of another module system (a pytree "
+            "with its own call) as Function(apply, params), with params its arrays and apply(params, *inputs) "
+            "calling it"
         )
     return kind
 
@@ -198,6 +201,8 @@ def load_and_judge(
         side = as_shared(side, flax.plan, rerun)
         evidence = zero_evidence
         zero_evidence = lambda: zero_shared(evidence(), shared)  # noqa: E731
+    if flax.plan is not None:  # a torch tensor split across several variables: its gradient slab by slab
+        side, zero_evidence = as_split(side, flax.plan, zero_evidence)
     values = flax.values(side, call, mesh)
     judging()
     report, actual, zero = _judge(side, values, tolerances, zero_evidence, want_zero)

@@ -14,7 +14,7 @@ def note_failure(err: BaseException, where: str) -> None:
         if hasattr(err, "add_note"):
             err.add_note(where)
         else:  # Python 3.10: the same list, which 3.11 and later print under the traceback
-            err.__notes__ = [*(notes or []), where]  # type: ignore[attr-defined]  # PEP 678's attribute
+            err.__notes__ = [*(notes or []), where]  # PEP 678: what 3.11 and later keep and print
 
 
 def describe_failure(err: BaseException) -> str:

@@ -57,14 +57,25 @@ def torch_outputs(outputs: Any, numbers: str) -> tuple[dict[str, np.ndarray], di
 
 @contextlib.contextmanager
 def _torch_eval_untouched(module) -> Iterator[None]:
-    """``module`` in eval mode with fresh gradients for this scope; its modes and ``.grad`` are restored after."""
+    """``module`` in eval mode with fresh gradients for this scope; its modes and ``.grad`` are restored after.
+
+    And torch's fused attention fast path off (``torch.backends.mha``): ``nn.MultiheadAttention`` and
+    ``nn.TransformerEncoderLayer`` take ``aten::_native_multi_head_attention`` when autograd is off, which has no
+    forward-mode derivative (``mode="jvp"``) and calls no submodule (localisation records none). The composite
+    path computes the same function."""
+    mha = getattr(_torch().backends, "mha", None)
+    fast_path = mha.get_fastpath_enabled() if mha is not None else None
     modes = [(m, m.training) for m in module.modules()]
     grads = [(p, p.grad) for p in module.parameters()]
     module.eval()
     module.zero_grad(set_to_none=True)
+    if mha is not None:
+        mha.set_fastpath_enabled(False)
     try:
         yield
     finally:
+        if mha is not None:
+            mha.set_fastpath_enabled(fast_path)
         for m, training in modes:
             m.training = training
         for p, grad in grads:
@@ -182,6 +193,19 @@ def _tangents(
     return tangents
 
 
+@contextlib.contextmanager
+def _composite_attention() -> Iterator[None]:
+    """``scaled_dot_product_attention`` on its math backend (composite ops) for this scope: the fused kernels
+    (flash, memory-efficient) have no forward-mode derivative, so ``torch.func.jvp`` through them raises."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # a torch without the selector: nothing to choose
+        yield
+        return
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
 def _run_torch_jvp(module, call: Call, tangents, *, double=False, numbers="float32"):
     """Outputs and output tangents (``tangent <output>``) of the torch side by ``torch.func.jvp``.
 
@@ -219,7 +243,7 @@ def _run_torch_jvp(module, call: Call, tangents, *, double=False, numbers="float
         {n: tangent(n, p) for n, p in params.items()},
         *(tangent(f"tangent {input_names[i]}", tensors[i]) for i in float_positions),
     )
-    with _torch_eval_untouched(module), torch.no_grad():
+    with _torch_eval_untouched(module), torch.no_grad(), _composite_attention():
         outputs, output_tangents = jvp(run, primal_in, tangent_in)  # type: ignore[misc]  # jvp returns a pair here (no has_aux)
     named, _, dropped = torch_outputs(outputs, "float64" if double else numbers)
     named.update({f"tangent {k}": to_numpy(v) for k, v in named_outputs(output_tangents) if is_float(named[k])})

@@ -84,6 +84,16 @@ class TreeSide(FlaxSide):
             require_differentiable({cls.differentiated: variables[cls.differentiated]}, cls.variable_noun, fix)
 
     @classmethod
+    def wrapped(cls, flax_module: Any) -> Any:
+        """What the side keeps of the user's ``flax_module`` (a kind that also takes bare modules wraps them)."""
+        return flax_module
+
+    @classmethod
+    def tree_of(cls, wrapper: Any) -> PytreeTree:
+        """The caller's variables in ``wrapper`` as this kind's tree."""
+        return cls.tree_type(cls.variables_of(wrapper))
+
+    @classmethod
     def load(
         cls,
         flax_module: Any,
@@ -94,20 +104,21 @@ class TreeSide(FlaxSide):
     ) -> TreeSide:
         """Check the parameters' dtype, fill a copy of the variables through ``weights``, pair the inputs."""
         assert weights is not None  # check
+        wrapper = cls.wrapped(flax_module)
         inputs, orders = paired_inputs(side, flax_inputs)
-        empty = cls.tree_type(cls.variables_of(flax_module))
+        empty = cls.tree_of(wrapper)
         variables = empty.variables().values()
         floating = {dtype for _, dtype, required in variables if required and np.issubdtype(dtype, np.floating)}
         if side.dtype == "float64" and widens_to_float64(floating):
-            empty = cls.tree_type(as_float64(empty.tree()))  # float64 in one argument, on the copy it fills
+            empty = empty.like(as_float64(empty.tree()))  # float64 in one argument, on the copy it fills
         _check_tree_params(empty, side.dtype, cls.variable_noun)
-        tree = cls.tree_type(empty.tree())
+        tree = empty.like(empty.tree())
         plan = fill_tree(tree, side.state_dict, weights, ties=torch_ties(side), plan=plan)
-        return cls(inputs, orders, plan, flax_module, tree)
+        return cls(inputs, orders, plan, wrapper, tree)
 
     def param_tangents(self, state_dict: Mapping[str, np.ndarray]) -> Any:
         assert self.plan is not None  # a tree side is loaded through a key map
-        tree = self.tree_type(self.tree.tree())
+        tree = self.tree.like(self.tree.tree())
         write_through(self.plan, tree, state_dict)
         return dataclasses.replace(self, tree=tree).parts().params
 
@@ -120,4 +131,4 @@ class TreeSide(FlaxSide):
 
     def float64_tree(self) -> PytreeTree:
         """A copy of ``tree`` with every floating variable cast to float64."""
-        return self.tree_type(as_float64(self.tree.tree()))
+        return self.tree.like(as_float64(self.tree.tree()))
