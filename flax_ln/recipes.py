@@ -199,7 +199,8 @@ DISTRIBUTED_ADDRESS = ("coordinator", "num_processes", "process_id")  # the flag
 
 
 def add_distributed_arguments(parser) -> None:
-    """An example's ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id``, ``--distributed-timeout``.
+    """An example's multi-host flags: ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id``,
+    ``--distributed-timeout``.
 
     Check them after parsing with :func:`check_distributed_arguments`, join with
     :func:`join_distributed`.
@@ -233,8 +234,7 @@ def check_distributed_arguments(parser, args) -> None:
     if given and len(given) < len(DISTRIBUTED_ADDRESS):
         missing = [flags[name] for name in DISTRIBUTED_ADDRESS if name not in given]
         parser.error(
-            f"{', '.join(flags[n] for n in given)} needs {' and '.join(missing)} too: "
-            "--coordinator, --num-processes and --process-id are given together"
+            f"--coordinator, --num-processes and --process-id are given together; missing {' and '.join(missing)}"
         )
     if args.distributed_timeout < 1:
         parser.error(f"--distributed-timeout must be >= 1 second, got {args.distributed_timeout}")
@@ -245,11 +245,14 @@ def check_distributed_arguments(parser, args) -> None:
         if args.num_processes < 1:
             parser.error(f"--num-processes must be >= 1, got {args.num_processes}")
         if not 0 <= args.process_id < args.num_processes:
-            parser.error(f"--process-id must be in 0 .. {args.num_processes - 1} (--num-processes), got {args.process_id}")
+            parser.error(
+                f"--process-id must be in 0 .. {args.num_processes - 1} (--num-processes), got {args.process_id}"
+            )
         args.distributed = True
 
 
 def join_distributed(args) -> None:
     """:func:`~flax_ln.sharding.initialize_distributed` with an example's checked flags, if ``--distributed``."""
     if args.distributed:
-        initialize_distributed(args.coordinator, args.num_processes, args.process_id, timeout_s=args.distributed_timeout)
+        timeout = args.distributed_timeout
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id, timeout_s=timeout)

@@ -77,7 +77,9 @@ def initialize_distributed(
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
     missing = [name for name, value in given.items() if value is None]
     if 0 < len(missing) < 3:
-        raise ValueError(f"initialize_distributed: give coordinator, num_processes and process_id together; missing {missing}")
+        raise ValueError(
+            f"initialize_distributed: give coordinator, num_processes and process_id together; missing {missing}"
+        )
     if not isinstance(timeout_s, int) or timeout_s < 1:
         raise ValueError(f"initialize_distributed: timeout_s must be a positive int of seconds, got {timeout_s!r}")
     if not missing:
@@ -272,9 +274,9 @@ def process_rows(sharding: NamedSharding, batch_size: int) -> np.ndarray:
             f"batch size {batch_size} is not divisible by the {n_split} ways the batch is split "
             f"(the mesh axes {sharding.spec[0]}); pick a --batch-size that is a multiple of {n_split}"
         )
-    rows = set()
+    rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map((batch_size,)).values():
-        rows.update(range(batch_size)[index[0]])
+        rows.update(range(batch_size)[index[0] if index else slice(None)])
     return np.array(sorted(rows), dtype=np.int64)
 
 
