@@ -16,8 +16,9 @@ Several hosts:          run the same command on every host with --distributed (a
                         cluster, or N processes on one machine), and a --ckpt-dir every host can reach
                         (e.g. gs://BUCKET/run). Each process reads only its share of every batch; process
                         0 writes the metrics, plot and sample; the checkpoints are written by all together
-                        and resume on any number of processes. N processes x M devices train exactly as
-                        1 process x N*M devices.
+                        and resume on any number of processes. N processes x M devices train on the same
+                        batches, data order and dropout as 1 process x N*M devices (equal up to the order in
+                        which the cross-process all-reduce sums float32 values). See docs/tpu.md, "Multi-host".
 Check a TPU run first:  add --compile-only v5e:2x4 (any CHIP:SHAPE): compiles this exact training step for
                         that TPU topology on this machine (libtpu, no TPU needed) and prints the memory
                         per chip and a roofline bound instead of training; exit 0 fits, 1 does not, 2 error.

@@ -30,6 +30,11 @@ device count) and ``--fsdp K`` shards parameters and optimizer state over K of t
 training step for that TPU topology on this machine (libtpu, no TPU needed) and prints the
 memory per chip and a roofline bound instead of training (exit 0 fits, 1 does not, 2 error).
 
+Several hosts: run the same command on every host with ``--distributed`` (a TPU pod slice:
+JAX finds its peers) or ``--coordinator HOST:PORT --num-processes N --process-id I`` (any
+cluster, or N processes rehearsing on one machine). Each process reads only its share of
+every global batch; process 0 prints and writes the outputs and runs the evaluation.
+
 Run: python examples/train_translation.py                       # copy task, ~30 s on 2 CPU cores
      python examples/train_translation.py --data pairs.tsv --layers 6 --d-model 256 --steps 20000
      python examples/train_translation.py --data pairs.tsv --layers 6 --d-model 256 --compile-only v5e:2x4

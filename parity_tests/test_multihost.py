@@ -159,7 +159,8 @@ def test_translation_two_processes_train_as_one(tmp_path):
     print(f"translation, 2 processes x 2 devices vs 1 x 4: max relative loss difference {worst:.2e}")
     assert sorted(p.name for p in two.iterdir()) == ["eval.json", "loss.png", "metrics.jsonl"]
     assert json.loads((two / "eval.json").read_text())["heldout"] == 8
-    assert "exact match on 8 held-out pairs" in out0 and out1 == ""  # process 0 evaluates and prints, alone
+    assert "exact match on 8 held-out pairs" in out0  # process 0 evaluates and prints, alone
+    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []  # gloo's own connection lines
 
 
 @pytest.mark.slow
