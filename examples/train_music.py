@@ -461,7 +461,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return compile_only(args)
-    recipes.join_distributed(args)
+    recipes.join_distributed(args, "train_music.py")
     try:
         mesh = make_mesh(args.fsdp)
     except ValueError as e:

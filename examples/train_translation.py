@@ -257,7 +257,9 @@ def compile_only(args, setup_kwargs: dict) -> int:
 def main(argv=None) -> dict | int:
     args = parse_args(argv)
     if not args.compile_only:
-        recipes.join_distributed(args)  # before anything touches JAX; with no distributed flag, nothing
+        recipes.join_distributed(
+            args, "train_translation.py"
+        )  # before anything touches JAX; with no distributed flag, nothing
     is_main = True if args.compile_only else jax.process_index() == 0  # process 0 prints and writes the outputs
     say = print if is_main else lambda *a, **k: None
     rng = np.random.default_rng(args.seed)

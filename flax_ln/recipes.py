@@ -11,6 +11,7 @@ from ``jax.eval_shape``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -251,8 +252,27 @@ def check_distributed_arguments(parser, args) -> None:
         args.distributed = True
 
 
-def join_distributed(args) -> None:
-    """:func:`~flax_ln.sharding.initialize_distributed` with an example's checked flags, if ``--distributed``."""
-    if args.distributed:
-        timeout = args.distributed_timeout
-        initialize_distributed(args.coordinator, args.num_processes, args.process_id, timeout_s=timeout)
+def join_distributed(args, prog: str) -> None:
+    """:func:`~flax_ln.sharding.initialize_distributed` with an example's checked flags, if ``--distributed``.
+
+    A run JAX refuses to join (``--distributed`` alone where it detects no cluster) exits 2 with
+    one line, ``PROG: error: ...``.
+
+    Args:
+      args: the parsed flags (:func:`add_distributed_arguments`, :func:`check_distributed_arguments`).
+      prog: the script's name, for the message.
+    """
+    if not args.distributed:
+        return
+    try:
+        initialize_distributed(
+            args.coordinator, args.num_processes, args.process_id, timeout_s=args.distributed_timeout
+        )
+    except (ValueError, RuntimeError) as e:
+        hint = (
+            ""
+            if args.coordinator
+            else "; outside a cluster JAX detects, give --coordinator, --num-processes and --process-id"
+        )
+        print(f"{prog}: error: --distributed: cannot join the run ({e}){hint}", file=sys.stderr)
+        raise SystemExit(2) from None

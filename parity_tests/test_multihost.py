@@ -178,6 +178,16 @@ def test_a_process_that_cannot_reach_its_coordinator_exits_within_its_timeout(tm
     assert elapsed < timeout + 60, elapsed  # the timeout plus starting Python and importing JAX on a loaded machine
 
 
+@pytest.mark.slow
+def test_distributed_alone_where_jax_detects_no_cluster_is_a_usage_error(tmp_path):
+    clusters = ("SLURM_", "OMPI_", "KUBERNETES_", "TPU_", "MEGASCALE_", "JAX_COORDINATOR")  # what JAX detects by
+    env = {k: v for k, v in environment(1).items() if not k.startswith(clusters)}  # nothing here may reach a network
+    command = [sys.executable, str(TRANSLATION), "--distributed", "--steps", "1", "--out", str(tmp_path / "out")]
+    [(code, _, err)] = launch([command], env, tmp_path / "logs", timeout=120)
+    assert code == 2 and "Traceback" not in err, err[-4000:]
+    assert err.startswith("train_translation.py: error: --distributed: cannot join the run") and "--coordinator" in err
+
+
 @pytest.mark.parametrize("script", [MUSIC, TRANSLATION], ids=["music", "translation"])
 @pytest.mark.parametrize(
     ("flags", "message"),
