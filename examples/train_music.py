@@ -266,12 +266,14 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
     graphdef = sharded.graphdef
     if args.resume:
         state, meta, skipped = ckpt.restore_newest_readable(sharded.abstract_state, expect=expect)
-        for error in skipped if is_main else ():
-            print(
-                f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
-                f"one to {ckpt.set_aside(error.step)}",
-                file=sys.stderr,
-            )
+        for error in skipped:
+            moved = ckpt.set_aside(error.step)  # every process: process 0 renames, all reload
+            if is_main:
+                print(
+                    f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
+                    f"one to {moved}",
+                    file=sys.stderr,
+                )
         start, position = meta["step"], meta["data_position"]
     else:
         state = recipes.init_state(setup, sharded)
