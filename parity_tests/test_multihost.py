@@ -151,19 +151,6 @@ def test_music_two_processes_train_as_one_and_their_checkpoint_resumes_in_one_pr
 
 
 @pytest.mark.slow
-def test_translation_two_processes_train_as_one(tmp_path):
-    two, one = tmp_path / "two", tmp_path / "one"
-    (_, out0, _), (_, out1, _) = two_processes(TRANSLATION, [*TRANSLATION_ARGS, "--out", two], tmp_path / "logs-two")
-    one_process(TRANSLATION, [*TRANSLATION_ARGS, "--out", one], tmp_path / "logs-one", tmp_path / "jax-cache")
-    worst = assert_same_losses(two, one, [1, 2, 3])
-    print(f"translation, 2 processes x 2 devices vs 1 x 4: max relative loss difference {worst:.2e}")
-    assert sorted(p.name for p in two.iterdir()) == ["eval.json", "loss.png", "metrics.jsonl"]
-    assert json.loads((two / "eval.json").read_text())["heldout"] == 8
-    assert "exact match on 8 held-out pairs" in out0  # process 0 evaluates and prints, alone
-    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []  # gloo's own connection lines
-
-
-@pytest.mark.slow
 def test_a_process_that_cannot_reach_its_coordinator_exits_within_its_timeout(tmp_path):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     timeout = 4
@@ -237,3 +224,18 @@ def test_initialize_distributed_wants_the_three_address_arguments_together():
         initialize_distributed("127.0.0.1", 2, 0)
     with pytest.raises(ValueError, match="timeout_s"):
         initialize_distributed("127.0.0.1:1234", 2, 0, timeout_s=0)
+
+
+# Last in the file: pytest-xdist hands each worker a contiguous half of the tests, so the two long ones run side by
+# side (the music test comes first).
+@pytest.mark.slow
+def test_translation_two_processes_train_as_one(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    (_, out0, _), (_, out1, _) = two_processes(TRANSLATION, [*TRANSLATION_ARGS, "--out", two], tmp_path / "logs-two")
+    one_process(TRANSLATION, [*TRANSLATION_ARGS, "--out", one], tmp_path / "logs-one", tmp_path / "jax-cache")
+    worst = assert_same_losses(two, one, [1, 2, 3])
+    print(f"translation, 2 processes x 2 devices vs 1 x 4: max relative loss difference {worst:.2e}")
+    assert sorted(p.name for p in two.iterdir()) == ["eval.json", "loss.png", "metrics.jsonl"]
+    assert json.loads((two / "eval.json").read_text())["heldout"] == 8
+    assert "exact match on 8 held-out pairs" in out0  # process 0 evaluates and prints, alone
+    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []  # gloo's own connection lines
