@@ -17,7 +17,7 @@ import pytest
 
 from flax_ln import music, recipes
 from flax_ln.checkpoint import read_metrics
-from flax_ln.sharding import initialize_distributed
+from flax_ln.sharding import batch_sharding, initialize_distributed, make_mesh, process_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 MUSIC = ROOT / "examples" / "train_music.py"
@@ -173,6 +173,19 @@ def test_distributed_alone_where_jax_detects_no_cluster_is_a_usage_error(tmp_pat
     [(code, _, err)] = launch([command], env, tmp_path / "logs", timeout=120)
     assert code == 2 and "Traceback" not in err, err[-4000:]
     assert err.startswith("train_translation.py: error: --distributed: cannot join the run") and "--coordinator" in err
+
+
+def test_the_shares_of_a_global_batch_are_its_rows_and_one_process_reads_all():
+    mesh = make_mesh()
+    assert process_rows(batch_sharding(mesh), 8).tolist() == list(range(8))  # one process: every row
+    rng = np.random.default_rng(0)
+    dataset = music.MusicDataset([rng.integers(0, 388, size=50) for _ in range(5)], seq_len=16, seed=1)
+    x, y, end = dataset.batch(3, 8)  # 5 examples: examples 3 .. 10 of the stream span epochs 0, 1 and 2
+    for part in ([0, 1, 2, 3], [4, 5, 6, 7], [1, 6]):  # what processes of a 2- or 4-way split read
+        px, py, pend = dataset.batch(3, 8, part)
+        np.testing.assert_array_equal(px, x[part])
+        np.testing.assert_array_equal(py, y[part])
+        assert pend == end == 11
 
 
 @pytest.mark.parametrize("script", [MUSIC, TRANSLATION], ids=["music", "translation"])
