@@ -30,8 +30,9 @@ TRANSLATION_ARGS = [
 # Two processes x two devices run the same partitioned program on the same global batches, parameters and dropout
 # keys as one process x four devices; only the cross-device all-reduces differ: gloo sums the four devices' partial
 # gradients and losses in another order than the in-process CPU collectives. Measured: the losses differ in the
-# last float32 bit at some steps (max relative difference 8e-8 over 4 steps). Process 1 reading process 0's rows
-# instead of its own moved the music losses by 5e-4 (tried by breaking process_rows): 50 times this bound.
+# last float32 bit at some steps (max relative difference: music 8e-8 over 4 steps, translation 1.1e-7 over 3).
+# Process 1 reading process 0's rows instead of its own moved the music losses by 5e-4 (tried by breaking
+# process_rows): 50 times this bound.
 RTOL_PROCESSES = 1e-5
 TIMEOUT_S = 300  # every launched process is killed (its whole process group) past this
 
