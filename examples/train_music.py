@@ -10,9 +10,15 @@ Continue a run:         add --resume (same --out); it continues exactly where th
 Sample only:            python examples/train_music.py --config music --sample-only book_music.pt \
                             --data PATH/TO/maestro-v2.0.0 --out out/book-sample
 Several devices:        --fsdp K shards parameters and optimizer state over K devices and the batch over
-                        every device (--batch-size a multiple of the device count); on a multi-host slice
-                        run the same command on every host with --distributed and a shared --ckpt-dir
-                        (e.g. gs://BUCKET/run).
+                        every device (--batch-size a multiple of the device count).
+Several hosts:          run the same command on every host with --distributed (a TPU pod slice: JAX finds
+                        its peers) or with --coordinator HOST:PORT --num-processes N --process-id I (any
+                        cluster, or N processes on one machine), and a --ckpt-dir every host can reach
+                        (e.g. gs://BUCKET/run). Each process reads only its share of every batch; process
+                        0 writes the metrics, plot and sample; the checkpoints are written by all together
+                        and resume on any number of processes. N processes x M devices train on the same
+                        batches, data order and dropout as 1 process x N*M devices (equal up to the order in
+                        which the cross-process all-reduce sums float32 values). See docs/tpu.md, "Multi-host".
 Check a TPU run first:  add --compile-only v5e:2x4 (any CHIP:SHAPE): compiles this exact training step for
                         that TPU topology on this machine (libtpu, no TPU needed) and prints the memory
                         per chip and a roofline bound instead of training; exit 0 fits, 1 does not, 2 error.
@@ -68,7 +74,14 @@ from flax_ln.checkpoint import (
     plot_loss,
     read_metrics,
 )
-from flax_ln.sharding import batch_sharding, initialize_distributed, make_mesh, replicated, shard_batch
+from flax_ln.sharding import (
+    batch_sharding,
+    local_copy,
+    make_mesh,
+    process_rows,
+    replicated,
+    shard_process_batch,
+)
 from flax_ln.train import gpt_adam, init_train_state
 
 CONFIGS = {
@@ -132,15 +145,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--data", default=None, help="folder of .mid/.midi files (default: music21's Bach chorales)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N MIDI files (quick runs)")
-    p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
     p.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass (less memory)")
     p.add_argument(
         "--scan-layers",
         action="store_true",
         help="stack the blocks and scan over them (faster compiles; checkpoints then hold the stacked layout)",
     )
+    recipes.add_distributed_arguments(p)
     recipes.add_compile_only_arguments(p, "this training step")
     args = p.parse_args(argv)
+    recipes.check_distributed_arguments(p, args)
     config = CONFIGS[args.config]
     args.seq_len = args.seq_len or config.block_size
     checks = [
@@ -252,17 +266,19 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
     graphdef = sharded.graphdef
     if args.resume:
         state, meta, skipped = ckpt.restore_newest_readable(sharded.abstract_state, expect=expect)
-        for error in skipped if is_main else ():
-            print(
-                f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
-                f"one to {ckpt.set_aside(error.step)}",
-                file=sys.stderr,
-            )
+        for error in skipped:
+            moved = ckpt.set_aside(error.step)  # every process: process 0 renames, all reload
+            if is_main:
+                print(
+                    f"warning: {error}; resuming from checkpoint {meta['step']} instead, and moved the unreadable "
+                    f"one to {moved}",
+                    file=sys.stderr,
+                )
         start, position = meta["step"], meta["data_position"]
     else:
         state = recipes.init_state(setup, sharded)
         start, position = 0, 0
-    data_sharding = batch_sharding(mesh)  # every device: data x fsdp
+    rows = process_rows(batch_sharding(mesh), args.batch_size)  # this process's share of every batch: data x fsdp
     train_step = sharded.step
 
     metrics = MetricsLog(args.out / "metrics.jsonl", keep_through=start, enabled=is_main)
@@ -289,8 +305,9 @@ def fit(args, config: GPTConfig, mesh, ckpt: Checkpointer, expect: dict, files: 
             os.kill(os.getpid(), signal.SIGKILL)
 
     for step in range(start + 1, args.steps + 1):
-        x, y, position = dataset.batch(position, args.batch_size)  # (B, T) each
-        state, loss = train_step(graphdef, state, shard_batch({"idx": x, "targets": y}, data_sharding))
+        x, y, position = dataset.batch(position, args.batch_size, rows)  # (B / processes, T) each
+        batch = shard_process_batch({"idx": x, "targets": y}, sharded.batch_shardings, args.batch_size)  # (B, T)
+        state, loss = train_step(graphdef, state, batch)
         log_pending()
         pending = (step, loss)
         if step % args.ckpt_every == 0 or step == args.steps:
@@ -404,9 +421,13 @@ def train(args, mesh) -> None:
     records = read_metrics(args.out / "metrics.jsonl") if jax.process_index() == 0 else []
     if records:
         plot_loss(records, args.out / "loss.png", title=f"music Transformer ({args.config}), seed {args.seed}")
-    if args.generate_tokens:
+    if args.generate_tokens and jax.process_count() == 1:
         params, rest = jax.device_put((state.params, state.rest), replicated(mesh))
         sample(args, nnx.merge(graphdef, params, rest), args.prompt_midi or heldout)
+    elif args.generate_tokens:  # several processes: process 0 samples alone, from a whole copy of the state
+        params, rest = local_copy((state.params, state.rest), mesh)
+        if jax.process_index() == 0:
+            sample(args, nnx.merge(graphdef, params, rest), args.prompt_midi or heldout)
     if records:
         print(
             f"steps {records[0]['step']}..{records[-1]['step']}: loss {records[0]['loss']:.4f} -> "
@@ -442,8 +463,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return compile_only(args)
-    if args.distributed:
-        initialize_distributed()
+    recipes.join_distributed(args, "train_music.py")
     try:
         mesh = make_mesh(args.fsdp)
     except ValueError as e:

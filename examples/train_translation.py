@@ -30,6 +30,11 @@ device count) and ``--fsdp K`` shards parameters and optimizer state over K of t
 training step for that TPU topology on this machine (libtpu, no TPU needed) and prints the
 memory per chip and a roofline bound instead of training (exit 0 fits, 1 does not, 2 error).
 
+Several hosts: run the same command on every host with ``--distributed`` (a TPU pod slice:
+JAX finds its peers) or ``--coordinator HOST:PORT --num-processes N --process-id I`` (any
+cluster, or N processes rehearsing on one machine). Each process reads only its share of
+every global batch; process 0 prints and writes the outputs and runs the evaluation.
+
 Run: python examples/train_translation.py                       # copy task, ~30 s on 2 CPU cores
      python examples/train_translation.py --data pairs.tsv --layers 6 --d-model 256 --steps 20000
      python examples/train_translation.py --data pairs.tsv --layers 6 --d-model 256 --compile-only v5e:2x4
@@ -53,8 +58,8 @@ from tqdm import tqdm
 
 import flax_ln
 from flax_ln import recipes
-from flax_ln.sharding import make_mesh
-from flax_ln.train import init_train_state, make_batch, noam_schedule
+from flax_ln.sharding import batch_sharding, local_copy, make_mesh, process_rows, shard_process_batch
+from flax_ln.train import make_batch, noam_schedule
 
 PAD, BOS, EOS, UNK = recipes.PAD, 1, 2, 3
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -202,8 +207,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("out/translation"), help="output folder")
     p.add_argument("--dtype", choices=list(recipes.DTYPES), default="float32", help="compute dtype (default float32)")
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (mesh: devices//K x K)")
+    recipes.add_distributed_arguments(p)
     recipes.add_compile_only_arguments(p, "this training step")
     args = p.parse_args(argv)
+    recipes.check_distributed_arguments(p, args)
     for name in (
         "steps",
         "batch_size",
@@ -249,11 +256,17 @@ def compile_only(args, setup_kwargs: dict) -> int:
 
 def main(argv=None) -> dict | int:
     args = parse_args(argv)
+    if not args.compile_only:
+        recipes.join_distributed(
+            args, "train_translation.py"
+        )  # before anything touches JAX; with no distributed flag, nothing
+    is_main = True if args.compile_only else jax.process_index() == 0  # process 0 prints and writes the outputs
+    say = print if is_main else lambda *a, **k: None
     rng = np.random.default_rng(args.seed)
 
     if args.data is None:
         train_pairs, test_pairs = copy_task(args.copy_pairs, args.holdout, args.copy_len, args.copy_symbols, rng)
-        print(
+        say(
             f"copy task: {len(train_pairs)} training and {len(test_pairs)} held-out sequences of "
             f"{args.copy_len} symbols out of {args.copy_symbols}"
         )
@@ -261,12 +274,12 @@ def main(argv=None) -> dict | int:
         pairs = read_pairs(args.data)
         kept = [p for p in pairs if len(p[0]) <= args.max_len and len(p[1]) <= args.max_len]
         if len(kept) < len(pairs):
-            print(f"dropped {len(pairs) - len(kept)} pairs longer than --max-len {args.max_len}")
+            say(f"dropped {len(pairs) - len(kept)} pairs longer than --max-len {args.max_len}")
         order = rng.permutation(len(kept))
         n_test = min(args.holdout, len(kept) // 10)
         test_pairs = [kept[i] for i in order[:n_test]]
         train_pairs = [kept[i] for i in order[n_test:]]
-        print(f"{args.data}: {len(train_pairs)} training and {len(test_pairs)} held-out pairs")
+        say(f"{args.data}: {len(train_pairs)} training and {len(test_pairs)} held-out pairs")
 
     src_vocab = Vocab([s for s, _ in train_pairs])
     tgt_vocab = Vocab([t for _, t in train_pairs])
@@ -274,7 +287,7 @@ def main(argv=None) -> dict | int:
     tgt_len = max(len(t) for _, t in train_pairs + test_pairs) + 2  # + <s> ... </s>
     src_train, tgt_train = to_arrays(train_pairs, src_vocab, tgt_vocab, src_len, tgt_len)
     src_test, _ = to_arrays(test_pairs, src_vocab, tgt_vocab, src_len, tgt_len)
-    print(f"vocabularies: source {len(src_vocab)}, target {len(tgt_vocab)} words (specials included)")
+    say(f"vocabularies: source {len(src_vocab)}, target {len(tgt_vocab)} words (specials included)")
 
     d_ff = args.d_ff or 4 * args.d_model
     setup_kwargs = dict(  # this script's training step; --compile-only compiles the same one (flax_ln.plan)
@@ -311,13 +324,11 @@ def main(argv=None) -> dict | int:
         raise SystemExit(2)
     setup = recipes.encoder_decoder_setup(dtype=args.dtype, **setup_kwargs)
     sharded = recipes.sharded_step(setup, mesh)
-    model = setup.make_model()
     lr_at = noam_schedule(args.d_model, factor=args.factor, warmup=args.warmup)
-    step_fn = sharded.step
-    graphdef, state = init_train_state(model, setup.tx)
-    state = jax.device_put(state, sharded.state_shardings)
+    step_fn, graphdef = sharded.step, sharded.graphdef
+    state = recipes.init_state(setup, sharded)  # created with its shardings, which may span several processes
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    print(
+    say(
         f"model: N={args.layers} d_model={args.d_model} d_ff={d_ff} h={args.heads}, {n_params:,} parameters, "
         f"on {jax.devices()[0].platform}"
     )
@@ -325,15 +336,19 @@ def main(argv=None) -> dict | int:
     args.out.mkdir(parents=True, exist_ok=True)
     losses: list[float] = []
     start = time.perf_counter()
-    index_batches = batches(len(src_train), args.batch_size, rng)
+    index_batches = batches(len(src_train), args.batch_size, rng)  # global batches: the same on every process
+    rows = process_rows(batch_sharding(mesh), args.batch_size)  # this process's share of each: all rows on one
+    target_tokens = np.sum(tgt_train[:, 1:] != PAD, axis=1)  # per pair: a batch's ntokens counts the whole batch
     with (
-        open(args.out / "metrics.jsonl", "w") as metrics,
-        tqdm(range(1, args.steps + 1), desc="train", mininterval=0.5) as bar,
+        open(args.out / "metrics.jsonl", "w") if is_main else open(os.devnull, "w") as metrics,
+        tqdm(range(1, args.steps + 1), desc="train", mininterval=0.5, disable=not is_main) as bar,
     ):
         for step in bar:
-            idx = next(index_batches)
-            batch = make_batch(jnp.asarray(src_train[idx]), jnp.asarray(tgt_train[idx]), PAD)
-            state, loss = step_fn(graphdef, state, jax.device_put(batch, sharded.batch_shardings))
+            global_idx = next(index_batches)
+            idx = global_idx[rows]
+            batch = make_batch(src_train[idx], tgt_train[idx], PAD)
+            batch["ntokens"] = np.int32(target_tokens[global_idx].sum())  # the global batch's, on every process
+            state, loss = step_fn(graphdef, state, shard_process_batch(batch, sharded.batch_shardings, args.batch_size))
             loss = float(loss)
             if not np.isfinite(loss):
                 raise SystemExit(f"step {step}: the loss is {loss}; lower --factor or raise --warmup")
@@ -341,9 +356,16 @@ def main(argv=None) -> dict | int:
             metrics.write(json.dumps({"step": step, "loss": loss, "lr": float(lr_at(step - 1))}) + "\n")
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
     train_seconds = time.perf_counter() - start
-    save_plot(losses, args.out / "loss.png")
+    if is_main:
+        save_plot(losses, args.out / "loss.png")
 
-    nnx.update(model, state.params, state.rest)
+    model = setup.make_model()
+    if jax.process_count() == 1:
+        nnx.update(model, state.params, state.rest)
+    else:  # process 0 evaluates alone, on a whole copy of the state
+        nnx.update(model, *local_copy((state.params, state.rest), mesh))
+        if not is_main:
+            return {"steps": args.steps, "final_loss": losses[-1]}
     refs = [t for _, t in test_pairs]
     result = {
         "steps": args.steps,
@@ -358,20 +380,20 @@ def main(argv=None) -> dict | int:
             {"source": " ".join(s), "reference": " ".join(t), "greedy": " ".join(h)}
             for (s, t), h in zip(test_pairs[: args.examples], hyps)
         ]
-        print(
+        say(
             f"trained {args.steps} steps in {train_seconds:.1f} s, final loss {losses[-1]:.4f}; "
             f"greedy exact match on {len(test_pairs)} held-out pairs: {exact:.1%}"
         )
         for ex in result["examples"]:
             mark = "ok" if ex["greedy"] == ex["reference"] else "xx"
-            print(
+            say(
                 f"  [{mark}] source:    {ex['source']}\n       reference: {ex['reference']}\n"
                 f"       greedy:    {ex['greedy']}"
             )
     else:
-        print(f"trained {args.steps} steps in {train_seconds:.1f} s, final loss {losses[-1]:.4f}; no held-out pairs")
+        say(f"trained {args.steps} steps in {train_seconds:.1f} s, final loss {losses[-1]:.4f}; no held-out pairs")
     (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out / 'metrics.jsonl'}, {args.out / 'loss.png'}, {args.out / 'eval.json'}")
+    say(f"wrote {args.out / 'metrics.jsonl'}, {args.out / 'loss.png'}, {args.out / 'eval.json'}")
     return result
 
 

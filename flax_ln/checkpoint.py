@@ -418,7 +418,8 @@ class Checkpointer:
 
         Orbax then no longer sees that step: it can be written again, and it is never
         deleted by ``max_to_keep``. The files are kept for inspection; delete them by hand.
-        If ``STEP.unreadable`` exists, ``STEP.unreadable-2`` (``-3``, ...) is used.
+        If ``STEP.unreadable`` exists, ``STEP.unreadable-2`` (``-3``, ...) is used. With several
+        processes every one calls it: process 0 renames, and all wait for that before they reload.
         """
         self._manager.wait_until_finished()
         source = self.directory / str(step)
@@ -426,7 +427,15 @@ class Checkpointer:
         while target.exists():
             n += 1
             target = self.directory / f"{step}.unreadable-{n}"
-        source.rename(target)
+        several = jax.process_count() > 1
+        if several:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"flax_ln set_aside {step}: named")  # before process 0 renames
+        if jax.process_index() == 0:
+            source.rename(target)
+        if several:
+            multihost_utils.sync_global_devices(f"flax_ln set_aside {step}: renamed")
         self._manager.reload()
         return str(target)
 

@@ -511,8 +511,15 @@ class MusicDataset:
             self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self))
         return self._perms[epoch]
 
-    def batch(self, position: int, batch_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """``(x, y, next_position)``: examples ``position .. position + batch_size - 1`` of the stream, each (B, T)."""
+    def batch(
+        self, position: int, batch_size: int, part: Sequence[int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(x, y, next_position)``: examples ``position .. position + batch_size - 1`` of the stream, each (B, T).
+
+        ``part`` (row numbers in ``[0, batch_size)``) reads only those rows of that batch, in that
+        order: one process's share of a global batch (:func:`flax_ln.sharding.process_rows`).
+        """
         n = len(self)
-        rows = [self._order(k // n)[k % n] for k in range(position, position + batch_size)]
+        ks = range(position, position + batch_size)
+        rows = [self._order(ks[i] // n)[ks[i] % n] for i in (range(batch_size) if part is None else part)]
         return self.x[rows], self.y[rows], position + batch_size

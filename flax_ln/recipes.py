@@ -11,6 +11,7 @@ from ``jax.eval_shape``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ from jax.sharding import Mesh
 
 from flax_ln.models.encoder_decoder import EncoderDecoderConfig, Transformer
 from flax_ln.models.gpt import GPT, GPTConfig
-from flax_ln.sharding import DATA, FSDP, batch_shardings, state_shardings
+from flax_ln.sharding import DATA, FSDP, batch_shardings, initialize_distributed, state_shardings
 from flax_ln.train import (
     LossFn,
     TrainState,
@@ -193,3 +194,85 @@ def add_compile_only_arguments(parser, step: str) -> None:
         help=f"compile {step} for a TPU topology (e.g. v5e:2x4) and print the plan; nothing runs",
     )
     parser.add_argument("--plan-json", metavar="PATH", help="with --compile-only: also write the plan as JSON")
+
+
+DISTRIBUTED_ADDRESS = ("coordinator", "num_processes", "process_id")  # the flags given together
+
+
+def add_distributed_arguments(parser) -> None:
+    """An example's multi-host flags: ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id``,
+    ``--distributed-timeout``.
+
+    Check them after parsing with :func:`check_distributed_arguments`, join with
+    :func:`join_distributed`.
+
+    Args:
+      parser: the example's ``argparse.ArgumentParser``.
+    """
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-host run; alone: JAX detects the cluster (Cloud TPU, SLURM, ...); "
+        "implied by --coordinator/--num-processes/--process-id",
+    )
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (all processes pass the same)")
+    parser.add_argument("--num-processes", type=int, metavar="N", help="how many processes the run has")
+    parser.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 .. N-1")
+    parser.add_argument(
+        "--distributed-timeout",
+        type=int,
+        default=300,
+        metavar="SECONDS",
+        help="exit with an error if the processes have not all joined within this time, or a peer "
+        "stops answering for this long (default 300)",
+    )
+
+
+def check_distributed_arguments(parser, args) -> None:
+    """``parser.error`` (exit 2) unless the distributed flags fit together; sets ``args.distributed`` if implied."""
+    flags = {name: f"--{name.replace('_', '-')}" for name in DISTRIBUTED_ADDRESS}
+    given = [name for name in DISTRIBUTED_ADDRESS if getattr(args, name) is not None]
+    if given and len(given) < len(DISTRIBUTED_ADDRESS):
+        missing = [flags[name] for name in DISTRIBUTED_ADDRESS if name not in given]
+        parser.error(
+            f"--coordinator, --num-processes and --process-id are given together; missing {' and '.join(missing)}"
+        )
+    if args.distributed_timeout < 1:
+        parser.error(f"--distributed-timeout must be >= 1 second, got {args.distributed_timeout}")
+    if given:
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--coordinator must be HOST:PORT (e.g. 10.0.0.2:1234), got {args.coordinator!r}")
+        if args.num_processes < 1:
+            parser.error(f"--num-processes must be >= 1, got {args.num_processes}")
+        if not 0 <= args.process_id < args.num_processes:
+            parser.error(
+                f"--process-id must be in 0 .. {args.num_processes - 1} (--num-processes), got {args.process_id}"
+            )
+        args.distributed = True
+
+
+def join_distributed(args, prog: str) -> None:
+    """:func:`~flax_ln.sharding.initialize_distributed` with an example's checked flags, if ``--distributed``.
+
+    A run JAX refuses to join (``--distributed`` alone where it detects no cluster) exits 2 with
+    one line, ``PROG: error: ...``.
+
+    Args:
+      args: the parsed flags (:func:`add_distributed_arguments`, :func:`check_distributed_arguments`).
+      prog: the script's name, for the message.
+    """
+    if not args.distributed:
+        return
+    try:
+        initialize_distributed(
+            args.coordinator, args.num_processes, args.process_id, timeout_s=args.distributed_timeout
+        )
+    except (ValueError, RuntimeError) as e:
+        hint = (
+            ""
+            if args.coordinator
+            else "; outside a cluster JAX detects, give --coordinator, --num-processes and --process-id"
+        )
+        print(f"{prog}: error: --distributed: cannot join the run ({e}){hint}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -30,6 +30,9 @@ With ``fsdp=1`` this is plain data parallelism; with ``data=1`` plain FSDP. Typi
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -43,13 +46,77 @@ DATA, FSDP = "data", "fsdp"
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 
 
-def initialize_distributed(**kwargs) -> None:
-    """``jax.distributed.initialize(**kwargs)``: join the other hosts (TPU pod slices detect their peers).
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    timeout_s: int = 300,
+) -> None:
+    """Join the other processes of a multi-host run (``jax.distributed.initialize``), gloo collectives on CPU.
 
     Call it before anything else touches JAX; afterwards ``jax.devices()`` lists every
-    host's devices and :func:`make_mesh` spans them all.
+    process's devices and :func:`make_mesh` spans them all. With no address, JAX detects
+    the cluster itself (Cloud TPU pod slices, SLURM, ...); otherwise give all three.
+    The CPU backend's cross-process collectives are set to gloo, so several processes on
+    one machine (or several CPU hosts) rehearse a pod slice.
+
+    A process that has not joined within ``timeout_s`` (the coordinator unreachable, a peer
+    missing) prints one line saying so to stderr and exits with status 1; the same bound is
+    the heartbeat timeout after which JAX ends every process of a run whose peer died.
+
+    Args:
+      coordinator: ``HOST:PORT`` of process 0, which serves the coordinator there.
+      num_processes: how many processes the run has.
+      process_id: this process's index, ``0 <= process_id < num_processes``.
+      timeout_s: seconds to wait for every process to join (and for a silent peer).
+
+    Raises:
+      ValueError: some but not all of the three address arguments given, or a bad value.
     """
-    jax.distributed.initialize(**kwargs)
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    missing = [name for name, value in given.items() if value is None]
+    if 0 < len(missing) < 3:
+        raise ValueError(
+            f"initialize_distributed: give coordinator, num_processes and process_id together; missing {missing}"
+        )
+    if not isinstance(timeout_s, int) or timeout_s < 1:
+        raise ValueError(f"initialize_distributed: timeout_s must be a positive int of seconds, got {timeout_s!r}")
+    if not missing:
+        host, _, port = str(coordinator).rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"initialize_distributed: coordinator must be HOST:PORT, got {coordinator!r}")
+        if not isinstance(num_processes, int) or num_processes < 1:
+            raise ValueError(f"initialize_distributed: num_processes must be >= 1, got {num_processes!r}")
+        if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+            raise ValueError(f"initialize_distributed: process_id must be in [0, {num_processes}), got {process_id!r}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
+    where = f"the coordinator {coordinator}" if coordinator else "the cluster JAX detects"
+    who = "" if process_id is None else f"process {process_id} of {num_processes}: "
+
+    def give_up():  # JAX itself would abort with a C++ stack trace, and later
+        print(
+            f"error: {who}could not join the distributed run through {where} within {timeout_s} s "
+            "(--distributed-timeout): the coordinator is unreachable, or not every process started",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    watchdog = threading.Timer(timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            initialization_timeout=2 * timeout_s,  # a backstop: the watchdog above answers first
+            heartbeat_timeout_seconds=timeout_s,
+            shutdown_timeout_seconds=timeout_s,
+        )
+    finally:
+        watchdog.cancel()
 
 
 def make_mesh(fsdp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -192,3 +259,49 @@ def shard_batch(batch: Any, sharding: NamedSharding) -> Any:
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     return jax.tree.map(put, batch)
+
+
+def process_rows(sharding: NamedSharding, batch_size: int) -> np.ndarray:
+    """The rows of a global batch of ``batch_size`` examples that this process's devices hold, ascending.
+
+    With one process every row; with several, each process reads just these rows of every
+    global batch and :func:`shard_process_batch` assembles the global arrays. ``batch_size``
+    must divide evenly over the sharding's batch axes (:func:`batch_split`).
+    """
+    n_split = batch_split(sharding)
+    if batch_size % n_split:
+        raise ValueError(
+            f"batch size {batch_size} is not divisible by the {n_split} ways the batch is split "
+            f"(the mesh axes {sharding.spec[0]}); pick a --batch-size that is a multiple of {n_split}"
+        )
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+        rows.update(range(batch_size)[index[0] if index else slice(None)])
+    return np.array(sorted(rows), dtype=np.int64)
+
+
+def shard_process_batch(local_batch: Any, shardings: Any, batch_size: int) -> Any:
+    """This process's rows of a global batch (:func:`process_rows`) -> global ``jax.Array`` s (one call per process).
+
+    ``shardings`` is a tree like the batch (:func:`batch_shardings`): an array with a batch axis
+    holds this process's rows of it, a scalar (a token count) the global value, the same on
+    every process. Built with ``jax.make_array_from_process_local_data``; on one process this
+    is ``jax.device_put``.
+    """
+
+    def put(x, sharding):
+        x = np.asarray(x)
+        shape = (batch_size, *x.shape[1:]) if x.ndim else ()
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+
+    return jax.tree.map(put, local_batch, shardings)
+
+
+def local_copy(tree: Any, mesh: Mesh) -> Any:
+    """Every array of ``tree`` (global arrays on ``mesh``) whole on this process's first device of ``mesh``.
+
+    A collective: every process calls it. For work one process does alone (sampling, evaluation)
+    on a run's state, whose arrays span the devices of every process.
+    """
+    whole = jax.jit(lambda t: t, out_shardings=replicated(mesh))(tree)
+    return jax.tree.map(lambda x: x.addressable_data(0), whole)
