@@ -2,8 +2,11 @@
 
 Installed with flax-ln (the ``pytest11`` entry point ``flax_ln``), or loaded with ``pytest -p flax_ln.pytest_plugin``.
 With ``--parity-html DIR``, every :func:`flax_ln.parity.assert_parity` that fails inside a test writes the report's
-page (:meth:`flax_ln.parity.ParityReport.to_html`) to ``DIR/<test id>.html`` (the node id made a safe file name;
-``-2``, ``-3``, ... for further failures in the same test) and names that path in its assertion message.
+page (:meth:`flax_ln.parity.ParityReport.to_html`) to ``DIR/<test id>.html`` (the node id made a safe file name)
+and names that path in its assertion message. A page never overwrites another: a name already taken (a further
+failure in the same test, another test whose id reads the same as a file name, ``test[a/b]`` and ``test[a_b]``, or
+an earlier run) gets ``-2``, ``-3``, ...; each name is claimed by creating the file exclusively, so that parallel
+workers cannot take the same one. A folder removed during the run is made again.
 
 The option reaches :func:`assert_parity` through two environment variables, set for the run and restored after it,
 so that it holds in pytest-xdist's workers too (each configures this plugin with the same options). This module
@@ -12,13 +15,13 @@ imports only the standard library: pytest loads it before any test, and it must 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
 DIR_VARIABLE = "FLAX_LN_PARITY_HTML_DIR"  # where failing comparisons' pages go (set by --parity-html)
 TEST_VARIABLE = "FLAX_LN_PARITY_HTML_TEST"  # the node id of the test running now
 _saved: dict[str, str | None] = {}
-_written: dict[str, int] = {}  # node id -> pages written for it
 
 
 def pytest_addoption(parser) -> None:
@@ -37,7 +40,14 @@ def pytest_configure(config) -> None:
     if folder is None:
         return
     folder = os.path.abspath(folder)
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        import pytest
+
+        raise pytest.UsageError(
+            f"--parity-html {folder!r} cannot be created ({err.strerror or err}); give a folder path that can be"
+        ) from None
     _set(DIR_VARIABLE, folder)
 
 
@@ -75,11 +85,19 @@ def safe_file_name(nodeid: str) -> str:
 
 
 def page_path() -> str | None:
-    """Where the page of a comparison failing now goes: ``DIR/<test id>.html`` under ``--parity-html DIR``
-    (``<test id>-2.html``, ... for the same test's further failures), ``None`` without the option."""
+    """Where the page of a comparison failing now goes, the file created (empty) so that the name is this page's:
+    ``DIR/<test id>.html`` under ``--parity-html DIR``, or ``<test id>-2.html``, ... when that name is taken;
+    ``None`` without the option. ``OSError`` when the folder cannot be made or written."""
     folder = os.environ.get(DIR_VARIABLE)
     if not folder:
         return None
-    test = os.environ.get(TEST_VARIABLE) or "outside-a-test"
-    count = _written[test] = _written.get(test, 0) + 1
-    return os.path.join(folder, safe_file_name(test) + ("" if count == 1 else f"-{count}") + ".html")
+    os.makedirs(folder, exist_ok=True)  # removed since the run began: made again
+    name = safe_file_name(os.environ.get(TEST_VARIABLE) or "outside-a-test")
+    for count in itertools.count(1):
+        path = os.path.join(folder, name + ("" if count == 1 else f"-{count}") + ".html")
+        try:
+            open(path, "x").close()  # claimed: exclusive creation fails when another test or worker has it
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")  # itertools.count never ends

@@ -15,7 +15,7 @@ import jax
 
 from flax_ln import sharding
 from flax_ln.book.catalog import GPT_PRESETS, MODEL_NAMES, check_seq_len
-from flax_ln.cli.paths import output_file_problem
+from flax_ln.cli.paths import output_file_problem, same_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,13 +118,6 @@ def _check_output_file(parser: argparse.ArgumentParser, option: str, path: str) 
         parser.error(problem)
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether two paths name one file: ``os.path.samefile`` where both exist, resolved paths otherwise."""
-    if os.path.exists(a) and os.path.exists(b):
-        return os.path.samefile(a, b)
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
 def _checkpoint_files(path: str) -> list[str]:
     """The files a ``--checkpoint`` path reads: the file itself, or every file directly inside the folder."""
     if os.path.isdir(path):
@@ -143,7 +136,7 @@ def _check_distinct_files(parser: argparse.ArgumentParser, args: argparse.Namesp
         inputs += [("--checkpoint", path) for path in _checkpoint_files(args.checkpoint)]
     for i, (option, path) in enumerate(outputs):
         for other, other_path in outputs[:i] + inputs:
-            if _same_file(path, other_path):
+            if same_file(path, other_path):
                 what = "an input" if (other, other_path) in inputs else "another output"
                 parser.error(
                     f"{option} {path!r} is the same file as {other} {other_path!r} ({what}): writing it would "

@@ -22,3 +22,11 @@ def output_file_problem(option: str, path: str) -> str | None:
     except OSError as err:
         return f"{option} {path!r} cannot be written: {err.strerror or err}"
     return None
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: ``os.path.samefile`` where both exist (symbolic and hard links alike),
+    resolved paths otherwise."""
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)

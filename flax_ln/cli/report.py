@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from flax_ln.cli.paths import output_file_problem
+from flax_ln.cli.paths import output_file_problem, same_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def main_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"{args.json_path!r}: no such file; give a file written by flax-ln parity --json")
     if problem := output_file_problem("--html", args.html):
         parser.error(problem)
-    if os.path.realpath(args.html) == os.path.realpath(args.json_path):
+    if same_file(args.html, args.json_path):
         parser.error(f"--html {args.html!r} is the JSON file itself; give --html a different file")
     from flax_ln.parity.html import render_html
     from flax_ln.parity.report import reports_from_json

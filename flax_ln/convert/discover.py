@@ -11,7 +11,12 @@ elements and reads back where each value landed:
 * ``K`` digit loads, element ``g`` (its global id over the unique tensors) as ``digit + 2``
   in base ``b`` (digits never 0 or 1, so a variable left at zeros or ones is never id 0);
   ``b`` keeps every value and its image exact integers in the narrowest float seen;
-* one check load (``(g * 7919 + 13) % b + 2``) that every decoded element must agree with.
+* one check load (``(g * 7919 + 13) % b + 2``) that every decoded element must agree with, and,
+  where every probed tensor is floating, the same values scaled below 1 (by a power of two, so
+  still exact): a loader whose layout depends on the values it is given (it transposes only when
+  the mean is large) lands them elsewhere, and is refused rather than described by the probe's
+  branch. A map found by probing assumes a loader whose layout is a function of the keys and
+  shapes alone; a branch no probe takes stays unseen.
 
 Each variable's ids are then explained by :mod:`flax_ln.convert.discover_layout` (which
 tensor fills which slab, through which einops pattern) and written as rules in the key map's
@@ -27,32 +32,27 @@ import functools
 import math
 import re
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from flax_ln.convert.assign import as_numpy, is_floating
 from flax_ln.convert.discover_layout import Region, describe_part, fold_families, layout_of, regions, slab_of
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.tensor_files import write_streamed
 from flax_ln.convert.ties import find_ties
-from flax_ln.convert.trees import (
-    EquinoxTree,
-    LinenTree,
-    NNXTree,
-    PytreeTree,
-    VariableTree,
-    is_equinox_module,
-    read_values,
-)
+from flax_ln.convert.trees import VariableTree, loaded_tree, read_values
 
 # The largest integer each float holds exactly, with every integer below it.
 _EXACT = {"bfloat16": 2**8, "float16": 2**11, "float32": 2**24, "float64": 2**53}
 _MAX_BASE = 2**20  # ids combine in int64: a digit this wide keeps every product far from overflow
+VALUE_DEPENDENT = (
+    "depends on the values it is given: the same ids scaled below 1 (the size of real weights) landed elsewhere; a "
+    "loader that branches on its inputs' values has no key map: make its layout a function of the keys and shapes"
+)
 _CHUNK = 1 << 22  # elements made, decoded or checked at once: float64 temporaries of 32 MiB, whatever the size
 
 
@@ -115,26 +115,6 @@ class _Var:
     abstract: bool = False  # never filled: the loader left it a jax.ShapeDtypeStruct (no values)
 
 
-def _tree(loaded: Any, kind: str | None) -> VariableTree:
-    if isinstance(loaded, nnx.Module):
-        return NNXTree(loaded)
-    if is_equinox_module(loaded):  # kind="equinox", or recognised by type
-        return EquinoxTree(loaded)
-    if kind == "function":  # any JAX pytree, named as flax_ln.parity.Function names its params
-        return PytreeTree(loaded)
-    if isinstance(loaded, Mapping):
-        if kind == "linen":
-            return LinenTree(dict(loaded))
-        raise TypeError(
-            f"KeyMap.discover: the loader returned a dict but kind={kind!r}; pass kind='linen' for Linen variables "
-            "(collections at the top: {'params': ...}) or kind='function' for a parameter pytree"
-        )
-    raise TypeError(
-        "KeyMap.discover: the loader must return an nnx.Module, an equinox.Module, a dict (with kind='linen') or "
-        f"a pytree (with kind='function'), got {type(loaded).__name__}"
-    )
-
-
 class _Probe:
     """Runs the loader on probe state dicts and reads back every floating variable."""
 
@@ -170,7 +150,7 @@ class _Probe:
             for key in order:  # an alias is its tensor's array, as in the torch state dict: one copy of the tie
                 source = self.aliases.get(key, key)
                 state[key] = state[source] if source in state else self._array(key, values)
-            return _tree(self.loader(state), self.kind)
+            return loaded_tree(self.loader(state), self.kind)
         with tempfile.TemporaryDirectory() as folder:
             write_streamed(
                 Path(folder) / "model.safetensors",
@@ -183,7 +163,7 @@ class _Probe:
             config = getattr(self.like, "config", None)
             if config is not None and hasattr(config, "to_json_file"):
                 config.to_json_file(str(Path(folder) / "config.json"))
-            return _tree(self.loader(folder), self.kind)
+            return loaded_tree(self.loader(folder), self.kind)
 
     def _blocks(self, key: str, values: Callable[[np.ndarray], np.ndarray]) -> Iterator[np.ndarray]:
         """``key``'s probe values (an alias: its tensor's; not probed: its original), flat, a block at a time."""
@@ -312,6 +292,13 @@ def measure(
             var.problem = var.problem or "not a function of one torch element: its digits do not agree across loads"
             var.ids = None
     del check
+    if all(is_floating(probe.dtypes[k]) for k in probe.probed):  # a power-of-two scale keeps float probes exact
+        unit = 2.0 ** -math.ceil(math.log2(base + 2))  # the check's values again, below 1 as real weights are
+        small = probe.run(lambda g: ((g.astype(np.int64) * 7919 + 13) % base + 2) * unit)
+        for path, var in variables.items():
+            if var.ids is not None and not _agrees(var, small.read(path), base, unit):
+                var.problem, var.ids = VALUE_DEPENDENT, None
+        del small
     return _explain(probe, variables, allow_unfilled, allow_dropped)
 
 
@@ -410,13 +397,13 @@ def _decode(var: _Var, value: np.ndarray, base: int, place: int) -> None:
         ids[part] += np.where(filled, exact * place, 0).astype(ids.dtype)
 
 
-def _agrees(var: _Var, value: np.ndarray, base: int) -> bool:
-    """Whether the check load's ``value`` is ``(g * 7919 + 13) % base + 2`` of every decoded id ``g``."""
+def _agrees(var: _Var, value: np.ndarray, base: int, unit: float = 1.0) -> bool:
+    """Whether the check load's ``value`` is ``((g * 7919 + 13) % base + 2) * unit`` of every decoded id ``g``."""
     assert var.ids is not None
     ids = var.ids.reshape(-1)
     for part, filled, ratio in _ratios(var, value):
         want = (ids[part].astype(np.int64) * 7919 + 13) % base + 2
-        if not np.all((np.rint(ratio) == want) | ~filled):
+        if not np.all((np.rint(ratio / unit) == want) | ~filled):
             return False
     return True
 

@@ -201,6 +201,11 @@ class KeyMap:
         (``"linen"`` or ``"function"``); ``like`` is the torch module. ``allow_unfilled`` (flax paths, left at init:
         constants) and ``allow_dropped`` (torch keys never read) are regexes matched in full. The map's
         :attr:`discovery` says what was dropped, left at init, offset and tied. See :mod:`flax_ln.convert.discover`.
+
+        A map found by probing assumes a loader whose layout depends on the keys and shapes alone, not on the
+        values: a loader that branches on its inputs (it transposes only when the mean is large) would be described
+        by the branch the probes take. The probes are repeated at the scale of real weights to catch that, which a
+        variable that lands elsewhere fails; a branch no probe takes stays unseen.
         """
         from flax_ln.convert.discover import measure
 

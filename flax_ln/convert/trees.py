@@ -364,3 +364,24 @@ def _child(node: Any, step: str) -> Any:
         return getattr(node, step)
     except AttributeError:
         return _MISSING
+
+
+def loaded_tree(loaded: Any, kind: str | None) -> VariableTree:
+    """What a port's loader returned (``KeyMap.discover``'s ``kind``) as a variable tree."""
+    if isinstance(loaded, nnx.Module):
+        return NNXTree(loaded)
+    if is_equinox_module(loaded):  # kind="equinox", or recognised by type
+        return EquinoxTree(loaded)
+    if kind == "function":  # any JAX pytree, named as flax_ln.parity.Function names its params
+        return PytreeTree(loaded)
+    if isinstance(loaded, Mapping):
+        if kind == "linen":
+            return LinenTree(dict(loaded))
+        raise TypeError(
+            f"KeyMap.discover: the loader returned a dict but kind={kind!r}; pass kind='linen' for Linen variables "
+            "(collections at the top: {'params': ...}) or kind='function' for a parameter pytree"
+        )
+    raise TypeError(
+        "KeyMap.discover: the loader must return an nnx.Module, an equinox.Module, a dict (with kind='linen') or "
+        f"a pytree (with kind='function'), got {type(loaded).__name__}"
+    )

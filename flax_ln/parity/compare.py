@@ -591,9 +591,13 @@ def assert_parity(torch_module, flax_module: nnx.Module | Linen | Function, inpu
     failure also writes the report's HTML page and names it in the message."""
     report = compare_modules(torch_module, flax_module, inputs, **options)
     if not report.passed:
-        page = page_path()
-        if page is not None:
-            with open(page, "w", encoding="utf-8") as f:
-                f.write(report.to_html())
-        raise AssertionError("parity failed:\n" + str(report) + ("" if page is None else f"\nHTML report: {page}"))
+        try:
+            page = page_path()
+            if page is not None:
+                with open(page, "w", encoding="utf-8") as f:
+                    f.write(report.to_html())
+            where = "" if page is None else f"\nHTML report: {page}"
+        except OSError as err:  # the page is lost, never the assertion and its report
+            where = f"\nHTML report not written: {err}"
+        raise AssertionError("parity failed:\n" + str(report) + where)
     return report

@@ -76,15 +76,17 @@ def _floats(module: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def torch_lifted(torch_model: Any, dtype: str, islands: str, found: Found) -> Iterator[None]:
-    """The torch side's float32 islands run in float64 in this scope (a float64 comparison that lifts)."""
-    if dtype != "float64" or islands != "lift":
+    """The torch side of a float64 comparison in this scope: its ``torch.autocast`` regions kept in their half
+    precision (as in the model's own run), and, when it lifts, its float32 islands run in float64."""
+    if dtype != "float64":
         yield
         return
-    with torch_islands.lift_float32(torch_model) as lifted:
+    lifting = torch_islands.lift_float32(torch_model) if islands == "lift" else contextlib.nullcontext()
+    with torch_islands.keep_autocast(torch_model) as kept, lifting as lifted:
         try:
             yield
         finally:
-            found.add(lifted.islands)
+            found.add(kept.islands + (lifted.islands if lifted is not None else []))
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ from flax_ln.parity.policy import TensorResult
 #   "modules":             names (execution order), outputs, grads, isolated (name -> relative error;
 #                          isolated None without isolated mode), output_rtol, grad_rtol (chart data only)
 #   "ties":                ties, shared (torch key -> Tie: torch keys holding one tensor and its flax copies; distinct
-#                          torch tensors filling one flax variable); not printed: in --json and the HTML page
+#                          torch tensors filling one flax variable), a line each
 #   "environment":         the comparison's environment (flax_ln.parity.report.environment: backend, devices,
 #                          versions, x64, matmul precision); not printed: flax-ln parity prints it once as its header
 #   "float64 check":       sections (the float64 comparison's own sections, islands lifted, which the default
@@ -171,6 +171,19 @@ def _summary(d: Mapping[str, Any]) -> list[str]:
         f"summary: {d['within']}/{d['compared']} within tolerance ({kinds}) "
         f"in {d['seconds']:.1f}s -> {'PASS' if passed else 'FAIL'}"
     ]
+
+
+def _ties(d: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"tie: {' = '.join(tie.torch_aliases)} (one torch tensor) -> flax {', '.join(tie.flax_paths)}"
+        for tie in d["ties"].values()
+    ]
+    lines += [
+        f"shared: {', '.join(tie.torch_aliases)} (distinct torch parameters) -> one flax variable "
+        f"{', '.join(tie.flax_paths)}"
+        for tie in d["shared"].values()
+    ]
+    return lines
 
 
 def _verdict(d: Mapping[str, Any]) -> list[str]:
@@ -354,7 +367,7 @@ _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     ],
     "discovery": lambda d: ["key map discovered from the port's loader:", *("  " + x for x in d["text"].splitlines())],
     "modules": lambda d: [],  # drawn by plot_errors, not printed
-    "ties": lambda d: [],  # in --json and the HTML page
+    "ties": _ties,
     "environment": lambda d: [],  # the CLI's header line (format_environment)
     "float64 check": lambda d: _float64_check(d["sections"]),
     "could not run": _could_not_run,

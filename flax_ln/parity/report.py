@@ -20,6 +20,7 @@ from flax_ln.convert import Tie
 from flax_ln.parity.islands import Island
 from flax_ln.parity.policy import TensorResult, Tolerance, json_number
 from flax_ln.parity.render import Section, format_sections, section_text
+from flax_ln.parity.report_schema import check_report, check_reports_file
 
 
 @dataclasses.dataclass
@@ -438,7 +439,9 @@ def result_from_json(d: dict[str, Any]) -> TensorResult:
 
 
 def report_from_dict(d: dict[str, Any]) -> ParityReport:
-    """One report from its :meth:`ParityReport.to_json` dict (a model of a ``--json`` file's ``"models"``)."""
+    """One report from its :meth:`ParityReport.to_json` dict (a model of a ``--json`` file's ``"models"``);
+    ``ValueError`` naming the first field that is missing or of the wrong type."""
+    check_report(d)
     results = [result_from_json(r) for r in d["tensors"]]
     fd = d.get("first_divergence")
     first = None
@@ -496,6 +499,8 @@ def report_from_dict(d: dict[str, Any]) -> ParityReport:
         input_casts=d.get("input_casts", {}),
         float64_check=None if d.get("float64_check") is None else report_from_dict(d["float64_check"]),
         error=d.get("error"),
+        constants=d.get("constants", {}),
+        discovery=d.get("discovery"),
         module_pairs=d.get("module_pairs", {}),
         module_inputs=[result_from_json(r) for r in d.get("module_inputs", [])],
         environment=d.get("environment"),
@@ -509,7 +514,12 @@ def reports_from_json(source: dict[str, Any] | str | os.PathLike) -> list[Parity
         data = source
     else:
         with open(source) as f:
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except RecursionError:  # json's parser recurses once per level
+                raise ValueError(f"{source}: JSON nested too deeply to be a parity report") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"the top level: expected an object, got {type(data).__name__}")
     if "models" not in data:
         if "tensors" not in data:
             raise ValueError(
@@ -517,6 +527,7 @@ def reports_from_json(source: dict[str, Any] | str | os.PathLike) -> list[Parity
                 f"(a 'models' list) nor one report (a 'tensors' list); it has the keys {sorted(data)[:8]}"
             )
         return [report_from_dict(data)]
+    check_reports_file(data)
     reports = [report_from_dict(m) for m in data["models"]]
     for r in reports:
         if r.environment is None:

@@ -62,6 +62,17 @@ class Lifting:
     stack: list[str] = dataclasses.field(default_factory=list)  # innermost last
     _seen: set[Island] = dataclasses.field(default_factory=set)
 
+    paused: bool = False  # a conversion to float32 the scope itself makes (a bit-level view's operand)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """No lifting at the dispatch level within (the scope's own conversions)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
     def note(self, what: str, lifted: bool = True) -> None:
         """Record an island of kind ``what`` in the module being called now (once per module and kind)."""
         island = Island("torch", self.stack[-1] if self.stack else None, what, lifted)
@@ -98,10 +109,28 @@ def _modes() -> tuple[type, type]:
             kwargs = kwargs or {}
             dtype = kwargs.get("dtype")
             name = getattr(func, "__name__", str(func))
+            if name == "view" and self.narrowing_view(args, kwargs):  # x.view(torch.int32) of a float32 value
+                with self.lifting.suspended():
+                    narrow = args[0].to(torch.float32)
+                self.lifting.note(f"view of a float32 value as {_dtype_name(args[1])}: kept in float32", False)
+                return func(narrow, *args[1:], **kwargs)
             if isinstance(dtype, torch.dtype) and dtype in lift and name not in _BIT_LEVEL:
                 kwargs = {**kwargs, "dtype": lift[dtype]}
                 self.lifting.note(f"{name} with dtype={_dtype_name(dtype)}")
             return func(*args, **kwargs)
+
+        @staticmethod
+        def narrowing_view(args, kwargs) -> bool:
+            """A bit-level view of a lifted (float64) tensor as a 32-bit dtype: in the model's own run a float32
+            value, whose bits it reads; the float64 run must read the same width."""
+            target = args[1] if len(args) > 1 else kwargs.get("dtype")
+            source = args[0] if args else None
+            return (
+                isinstance(target, torch.dtype)
+                and isinstance(source, torch.Tensor)
+                and source.dtype == torch.float64
+                and target.itemsize == 4
+            )
 
     class DispatchLift(TorchDispatchMode):
         """Every aten op, backward and forward-mode derivatives included, run with float32 lifted to float64.
@@ -116,7 +145,7 @@ def _modes() -> tuple[type, type]:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func.is_view:
+            if func.is_view or self.lifting.paused:
                 return func(*args, **kwargs)
             op = str(func.overloadpacket)
             written = [
@@ -161,8 +190,8 @@ def _modes() -> tuple[type, type]:
                 return t.to(lift[t.dtype])
 
             args, kwargs = tree_map_only(torch.Tensor, widen, (args, kwargs))
-            for dtype in dict.fromkeys(widened):
-                self.lifting.note(f"{dtype} input to {op}")
+            for dtype in dict.fromkeys(widened):  # made before the run, or by an op that could not be lifted
+                self.lifting.note(f"{dtype} input to {op} (a value made in {dtype}: widened, still rounded)", False)
             return args, kwargs
 
         def lift_dtype(self, op: str, name: str, value: Any) -> Any:
@@ -232,6 +261,64 @@ def lift_float32(root=None) -> Iterator[Lifting]:
             yield lifting
     finally:
         torch.set_default_dtype(previous)
+        for handle in handles:
+            handle.remove()
+
+
+# the functions torch's autocast runs in its lower precision (bfloat16 or float16); autocast leaves float64 tensors
+# alone, so a float64 run would compute them in float64: KeepAutocast casts them as autocast casts float32 ones
+AUTOCAST_LOWER = frozenset(
+    {
+        *("linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "vecdot"),
+        *("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc"),
+        *("prelu", "scaled_dot_product_attention"),
+    }
+)
+
+
+@functools.cache
+def _keep_autocast_mode() -> type:
+    torch = _torch()
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves, tree_map_only
+
+    class KeepAutocast(TorchFunctionMode):
+        """Under ``torch.autocast``, an autocast function's float64 tensors are cast to autocast's dtype first, so
+        that a float64 run computes in bfloat16 (float16) where the model's own run does."""
+
+        def __init__(self, lifting: Lifting):
+            super().__init__()
+            self.lifting = lifting
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            if name in AUTOCAST_LOWER:
+                tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                device = next((t.device.type for t in tensors if t.dtype == torch.float64), None)
+                if device is not None and torch.is_autocast_enabled(device):
+                    low = torch.get_autocast_dtype(device)
+                    args, kwargs = tree_map_only(
+                        torch.Tensor, lambda t: t.to(low) if t.dtype == torch.float64 else t, (args, kwargs)
+                    )
+                    self.lifting.note(f"{name} under autocast({_dtype_name(low)}): kept in {_dtype_name(low)}", False)
+            return func(*args, **kwargs)
+
+    return KeepAutocast
+
+
+@contextlib.contextmanager
+def keep_autocast(root=None) -> Iterator[Lifting]:
+    """A scope in which a float64 run keeps the model's ``torch.autocast`` regions: each autocast function
+    (:data:`AUTOCAST_LOWER`: ``linear``, ``matmul``, convolutions, ...) called under autocast has its float64
+    tensors cast to autocast's dtype, as autocast casts float32 ones. Yields the :class:`Lifting` listing each
+    such function per module (``lifted=False``: it computes in half precision, as the model does)."""
+    lifting = Lifting()
+    handles = [] if root is None else _follow_modules(root, lifting.stack)
+    try:
+        with _keep_autocast_mode()(lifting):
+            yield lifting
+    finally:
         for handle in handles:
             handle.remove()
 

@@ -463,20 +463,22 @@ def _state_dict(torch_module, share: bool = False) -> dict[str, np.ndarray]:
 
 @contextlib.contextmanager
 def torch_in_float64(module) -> Iterator[None]:
-    """``module`` in float64 for this scope, then back in its dtype: float32/16 -> float64 -> back is exact.
-    (A deep copy is not always possible: torch refuses to copy non-leaf tensors held as attributes.)"""
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    grads = [(p, p.grad) for p in module.parameters()]
-    for p, _ in grads:
+    """``module`` in float64 for this scope, then exactly as it was: each parameter gets its own tensor back
+    (``.data``, whatever its dtype: float64 buffers beside float32 weights, complex parameters), each buffer its
+    own object, each ``.grad`` its own. (A deep copy is not always possible: torch refuses to copy non-leaf tensors
+    held as attributes.)"""
+    parameters = [(p, p.data, p.grad) for p in module.parameters()]
+    buffers = [(m._buffers, name, b) for m in module.modules() for name, b in m._buffers.items()]
+    for p, _, _ in parameters:
         p.grad = None
     module.double()
     try:
         yield
     finally:
-        if dtype is not None:
-            module.to(dtype)
-        for p, grad in grads:
-            p.grad = grad
+        for p, data, grad in parameters:
+            p.data, p.grad = data, grad
+        for store, name, buffer in buffers:
+            store[name] = buffer
 
 
 def record_torch_side(side: TorchSide, torch_module, forward) -> None:
