@@ -308,3 +308,37 @@ def test_a_loader_whose_layout_depends_on_the_values_is_refused():
 
     with pytest.raises(ConversionError, match="depends on the values"):
         KeyMap.discover(loader, TorchLin())
+
+
+class FlaxBitsAndPrecision(FlaxFloat):
+    """A port of :class:`TorchFloatScaled`: ``|y|`` through float32's bits, torch's ``.float()`` as
+    ``reduce_precision`` (both faithful), and a NumPy float32 floor (rounded before the run: named, not lifted)."""
+
+    def __call__(self, x):
+        y = jax.lax.reduce_precision(self.lin(x), exponent_bits=8, mantissa_bits=23)
+        bits = jax.lax.bitcast_convert_type(y.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+        return y + jax.lax.stop_gradient(jax.lax.bitcast_convert_type(bits, jnp.float32)), jnp.maximum(
+            y, np.float32(-0.1)
+        )
+
+
+class TorchFloatScaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = self.lin(x).float()
+        magnitude = (y.detach().view(torch.int32) & 0x7FFFFFFF).view(torch.float32)
+        return y + magnitude, torch.maximum(y, torch.tensor(-0.1, dtype=torch.float32))
+
+
+def test_bit_level_views_keep_their_width_and_rounded_numpy_constants_are_named_on_the_flax_side():
+    torch.manual_seed(0)
+    report = compare_modules(TorchFloatScaled(), FlaxBitsAndPrecision(), _x(), weights=LINEAR_MAP, dtype="float64")
+    flax = {i.what: i for i in report.islands if i.side == "flax"}
+    assert flax["reduce_precision to float32's precision"].lifted
+    assert not flax["bitcast_convert_type of a float32 value to int32: kept in float32"].lifted
+    assert any("float32 constant ()" in w and not i.lifted for w, i in flax.items()), flax
+    assert report["output[0]"].passed, str(report)  # |y| is read from float32 bits on both sides
+    assert not report["output[1]"].passed  # np.float32(-0.1) is rounded; torch's float32 request is lifted

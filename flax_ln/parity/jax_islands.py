@@ -21,8 +21,9 @@ calls, ``jit``/``pjit`` bodies, ``scan``/``while_loop``/``fori_loop``/``cond`` b
 ``jax.jvp``/``jax.grad`` run under the context), NNX and Linen modules and their transforms.
 
 Not lifted: bfloat16 and float16 (a port's own computation); bit-level reinterpretations (``view``,
-``bitcast_convert_type``); random draws (``jax.random``: a float64 draw is another sample, not a finer
-one); numbers already rounded to float32 before JAX sees them (``np.float32(c)``, a NumPy float32
+``bitcast_convert_type``: a view of a lifted value as a 32-bit type reads the float32 value's bits, as the
+port's own run does; ``reduce_precision`` to float32's precision is a float32 request, lifted); random draws
+(``jax.random``: a float64 draw is another sample, not a finer one); numbers already rounded to float32 before JAX sees them (``np.float32(c)``, a NumPy float32
 table, a float32 array built before the context, e.g. at a module's construction); ``pallas_call``
 and foreign calls (``ffi_call``, callbacks). Where such a float32 value meets a lifted float64 one,
 JAX's own promotion (``jnp``) gives float64; a lax-level op, which would refuse the mix, gets its
@@ -258,6 +259,35 @@ def _promoting_bind(primitive: jex_core.Primitive) -> Callable[..., Any]:
     return promoting
 
 
+def _precision_keeping_bind(primitive: jex_core.Primitive) -> Callable[..., Any]:
+    """``bitcast_convert_type`` and ``reduce_precision`` of a lifted value, as the port's own run computes them:
+    a bit-level view as a 32-bit type reads a float32 value's bits (the operand narrowed to float32 first, not
+    lifted), and rounding to float32's precision is a float32 request (lifted: float64's precision)."""
+    bind = primitive.bind
+
+    def keeping(operand: Any, **params: Any) -> Any:
+        session = _active()
+        dtype = getattr(operand, "dtype", None)
+        if session is None or dtype not in _WIDE:
+            return bind(operand, **params)
+        caller = _call_site(sys._getframe(1))[2]
+        if primitive is prims.bitcast_convert_type_p and np.dtype(params["new_dtype"]).itemsize == 4:
+            narrow = _NARROWER[np.dtype(dtype)]
+            what = f"bitcast_convert_type of a {narrow} value to {np.dtype(params['new_dtype'])}: kept in {narrow}"
+            session.add(session.module_path(caller), what, lifted=False)
+            operand = prims.convert_element_type_p.bind(operand, new_dtype=narrow, weak_type=False, sharding=None)
+        elif primitive is prims.reduce_precision_p and (params["exponent_bits"], params["mantissa_bits"]) == (8, 23):
+            session.add(session.module_path(caller), "reduce_precision to float32's precision", lifted=True)
+            return operand  # float64's own precision: nothing to round
+        return bind(operand, **params)
+
+    return keeping
+
+
+_NARROWER = {wide: narrow for narrow, wide in WIDER.items()}
+_KEEPING = (prims.bitcast_convert_type_p, prims.reduce_precision_p)
+
+
 def _promoting_carry(
     in_val: Any, in_aval: jax_core.AbstractValue, out_aval: jax_core.AbstractValue
 ) -> tuple[Any, bool]:
@@ -318,6 +348,8 @@ def _install() -> None:
                 setattr(jax_pe.DynamicJaxprTrace, name, _naming_new_const(original))
             for primitive in _MIXING:
                 primitive.bind = _promoting_bind(primitive)  # type: ignore[method-assign]
+            for primitive in _KEEPING:
+                primitive.bind = _precision_keeping_bind(primitive)  # type: ignore[method-assign]
 
 
 def _uninstall() -> None:
@@ -328,7 +360,7 @@ def _uninstall() -> None:
             jax_loops._promote_weak_typed_input = _ORIGINAL_CARRY_PROMOTION
             for name, original in _ORIGINAL_CONSTS.items():
                 setattr(jax_pe.DynamicJaxprTrace, name, original)
-            for primitive in _MIXING:
+            for primitive in (*_MIXING, *_KEEPING):
                 del primitive.bind
 
 
