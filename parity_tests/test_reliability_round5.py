@@ -188,7 +188,7 @@ def test_two_tests_whose_ids_read_alike_get_their_own_pages(pytester):
     assert len(written) == 2
     names = {case: next(p for p in written if f"model {case}" in p.read_text()) for case in ("a/b", "a_b")}
     assert names["a/b"] != names["a_b"]
-    for case, page in names.items():
+    for page in names.values():
         assert f"HTML report: {page}" in result.stdout.str()
 
 

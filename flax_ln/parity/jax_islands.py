@@ -23,9 +23,10 @@ calls, ``jit``/``pjit`` bodies, ``scan``/``while_loop``/``fori_loop``/``cond`` b
 Not lifted: bfloat16 and float16 (a port's own computation); bit-level reinterpretations (``view``,
 ``bitcast_convert_type``: a view of a lifted value as a 32-bit type reads the float32 value's bits, as the
 port's own run does; ``reduce_precision`` to float32's precision is a float32 request, lifted); random draws
-(``jax.random``: a float64 draw is another sample, not a finer one); numbers already rounded to float32 before JAX sees them (``np.float32(c)``, a NumPy float32
-table, a float32 array built before the context, e.g. at a module's construction); ``pallas_call``
-and foreign calls (``ffi_call``, callbacks). Where such a float32 value meets a lifted float64 one,
+(``jax.random``: a float64 draw is another sample, not a finer one); numbers already rounded to float32
+before JAX sees them (``np.float32(c)``, a NumPy float32 table, a float32 array built before the context,
+e.g. at a module's construction: each one a trace captures is listed, not lifted); ``pallas_call`` and
+foreign calls (``ffi_call``, callbacks). Where such a float32 value meets a lifted float64 one,
 JAX's own promotion (``jnp``) gives float64; a lax-level op, which would refuse the mix, gets its
 float32 operand promoted, and a ``scan``/``while_loop`` carry that starts in float32 and comes back
 float64 starts in float64 (the loop is traced again, as JAX does for weak types); each promotion is
@@ -349,7 +350,7 @@ def _install() -> None:
             for primitive in _MIXING:
                 primitive.bind = _promoting_bind(primitive)  # type: ignore[method-assign]
             for primitive in _KEEPING:
-                primitive.bind = _precision_keeping_bind(primitive)  # type: ignore[method-assign]
+                primitive.bind = _precision_keeping_bind(primitive)
 
 
 def _uninstall() -> None:
