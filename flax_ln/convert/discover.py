@@ -11,12 +11,12 @@ elements and reads back where each value landed:
 * ``K`` digit loads, element ``g`` (its global id over the unique tensors) as ``digit + 2``
   in base ``b`` (digits never 0 or 1, so a variable left at zeros or ones is never id 0);
   ``b`` keeps every value and its image exact integers in the narrowest float seen;
-* one check load (``(g * 7919 + 13) % b + 2``) that every decoded element must agree with, and,
-  where every probed tensor is floating, the same values scaled below 1 (by a power of two, so
-  still exact): a loader whose layout depends on the values it is given (it transposes only when
-  the mean is large) lands them elsewhere, and is refused rather than described by the probe's
-  branch. A map found by probing assumes a loader whose layout is a function of the keys and
-  shapes alone; a branch no probe takes stays unseen.
+* one check load (``(g * 7919 + 13) % b + 2``) that every decoded element must agree with; where
+  every probed tensor is floating and no variable is offset its values are scaled below 1 (by a
+  power of two, so still exact), the size of real weights, so that a loader whose layout depends on the values it is
+  given (it transposes only when the mean is large) lands them elsewhere and is refused rather
+  than described by the branch the other loads took. A map found by probing assumes a loader whose
+  layout is a function of the keys and shapes alone; a branch no probe takes stays unseen.
 
 Each variable's ids are then explained by :mod:`flax_ln.convert.discover_layout` (which
 tensor fills which slab, through which einops pattern) and written as rules in the key map's
@@ -49,9 +49,11 @@ from flax_ln.convert.trees import VariableTree, loaded_tree, read_values
 # The largest integer each float holds exactly, with every integer below it.
 _EXACT = {"bfloat16": 2**8, "float16": 2**11, "float32": 2**24, "float64": 2**53}
 _MAX_BASE = 2**20  # ids combine in int64: a digit this wide keeps every product far from overflow
+NOT_ONE_ELEMENT = "not a function of one torch element: its digits do not agree across loads"
 VALUE_DEPENDENT = (
-    "depends on the values it is given: the same ids scaled below 1 (the size of real weights) landed elsewhere; a "
-    "loader that branches on its inputs' values has no key map: make its layout a function of the keys and shapes"
+    "not a function of one torch element, or depends on the values it is given: the check's ids, scaled below 1 "
+    "(the size of real weights), landed elsewhere; a loader that branches on its inputs' values has no key map: "
+    "make its layout a function of the keys and shapes"
 )
 _CHUNK = 1 << 22  # elements made, decoded or checked at once: float64 temporaries of 32 MiB, whatever the size
 
@@ -284,21 +286,19 @@ def measure(
             if var.ids is not None:
                 _decode(var, loaded.read(path), base, base**k)
         del loaded
-    check = probe.run(lambda g: (g.astype(np.int64) * 7919 + 13) % base + 2)
+    # the check's values below 1, as real weights are, where every probed tensor is floating (a power-of-two scale
+    # keeps them exact) and no variable is offset (1 + a small value would lose its digits): a loader whose layout
+    # depends on the values lands them elsewhere
+    scaled = all(is_floating(probe.dtypes[k]) for k in probe.probed) and shift == 0
+    unit = 2.0 ** -math.ceil(math.log2(base + 2)) if scaled else 1.0
+    check = probe.run(lambda g: ((g.astype(np.int64) * 7919 + 13) % base + 2) * unit)
     for path, var in variables.items():
         if var.ids is None:
             continue
-        if not _agrees(var, check.read(path), base):
-            var.problem = var.problem or "not a function of one torch element: its digits do not agree across loads"
+        if not _agrees(var, check.read(path), base, unit):
+            var.problem = var.problem or (VALUE_DEPENDENT if scaled else NOT_ONE_ELEMENT)
             var.ids = None
     del check
-    if all(is_floating(probe.dtypes[k]) for k in probe.probed):  # a power-of-two scale keeps float probes exact
-        unit = 2.0 ** -math.ceil(math.log2(base + 2))  # the check's values again, below 1 as real weights are
-        small = probe.run(lambda g: ((g.astype(np.int64) * 7919 + 13) % base + 2) * unit)
-        for path, var in variables.items():
-            if var.ids is not None and not _agrees(var, small.read(path), base, unit):
-                var.problem, var.ids = VALUE_DEPENDENT, None
-        del small
     return _explain(probe, variables, allow_unfilled, allow_dropped)
 
 

@@ -16,14 +16,11 @@ from flax import nnx
 from flax_ln.convert import KeyMap, KeyPlan
 from flax_ln.convert.keymap_syntax import describe_value
 from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
-from flax_ln.parity.equinox_side import EquinoxSide
 from flax_ln.parity.failure import describe_failure, note_failure
 from flax_ln.parity.flax_side import FlaxSide, Function, Linen
-from flax_ln.parity.function_side import FunctionSide
+from flax_ln.parity.kinds import flax_side_kind
 from flax_ln.parity.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
-from flax_ln.parity.linen_side import LinenSide
 from flax_ln.parity.localize import check_torch_paths, localize
-from flax_ln.parity.nnx_side import NNXSide
 from flax_ln.parity.policy import (
     HALF_PRECISION,
     Tolerance,
@@ -51,25 +48,6 @@ from flax_ln.parity.torch_side import (
     with_tangents,
 )
 from flax_ln.pytest_plugin import page_path
-
-# The kinds of flax side: a user's flax side is of the first that takes it.
-KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, EquinoxSide, NNXSide)
-
-
-def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
-    """The kind of flax side ``flax_module`` is: the first of :data:`KINDS` that takes it; ``TypeError`` (before
-    any work) for an object none takes."""
-    kind = next((kind for kind in KINDS if kind.takes(flax_module)), None)
-    if kind is None:
-        raise TypeError(
-            f"the flax side is a {type(flax_module).__module__}.{type(flax_module).__qualname__}, which the engine "
-            "does not know: compare_modules takes an nnx.Module, an equinox.Module, flax_ln.parity.Linen(module, "
-            "variables) or flax_ln.parity.Function(apply, params). Wrap a model of another module system (a pytree "
-            "with its own call) as Function(apply, params), with params its arrays and apply(params, *inputs) "
-            "calling it"
-        )
-    return kind
-
 
 _TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
     "output": "output",

@@ -18,7 +18,7 @@ share :class:`~flax_ln.parity.tree_side.TreeSide` (variables filled on a copy th
   A kind without modules says why in ``localization_note``.
 
 Pairing, localisation and isolation over this interface are :mod:`flax_ln.parity.localize`'s; the kind of a
-user's flax side is picked in :mod:`flax_ln.parity.compare`.
+user's flax side is picked in :mod:`flax_ln.parity.kinds`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from typing import Any
 from flax import nnx
 
 from flax_ln.parity.call import as_inputs
-from flax_ln.parity.compare import flax_side_kind, load_and_judge, stamp
+from flax_ln.parity.compare import load_and_judge, stamp
+from flax_ln.parity.kinds import flax_side_kind
 from flax_ln.parity.localize import localize
 from flax_ln.parity.policy import Tolerance, numerics, tolerances_for
 from flax_ln.parity.report import ParityReport
