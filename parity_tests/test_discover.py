@@ -295,6 +295,7 @@ def inputs(name):
     return _image_inputs(32 if name == "resnet" else IMAGE_VIT)
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 @pytest.mark.parametrize("name", list(PORTS))
 def test_the_discovered_map_of_each_ports_loader_is_its_key_map(name):
     """Same values as the hand-written KEY_MAP for a random state dict (exact: both are copies), exported back into

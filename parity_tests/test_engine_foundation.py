@@ -269,6 +269,7 @@ class FlaxWithLin(nnx.Module):
         self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 def test_a_model_output_with_a_cache_object_is_compared_by_field_name_and_the_cache_dropped():
     torch.manual_seed(0)
     x = np.random.default_rng(2).standard_normal((2, 3, WIDTH)).astype(np.float32)
