@@ -123,6 +123,8 @@ class ViT(nnx.Module):
 
 _LAYER = r"vit\.layers\.(\d+)\."
 _LN = {"layernorm_before": "ln1", "layernorm_after": "ln2"}
+_LAYER4 = r"vit\.encoder\.layer\.(\d+)\."  # transformers 4.x's names of the same layers
+_MLP4 = {"intermediate": "fc1", "output": "fc2"}
 KEY_MAP = KeyMap(
     [
         (r"vit\.embeddings\.cls_token", "cls", "1 1 d -> d"),
@@ -141,6 +143,21 @@ KEY_MAP = KeyMap(
         *[(_LAYER + rf"{t}\.bias", rf"layers.\1.{f}.bias", None) for t, f in _LN.items()],
         (_LAYER + r"mlp\.(fc1|fc2)\.weight", r"layers.\1.\2.kernel", "o i -> i o"),
         (_LAYER + r"mlp\.(fc1|fc2)\.bias", r"layers.\1.\2.bias", None),
+        # transformers 4.x names the same modules vit.encoder.layer.N.attention.attention.query (...)
+        *[
+            (_LAYER4 + rf"attention\.attention\.{t}\.weight", rf"layers.\1.attn.qkv[{i}]", "(n h) d -> d n h")
+            for i, t in enumerate(("query", "key", "value"))
+        ],
+        *[
+            (_LAYER4 + rf"attention\.attention\.{t}\.bias", rf"layers.\1.attn.qkv_bias[{i}]", "(n h) -> n h")
+            for i, t in enumerate(("query", "key", "value"))
+        ],
+        (_LAYER4 + r"attention\.output\.dense\.weight", r"layers.\1.attn.o", "d (n h) -> n h d"),
+        (_LAYER4 + r"attention\.output\.dense\.bias", r"layers.\1.attn.o_bias", None),
+        *[(_LAYER4 + rf"{t}\.weight", rf"layers.\1.{f}.scale", None) for t, f in _LN.items()],
+        *[(_LAYER4 + rf"{t}\.bias", rf"layers.\1.{f}.bias", None) for t, f in _LN.items()],
+        *[(_LAYER4 + rf"{t}\.dense\.weight", rf"layers.\1.{f}.kernel", "o i -> i o") for t, f in _MLP4.items()],
+        *[(_LAYER4 + rf"{t}\.dense\.bias", rf"layers.\1.{f}.bias", None) for t, f in _MLP4.items()],
         (r"vit\.layernorm\.weight", "norm.scale", None),
         (r"vit\.layernorm\.bias", "norm.bias", None),
         (r"classifier\.weight", "classify.kernel", "o i -> i o"),

@@ -124,6 +124,8 @@ _LAYER = r"vit\.layers\.(\d+)\."
 _ATTN = _LAYER + r"attention\."
 _QKV = {"q": "query", "k": "key", "v": "value"}
 _LN = {"layernorm_before": "ln_1", "layernorm_after": "ln_2"}
+_LAYER4 = r"vit\.encoder\.layer\.(\d+)\."  # transformers 4.x's names of the same layers
+_ATTN4 = _LAYER4 + r"attention\."
 KEY_MAP = KeyMap(
     [
         (r"vit\.embeddings\.cls_token", "cls", "1 1 d -> d"),
@@ -138,6 +140,17 @@ KEY_MAP = KeyMap(
         *[(_LAYER + rf"{t}\.bias", rf"blocks_\1.{f}.bias", None) for t, f in _LN.items()],
         (_LAYER + r"mlp\.(fc1|fc2)\.weight", r"blocks_\1.mlp.\2.kernel", "o i -> i o"),
         (_LAYER + r"mlp\.(fc1|fc2)\.bias", r"blocks_\1.mlp.\2.bias", None),
+        # transformers 4.x names the same modules vit.encoder.layer.N.attention.attention.query (...)
+        *[(_ATTN4 + rf"attention\.{f}\.weight", rf"blocks_\1.attn.{f}.kernel", "(n h) d -> d n h") for f in _QKV.values()],  # noqa: E501
+        *[(_ATTN4 + rf"attention\.{f}\.bias", rf"blocks_\1.attn.{f}.bias", "(n h) -> n h") for f in _QKV.values()],
+        (_ATTN4 + r"output\.dense\.weight", r"blocks_\1.attn.out.kernel", "d (n h) -> n h d"),
+        (_ATTN4 + r"output\.dense\.bias", r"blocks_\1.attn.out.bias", None),
+        *[(_LAYER4 + rf"{t}\.weight", rf"blocks_\1.{f}.scale", None) for t, f in _LN.items()],
+        *[(_LAYER4 + rf"{t}\.bias", rf"blocks_\1.{f}.bias", None) for t, f in _LN.items()],
+        (_LAYER4 + r"intermediate\.dense\.weight", r"blocks_\1.mlp.fc1.kernel", "o i -> i o"),
+        (_LAYER4 + r"intermediate\.dense\.bias", r"blocks_\1.mlp.fc1.bias", None),
+        (_LAYER4 + r"output\.dense\.weight", r"blocks_\1.mlp.fc2.kernel", "o i -> i o"),
+        (_LAYER4 + r"output\.dense\.bias", r"blocks_\1.mlp.fc2.bias", None),
         (r"vit\.layernorm\.weight", "norm.scale", None),
         (r"vit\.layernorm\.bias", "norm.bias", None),
         (r"classifier\.weight", "head.kernel", "o i -> i o"),
