@@ -34,7 +34,7 @@ import numpy as np
 
 # The JAX releases lifting is tested on (docs/tolerances.md); outside them it runs when every internal is
 # found and the probe passes, and falls back otherwise.
-TESTED = "0.9.2 to 0.10.2"
+TESTED = "0.8.2 to 0.10.2"
 
 MISSING: list[str] = []  # the internals this JAX lacks, or whose signature differs: lifting is not supported
 
