@@ -15,10 +15,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import tomllib
 import venv
 from pathlib import Path
-
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "constraints" / "tools.txt"

@@ -2,6 +2,7 @@
 same way on both sides, and what never passes (nothing compared, frozen parameters, the blame of a mismatch)."""
 
 import dataclasses
+import functools
 import warnings
 
 import jax
@@ -259,9 +260,22 @@ class TorchWithCache(torch.nn.Module):
 
     def forward(self, x):
         from transformers import DynamicCache
-        from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        return BaseModelOutputWithPast(last_hidden_state=self.lin(x), cache=DynamicCache())
+        return _output_with_cache()(last_hidden_state=self.lin(x), cache=DynamicCache())
+
+
+@functools.cache
+def _output_with_cache():
+    """A ModelOutput with a ``cache`` field, as transformers 5's ``BaseModelOutputWithPast`` (4.x and early 5.x name
+    it ``past_key_values``): defined here, so the test reads the same on every transformers."""
+    from transformers.utils import ModelOutput
+
+    @dataclasses.dataclass
+    class OutputWithCache(ModelOutput):
+        last_hidden_state: torch.Tensor | None = None
+        cache: object = None
+
+    return OutputWithCache
 
 
 class FlaxWithLin(nnx.Module):
@@ -269,6 +283,7 @@ class FlaxWithLin(nnx.Module):
         self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 def test_a_model_output_with_a_cache_object_is_compared_by_field_name_and_the_cache_dropped():
     torch.manual_seed(0)
     x = np.random.default_rng(2).standard_normal((2, 3, WIDTH)).astype(np.float32)

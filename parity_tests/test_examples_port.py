@@ -20,6 +20,7 @@ def load_example():
 port = load_example()
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_the_hand_port_passes_with_no_rule_written(dtype):
     report = port.check(dtype)

@@ -20,6 +20,8 @@ from jax.experimental import pallas as pl
 from flax_ln.parity.islands import Island
 from flax_ln.parity.jax_islands import lift_float32, unlifted_float32
 
+pytestmark = pytest.mark.lower_bounds  # every test here runs in the lower-bounds CI step (pyproject.toml, markers)
+
 F32 = jnp.float32
 LIFTED = 4e-15  # float64 agreement (a few ulps, relative to the largest value)
 ROUNDED = (1e-10, 1e-5)  # float32 agreement: what the construct gives without lifting

@@ -101,6 +101,7 @@ def tagger_pair(dtype, returns="array"):
     return torch_model, flax_model, ids, features, np.swapaxes(features, 1, 2)  # flax: (B, T, F)
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("returns", ["array", "tuple", "dict"])
 def test_compare_modules_on_plain_layers(dtype, returns):
@@ -318,6 +319,7 @@ def test_train_steps_report_drift_per_step(x64):
 # ---- localisation in the Transformer models ---------------------------------------------------
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 def test_planted_bug_in_one_block_is_named():
     case = parity_cases.gpt("float32", 2, 8, 0)
     case.flax_model.transformer.h[1].ln_2.eps = 1e-2  # torch keeps 1e-5
@@ -341,6 +343,7 @@ def test_planted_bug_in_a_shared_function_is_named_at_its_first_use(monkeypatch,
     assert report.first_divergence.module == "transformer.h.0.mlp.act"
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 def test_planted_bug_in_the_encoder_decoder_is_named():
     case = parity_cases.encoder_decoder("float32", 2, 6, 0)
     case.flax_model.decoder.layers[0].sublayer[2].norm.eps = 1e-1
@@ -546,6 +549,7 @@ def test_lm_metrics_against_hand_computed_values():
     assert m["top3_agreement"] == 1.0  # vocabulary of 3: the top-5 sets are the whole vocabulary
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 def test_book_cases_report_lm_metrics():
     report = parity.check_case(parity_cases.gpt("float32", 2, 8, 0))
     m = report.lm_metrics

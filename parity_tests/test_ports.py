@@ -144,6 +144,7 @@ def parity(name, dtype, *, port=None, key_map=None, **options):
     )
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 @pytest.mark.parametrize("name", list(PORTS))
 def test_port_passes_assert_parity_in_float32(name):
     """The float32 policy (outputs 1e-5, gradients 1e-4): XLA and torch reduce in different orders, ~1e-7 per op.
@@ -174,6 +175,7 @@ def test_port_passes_assert_parity_in_float32(name):
         assert report.ties == {}
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 @pytest.mark.parametrize("name", list(PORTS))
 def test_port_passes_assert_parity_in_float64(x64, name):
     """The float64 policy (outputs 1e-12, gradients 1e-10): the same math on both sides, op-order rounding only, with
@@ -346,6 +348,7 @@ def test_resnet_running_statistics_are_batch_stats():
     np.testing.assert_array_equal(norm.var[...], torch_norm.running_var.numpy())
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 def test_llama_tie_is_found_and_its_gradient_is_the_sum_of_both_copies():
     """transformers ties lm_head to the embedding (one Parameter); the port keeps two variables. The plan sums
     their gradients under the canonical name. float32 gradient policy (1e-4): rounding of two backward passes."""

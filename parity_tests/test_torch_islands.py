@@ -22,6 +22,8 @@ from flax_ln.parity.capture import WHOLE_MODEL
 from flax_ln.parity.islands import Island
 from flax_ln.parity.torch_islands import build_lifted, default_factory, lift_float32, rounded_buffers
 
+pytestmark = pytest.mark.lower_bounds  # every test here runs in the lower-bounds CI step (pyproject.toml, markers)
+
 D = 8  # feature width of the toy modules
 POSITIONS = torch.tensor([0, 3, 17, 29, 41, 63])  # large enough for float32 rotary tables to be ~1e-7 off
 

@@ -85,6 +85,7 @@ def _inputs(dtype="float32"):
     return np.random.default_rng(0).standard_normal((2, 5, WIDTH)).astype(dtype)
 
 
+@pytest.mark.lower_bounds  # the lower-bounds CI step runs it (pyproject.toml, markers)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_a_small_wrong_gradient_is_not_passed_as_zero(dtype):
     # gamma = 1e-6 makes fc1's gradient about 1e-6 of the whole: under the old rule (below gtol of the

@@ -51,7 +51,8 @@ def config_from_hf(hf: Any) -> LlamaConfig:
         kv_heads=hf.num_key_value_heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         ffn=hf.intermediate_size,
-        rope_base=float(hf.rope_parameters["rope_theta"]),
+        # transformers 5 keeps the theta in rope_parameters, 4.x in rope_theta
+        rope_base=float((getattr(hf, "rope_parameters", None) or {"rope_theta": hf.rope_theta})["rope_theta"]),
         eps=hf.rms_norm_eps,
     )
 

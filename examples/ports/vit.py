@@ -121,26 +121,61 @@ class ViT(nnx.Module):
         return self.classify(self.norm(x)[:, 0])  # (B, classes)
 
 
+def _transformers_major() -> int | None:
+    """The installed transformers' major version (``None``: not installed), read without importing it."""
+    import importlib.metadata
+
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
 _LAYER = r"vit\.layers\.(\d+)\."
 _LN = {"layernorm_before": "ln1", "layernorm_after": "ln2"}
+_LAYER4 = r"vit\.encoder\.layer\.(\d+)\."  # transformers 4.x's names of the same layers
+_MLP4 = {"intermediate": "fc1", "output": "fc2"}
+
+# transformers 5 names the layers vit.layers.N.attention.q_proj (...), 4.x vit.encoder.layer.N.attention.attention.query
+# (...): the key map takes the installed transformers' names (rules that match nothing would warn on every load)
+TRANSFORMERS_4 = _transformers_major() == 4
+_LAYERS_5 = [
+    (_LAYER + r"attention\.q_proj\.weight", r"layers.\1.attn.qkv[0]", "(n h) d -> d n h"),
+    (_LAYER + r"attention\.k_proj\.weight", r"layers.\1.attn.qkv[1]", "(n h) d -> d n h"),
+    (_LAYER + r"attention\.v_proj\.weight", r"layers.\1.attn.qkv[2]", "(n h) d -> d n h"),
+    (_LAYER + r"attention\.q_proj\.bias", r"layers.\1.attn.qkv_bias[0]", "(n h) -> n h"),
+    (_LAYER + r"attention\.k_proj\.bias", r"layers.\1.attn.qkv_bias[1]", "(n h) -> n h"),
+    (_LAYER + r"attention\.v_proj\.bias", r"layers.\1.attn.qkv_bias[2]", "(n h) -> n h"),
+    (_LAYER + r"attention\.o_proj\.weight", r"layers.\1.attn.o", "d (n h) -> n h d"),
+    (_LAYER + r"attention\.o_proj\.bias", r"layers.\1.attn.o_bias", None),
+    *[(_LAYER + rf"{t}\.weight", rf"layers.\1.{f}.scale", None) for t, f in _LN.items()],
+    *[(_LAYER + rf"{t}\.bias", rf"layers.\1.{f}.bias", None) for t, f in _LN.items()],
+    (_LAYER + r"mlp\.(fc1|fc2)\.weight", r"layers.\1.\2.kernel", "o i -> i o"),
+    (_LAYER + r"mlp\.(fc1|fc2)\.bias", r"layers.\1.\2.bias", None),
+]
+_LAYERS_4 = [
+    *[
+        (_LAYER4 + rf"attention\.attention\.{t}\.weight", rf"layers.\1.attn.qkv[{i}]", "(n h) d -> d n h")
+        for i, t in enumerate(("query", "key", "value"))
+    ],
+    *[
+        (_LAYER4 + rf"attention\.attention\.{t}\.bias", rf"layers.\1.attn.qkv_bias[{i}]", "(n h) -> n h")
+        for i, t in enumerate(("query", "key", "value"))
+    ],
+    (_LAYER4 + r"attention\.output\.dense\.weight", r"layers.\1.attn.o", "d (n h) -> n h d"),
+    (_LAYER4 + r"attention\.output\.dense\.bias", r"layers.\1.attn.o_bias", None),
+    *[(_LAYER4 + rf"{t}\.weight", rf"layers.\1.{f}.scale", None) for t, f in _LN.items()],
+    *[(_LAYER4 + rf"{t}\.bias", rf"layers.\1.{f}.bias", None) for t, f in _LN.items()],
+    *[(_LAYER4 + rf"{t}\.dense\.weight", rf"layers.\1.{f}.kernel", "o i -> i o") for t, f in _MLP4.items()],
+    *[(_LAYER4 + rf"{t}\.dense\.bias", rf"layers.\1.{f}.bias", None) for t, f in _MLP4.items()],
+]
 KEY_MAP = KeyMap(
     [
         (r"vit\.embeddings\.cls_token", "cls", "1 1 d -> d"),
         (r"vit\.embeddings\.position_embeddings", "pos", "1 t d -> t d"),
         (r"vit\.embeddings\.patch_embeddings\.projection\.weight", "patches.conv.kernel", "o i kh kw -> kh kw i o"),
         (r"vit\.embeddings\.patch_embeddings\.projection\.bias", "patches.conv.bias", None),
-        (_LAYER + r"attention\.q_proj\.weight", r"layers.\1.attn.qkv[0]", "(n h) d -> d n h"),
-        (_LAYER + r"attention\.k_proj\.weight", r"layers.\1.attn.qkv[1]", "(n h) d -> d n h"),
-        (_LAYER + r"attention\.v_proj\.weight", r"layers.\1.attn.qkv[2]", "(n h) d -> d n h"),
-        (_LAYER + r"attention\.q_proj\.bias", r"layers.\1.attn.qkv_bias[0]", "(n h) -> n h"),
-        (_LAYER + r"attention\.k_proj\.bias", r"layers.\1.attn.qkv_bias[1]", "(n h) -> n h"),
-        (_LAYER + r"attention\.v_proj\.bias", r"layers.\1.attn.qkv_bias[2]", "(n h) -> n h"),
-        (_LAYER + r"attention\.o_proj\.weight", r"layers.\1.attn.o", "d (n h) -> n h d"),
-        (_LAYER + r"attention\.o_proj\.bias", r"layers.\1.attn.o_bias", None),
-        *[(_LAYER + rf"{t}\.weight", rf"layers.\1.{f}.scale", None) for t, f in _LN.items()],
-        *[(_LAYER + rf"{t}\.bias", rf"layers.\1.{f}.bias", None) for t, f in _LN.items()],
-        (_LAYER + r"mlp\.(fc1|fc2)\.weight", r"layers.\1.\2.kernel", "o i -> i o"),
-        (_LAYER + r"mlp\.(fc1|fc2)\.bias", r"layers.\1.\2.bias", None),
+        *(_LAYERS_4 if TRANSFORMERS_4 else _LAYERS_5),
         (r"vit\.layernorm\.weight", "norm.scale", None),
         (r"vit\.layernorm\.bias", "norm.bias", None),
         (r"classifier\.weight", "classify.kernel", "o i -> i o"),

@@ -120,24 +120,55 @@ class ViT(nn.Module):
         return self.head(self.norm(x)[:, 0])  # (B, classes)
 
 
+def _transformers_major() -> int | None:
+    """The installed transformers' major version (``None``: not installed), read without importing it."""
+    import importlib.metadata
+
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
 _LAYER = r"vit\.layers\.(\d+)\."
 _ATTN = _LAYER + r"attention\."
 _QKV = {"q": "query", "k": "key", "v": "value"}
 _LN = {"layernorm_before": "ln_1", "layernorm_after": "ln_2"}
+_LAYER4 = r"vit\.encoder\.layer\.(\d+)\."  # transformers 4.x's names of the same layers
+_ATTN4 = _LAYER4 + r"attention\."
+
+# transformers 5 names the layers vit.layers.N.attention.q_proj (...), 4.x vit.encoder.layer.N.attention.attention.query
+# (...): the key map takes the installed transformers' names (rules that match nothing would warn on every load)
+TRANSFORMERS_4 = _transformers_major() == 4
+_LAYERS_5 = [
+    *[(_ATTN + rf"{t}_proj\.weight", rf"blocks_\1.attn.{f}.kernel", "(n h) d -> d n h") for t, f in _QKV.items()],
+    *[(_ATTN + rf"{t}_proj\.bias", rf"blocks_\1.attn.{f}.bias", "(n h) -> n h") for t, f in _QKV.items()],
+    (_LAYER + r"attention\.o_proj\.weight", r"blocks_\1.attn.out.kernel", "d (n h) -> n h d"),
+    (_LAYER + r"attention\.o_proj\.bias", r"blocks_\1.attn.out.bias", None),
+    *[(_LAYER + rf"{t}\.weight", rf"blocks_\1.{f}.scale", None) for t, f in _LN.items()],
+    *[(_LAYER + rf"{t}\.bias", rf"blocks_\1.{f}.bias", None) for t, f in _LN.items()],
+    (_LAYER + r"mlp\.(fc1|fc2)\.weight", r"blocks_\1.mlp.\2.kernel", "o i -> i o"),
+    (_LAYER + r"mlp\.(fc1|fc2)\.bias", r"blocks_\1.mlp.\2.bias", None),
+]
+_LAYERS_4 = [
+    *[(_ATTN4 + rf"attention\.{f}\.weight", rf"blocks_\1.attn.{f}.kernel", "(n h) d -> d n h") for f in _QKV.values()],
+    *[(_ATTN4 + rf"attention\.{f}\.bias", rf"blocks_\1.attn.{f}.bias", "(n h) -> n h") for f in _QKV.values()],
+    (_ATTN4 + r"output\.dense\.weight", r"blocks_\1.attn.out.kernel", "d (n h) -> n h d"),
+    (_ATTN4 + r"output\.dense\.bias", r"blocks_\1.attn.out.bias", None),
+    *[(_LAYER4 + rf"{t}\.weight", rf"blocks_\1.{f}.scale", None) for t, f in _LN.items()],
+    *[(_LAYER4 + rf"{t}\.bias", rf"blocks_\1.{f}.bias", None) for t, f in _LN.items()],
+    (_LAYER4 + r"intermediate\.dense\.weight", r"blocks_\1.mlp.fc1.kernel", "o i -> i o"),
+    (_LAYER4 + r"intermediate\.dense\.bias", r"blocks_\1.mlp.fc1.bias", None),
+    (_LAYER4 + r"output\.dense\.weight", r"blocks_\1.mlp.fc2.kernel", "o i -> i o"),
+    (_LAYER4 + r"output\.dense\.bias", r"blocks_\1.mlp.fc2.bias", None),
+]
 KEY_MAP = KeyMap(
     [
         (r"vit\.embeddings\.cls_token", "cls", "1 1 d -> d"),
         (r"vit\.embeddings\.position_embeddings", "pos", "1 t d -> t d"),
         (r"vit\.embeddings\.patch_embeddings\.projection\.weight", "patch_embed.kernel", "o i kh kw -> kh kw i o"),
         (r"vit\.embeddings\.patch_embeddings\.projection\.bias", "patch_embed.bias", None),
-        *[(_ATTN + rf"{t}_proj\.weight", rf"blocks_\1.attn.{f}.kernel", "(n h) d -> d n h") for t, f in _QKV.items()],
-        *[(_ATTN + rf"{t}_proj\.bias", rf"blocks_\1.attn.{f}.bias", "(n h) -> n h") for t, f in _QKV.items()],
-        (_LAYER + r"attention\.o_proj\.weight", r"blocks_\1.attn.out.kernel", "d (n h) -> n h d"),
-        (_LAYER + r"attention\.o_proj\.bias", r"blocks_\1.attn.out.bias", None),
-        *[(_LAYER + rf"{t}\.weight", rf"blocks_\1.{f}.scale", None) for t, f in _LN.items()],
-        *[(_LAYER + rf"{t}\.bias", rf"blocks_\1.{f}.bias", None) for t, f in _LN.items()],
-        (_LAYER + r"mlp\.(fc1|fc2)\.weight", r"blocks_\1.mlp.\2.kernel", "o i -> i o"),
-        (_LAYER + r"mlp\.(fc1|fc2)\.bias", r"blocks_\1.mlp.\2.bias", None),
+        *(_LAYERS_4 if TRANSFORMERS_4 else _LAYERS_5),
         (r"vit\.layernorm\.weight", "norm.scale", None),
         (r"vit\.layernorm\.bias", "norm.bias", None),
         (r"classifier\.weight", "head.kernel", "o i -> i o"),

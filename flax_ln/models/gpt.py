@@ -167,6 +167,13 @@ def _cache_write(buffer: jax.Array, new: jax.Array, layer, pos) -> jax.Array:
     return jax.lax.dynamic_update_slice(buffer, new[None].astype(buffer.dtype), (layer, 0, 0, pos, 0))
 
 
+def _split(rngs: nnx.Rngs, n: int) -> nnx.Rngs:
+    """``rngs.split(n)``: each stream's next key split ``n`` ways. flax 0.12.6 added ``Rngs.split``; before it
+    ``rngs.fork(split=n)`` gives the same keys (and is deprecated after)."""
+    split = getattr(rngs, "split", None)
+    return split(n) if callable(split) else rngs.fork(split=n)
+
+
 def _init_fns(config: GPTConfig):
     """minGPT/book initialisers: weights normal(0, 0.02), biases zero; optionally scaled ``c_proj``."""
     normal = nnx.initializers.normal(0.02)
@@ -402,7 +409,7 @@ class GPT(nnx.Module):
         make_block = functools.partial(Block, config, **opts)
         h: nnx.Module  # the blocks: stacked (scan_layers) or a list
         if scan_layers:
-            h = nnx.vmap(lambda r: make_block(rngs=r))(rngs.split(config.n_layer))
+            h = nnx.vmap(lambda r: make_block(rngs=r))(_split(rngs, config.n_layer))
         else:
             h = nnx.List([make_block(rngs=rngs) for _ in range(config.n_layer)])
         embed = functools.partial(nnx.Embed, embedding_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)

@@ -53,18 +53,14 @@ from typing import Any
 import jax
 import numpy as np
 from flax import linen, nnx
-from jax._src import core as jax_core
-from jax._src import dtypes as jax_dtypes
-from jax._src.interpreters import partial_eval as jax_pe
-from jax._src.lax.control_flow import loops as jax_loops
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
-from jax.extend.core import primitives as prims
 
+import flax_ln.parity.jax_internals as internals
 from flax_ln.parity.capture import WHOLE_MODEL
 from flax_ln.parity.islands import Island
 
-source_info_util.register_exclusion(__file__)  # a promotion's source line is its caller's, not this file's
+internals.register_exclusion(__file__)  # a promotion's source line is its caller's, not this file's
 
 WIDER: dict[Any, np.dtype] = {
     np.dtype(np.float32): np.dtype(np.float64),
@@ -79,33 +75,27 @@ _DRAWS = ("jax._src.random", "jax._src.prng", "jax.random")  # modules whose flo
 _PREFERRED = frozenset({"dot", "matmul", "tensordot", "einsum", "conv_general_dilated", "scaled_matmul"})
 _OPAQUE = frozenset({"pallas_call", "ffi_call", "custom_call", "pure_callback", "io_callback", "triton_kernel_call"})
 
-# lax primitives that demand one dtype of their floating operands: where a lifted float64 value meets a
-# float32 one that could not be lifted, the float32 operand is promoted (and listed) instead of refused
-_MIXING = (
-    *(prims.add_p, prims.sub_p, prims.mul_p, prims.div_p, prims.rem_p, prims.pow_p, prims.max_p, prims.min_p),
-    *(prims.atan2_p, prims.nextafter_p, prims.complex_p, prims.clamp_p, prims.select_n_p),
-    *(prims.eq_p, prims.ne_p, prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p),
-    *(prims.concatenate_p, prims.pad_p, prims.dynamic_update_slice_p, prims.dot_general_p),
-    *(prims.conv_general_dilated_p, prims.add_jaxvals_p),
-    *(prims.scatter_p, prims.scatter_add_p, prims.scatter_mul_p, prims.scatter_min_p, prims.scatter_max_p),
-)
-
 
 @dataclasses.dataclass
 class Lifting:
     """What one :func:`lift_float32` context lifted: ``islands``, one per (module, kind), in order found.
 
-    ``ports``: the models whose module paths name the islands (:func:`name_modules_of`), latest first; without
-    one, a path is taken from the outermost NNX module running."""
+    ``unsupported``: why this JAX cannot lift (``"jax 0.11: lifting not supported"``, see
+    :mod:`flax_ln.parity.jax_internals`), else ``None``; then nothing was lifted, and every island is
+    ``lifted=False``, the first saying so. ``ports``: the models whose module paths name the islands
+    (:func:`name_modules_of`), latest first; without one, a path is taken from the outermost NNX module running."""
 
     islands: list[Island] = dataclasses.field(default_factory=list)
     ports: list[nnx.Module] = dataclasses.field(default_factory=list)
+    unsupported: str | None = None
     _roots: dict[int, tuple[nnx.Module, dict[int, tuple[str, nnx.Module]]]] = dataclasses.field(
         default_factory=dict, init=False, repr=False
     )  # id(root) -> (root, id(module) -> (path, module))
 
     def add(self, module: str | None, what: str, lifted: bool) -> None:
         """Record one island unless this (module, kind) is already listed."""
+        if self.unsupported is not None and lifted:  # only listed: the request ran as written
+            what, lifted = f"{what} ({self.unsupported})", False
         island = Island(side="flax", module=module, what=what, lifted=lifted)
         if island not in self.islands:
             self.islands.append(island)
@@ -171,11 +161,7 @@ def _modules(root: nnx.Module) -> dict[int, tuple[str, nnx.Module]]:
     return {id(m): (".".join(map(str, p)), m) for p, m in nnx.iter_modules(root)}
 
 
-_ORIGINAL_CANONICALIZE = jax_dtypes.check_and_canonicalize_user_dtype
-_ORIGINAL_CARRY_PROMOTION = jax_loops._promote_weak_typed_input
-_CONST_NAMES = ("new_const", "pure", "lift")  # a concrete value entering a trace: a captured constant
-_ORIGINAL_CONSTS = {name: getattr(jax_pe.DynamicJaxprTrace, name) for name in _CONST_NAMES}
-_LIFT_TOKEN = jax.make_user_context(None)  # the active context's token: a key of every JAX cache
+_LIFT_TOKEN = internals.user_context(None)  # the active context's token: a key of every JAX cache
 _SESSIONS: dict[int, Lifting] = {}
 _TOKENS = itertools.count(1)
 _LOCK = threading.Lock()
@@ -183,7 +169,7 @@ _installed = [0]  # how many contexts are active, over all threads: the patches 
 
 
 def _active() -> Lifting | None:
-    token = _LIFT_TOKEN.value
+    token = None if _LIFT_TOKEN is None else _LIFT_TOKEN.value
     return None if token is None else _SESSIONS.get(token)
 
 
@@ -231,7 +217,7 @@ def _initialising(frame: FrameType | None) -> bool:
 
 
 def _lifting_canonicalize(dtype: Any, fun_name: str | None = None) -> Any:
-    canonical = _ORIGINAL_CANONICALIZE(dtype, fun_name)
+    canonical = internals.ORIGINAL_CANONICALIZE(dtype, fun_name)
     wider = WIDER.get(canonical) if isinstance(canonical, np.dtype) else None
     session = _active() if wider is not None and fun_name not in _BIT_LEVEL else None
     if session is None:
@@ -240,10 +226,10 @@ def _lifting_canonicalize(dtype: Any, fun_name: str | None = None) -> Any:
     if drawing or _initialising(caller):
         return canonical
     session.add(session.module_path(caller), _words(fun_name, entry, canonical), lifted=True)
-    return wider
+    return wider if session.unsupported is None else canonical
 
 
-def _promoting_bind(primitive: jex_core.Primitive) -> Callable[..., Any]:
+def _promoting_bind(primitive: Any) -> Callable[..., Any]:
     bind = primitive.bind  # the class's own bind, bound to this primitive
 
     def promoting(*args: Any, **params: Any) -> Any:
@@ -260,7 +246,7 @@ def _promoting_bind(primitive: jex_core.Primitive) -> Callable[..., Any]:
     return promoting
 
 
-def _precision_keeping_bind(primitive: jex_core.Primitive) -> Callable[..., Any]:
+def _precision_keeping_bind(primitive: Any) -> Callable[..., Any]:
     """``bitcast_convert_type`` and ``reduce_precision`` of a lifted value, as the port's own run computes them:
     a bit-level view as a 32-bit type reads a float32 value's bits (the operand narrowed to float32 first, not
     lifted), and rounding to float32's precision is a float32 request (lifted: float64's precision)."""
@@ -272,12 +258,12 @@ def _precision_keeping_bind(primitive: jex_core.Primitive) -> Callable[..., Any]
         if session is None or dtype not in _WIDE:
             return bind(operand, **params)
         caller = _call_site(sys._getframe(1))[2]
-        if primitive is prims.bitcast_convert_type_p and np.dtype(params["new_dtype"]).itemsize == 4:
+        if primitive.name == "bitcast_convert_type" and np.dtype(params["new_dtype"]).itemsize == 4:
             narrow = _NARROWER[np.dtype(dtype)]
             what = f"bitcast_convert_type of a {narrow} value to {np.dtype(params['new_dtype'])}: kept in {narrow}"
             session.add(session.module_path(caller), what, lifted=False)
-            operand = prims.convert_element_type_p.bind(operand, new_dtype=narrow, weak_type=False, sharding=None)
-        elif primitive is prims.reduce_precision_p and (params["exponent_bits"], params["mantissa_bits"]) == (8, 23):
+            operand = internals.CONVERT.bind(operand, new_dtype=narrow, weak_type=False, sharding=None)
+        elif primitive.name == "reduce_precision" and (params["exponent_bits"], params["mantissa_bits"]) == (8, 23):
             session.add(session.module_path(caller), "reduce_precision to float32's precision", lifted=True)
             return operand  # float64's own precision: nothing to round
         return bind(operand, **params)
@@ -286,19 +272,16 @@ def _precision_keeping_bind(primitive: jex_core.Primitive) -> Callable[..., Any]
 
 
 _NARROWER = {wide: narrow for narrow, wide in WIDER.items()}
-_KEEPING = (prims.bitcast_convert_type_p, prims.reduce_precision_p)
 
 
-def _promoting_carry(
-    in_val: Any, in_aval: jax_core.AbstractValue, out_aval: jax_core.AbstractValue
-) -> tuple[Any, bool]:
+def _promoting_carry(in_val: Any, in_aval: Any, out_aval: Any) -> tuple[Any, bool]:
     # scan and while_loop trace their body again when this promotes an initial carry (as for a weak type):
     # a float32 carry whose body now returns float64 starts in float64 instead of failing the type check
     wider = WIDER.get(getattr(in_aval, "dtype", None))
     session = _active()
     same_shape = getattr(in_aval, "shape", None) == getattr(out_aval, "shape", None)
     if wider is None or session is None or getattr(out_aval, "dtype", None) != wider or not same_shape:
-        return _ORIGINAL_CARRY_PROMOTION(in_val, in_aval, out_aval)
+        return internals.ORIGINAL_CARRY_PROMOTION(in_val, in_aval, out_aval)
     what = "float32 loop carry, promoted to float64 (its value stays float32)"
     session.add(session.module_path(_call_site(sys._getframe(1))[2]), what, lifted=False)
     return _widen(in_val, wider), True
@@ -319,7 +302,7 @@ def _naming_new_const(new_const: Callable[..., Any]) -> Callable[..., Any]:
     def naming(trace: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
         session = _active()
         dtype = getattr(value, "dtype", None)
-        weak = jax_dtypes.is_weakly_typed(value) or getattr(kwargs.get("aval"), "weak_type", False)
+        weak = internals.is_weakly_typed(value) or getattr(kwargs.get("aval"), "weak_type", False)
         captured = isinstance(dtype, np.dtype) and dtype in WIDER and not weak
         if session is not None and captured and not _not_captured(sys._getframe(1)):  # a Python number is weak
             _, drawing, caller = _call_site(sys._getframe(1))
@@ -335,34 +318,27 @@ def _naming_new_const(new_const: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _widen(value: Any, dtype: np.dtype) -> Any:
-    weak = jax_dtypes.is_weakly_typed(value)
-    return prims.convert_element_type_p.bind(value, new_dtype=dtype, weak_type=weak, sharding=None)
+    weak = internals.is_weakly_typed(value)
+    return internals.CONVERT.bind(value, new_dtype=dtype, weak_type=weak, sharding=None)
 
 
 def _install() -> None:
     with _LOCK:
         _installed[0] += 1
         if _installed[0] == 1:
-            jax_dtypes.check_and_canonicalize_user_dtype = _lifting_canonicalize
-            jax_loops._promote_weak_typed_input = _promoting_carry
-            for name, original in _ORIGINAL_CONSTS.items():
-                setattr(jax_pe.DynamicJaxprTrace, name, _naming_new_const(original))
-            for primitive in _MIXING:
-                primitive.bind = _promoting_bind(primitive)  # type: ignore[method-assign]
-            for primitive in _KEEPING:
-                primitive.bind = _precision_keeping_bind(primitive)
+            if internals.unsupported() is None:
+                internals.install(
+                    _lifting_canonicalize, _promoting_carry, _naming_new_const, _promoting_bind, _precision_keeping_bind
+                )
+            else:  # listing only: the requests are named, and answered as written
+                internals.install(_lifting_canonicalize, None, None, None, None)
 
 
 def _uninstall() -> None:
     with _LOCK:
         _installed[0] -= 1
         if _installed[0] == 0:
-            jax_dtypes.check_and_canonicalize_user_dtype = _ORIGINAL_CANONICALIZE
-            jax_loops._promote_weak_typed_input = _ORIGINAL_CARRY_PROMOTION
-            for name, original in _ORIGINAL_CONSTS.items():
-                setattr(jax_pe.DynamicJaxprTrace, name, original)
-            for primitive in (*_MIXING, *_KEEPING):
-                del primitive.bind
+            internals.uninstall()
 
 
 @contextlib.contextmanager
@@ -376,18 +352,43 @@ def lift_float32() -> Iterator[Lifting]:
     without it there is no float64 to lift to, and the context raises ``ValueError``. Entered
     inside a trace (a jit, grad, vmap or scan already running) it raises ``RuntimeError``: the
     outer trace would be cached as if nothing were lifted.
+
+    On a JAX whose internals lifting needs are missing or behave differently
+    (:mod:`flax_ln.parity.jax_internals`), it lifts nothing and never raises: the computation runs as
+    written, ``Lifting.unsupported`` says why, the first island says so, and every float32 request met
+    is listed ``lifted=False`` (where even listing is impossible, that first island is all).
     """
     if jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
         raise ValueError("lift_float32() needs float64: enter it under jax.enable_x64(True)")
-    if not jax_core.trace_state_clean():  # a trace begun outside would be cached under a key without lifting
+    if not internals.trace_state_clean():  # a trace begun outside would be cached under a key without lifting
         raise RuntimeError("enter lift_float32() outside any jit/grad/vmap/scan tracing, around the whole call")
-    session = Lifting()
+    internals.probe(_probe)
+    session = Lifting(unsupported=internals.unsupported())
+    if session.unsupported is not None:
+        what = f"{session.unsupported}: the flax side runs as written, its float32 stays float32"
+        session.islands.append(Island("flax", None, f"{what} ({internals.why_unsupported()})", lifted=False))
+        if not internals.can_list():
+            yield session
+            return
+    with _session(session):
+        yield session
+
+
+def _probe() -> Any:
+    """The dtype a small float32 computation gets, traced under lifting: float64 where lifting works."""
+    with _session(Lifting()):
+        return jax.make_jaxpr(lambda x: x.astype(np.float32) * 0.1)(np.ones(2)).out_avals[0].dtype
+
+
+@contextlib.contextmanager
+def _session(session: Lifting) -> Iterator[None]:
+    assert _LIFT_TOKEN is not None  # checked by internals.can_list() or internals.unsupported()
     token = next(_TOKENS)
     _SESSIONS[token] = session
     _install()
     try:
         with _LIFT_TOKEN(token):
-            yield session
+            yield
     finally:
         _uninstall()
         del _SESSIONS[token]
@@ -419,6 +420,14 @@ def unlifted_float32(jaxpr: jex_core.Jaxpr | jex_core.ClosedJaxpr) -> list[Islan
     return found
 
 
+def _value(val: Any) -> Any:
+    """A literal's value as a Python number, whatever JAX wraps it in (a ``TypedNdArray`` from jax 0.8.2)."""
+    try:
+        return np.asarray(val).item()
+    except (TypeError, ValueError):
+        return val
+
+
 def _is_float32(aval: Any) -> bool:
     return getattr(aval, "dtype", None) in WIDER
 
@@ -439,7 +448,7 @@ def _walk(jaxpr: jex_core.Jaxpr, add: Callable[[str], None]) -> None:
             continue
         for operand in eqn.invars:
             if isinstance(operand, jex_core.Literal) and _is_float32(operand.aval):
-                add(f"float32 literal {operand.val} in {name}{where}")
+                add(f"float32 literal {_value(operand.val)} in {name}{where}")
         subs = [
             sub
             for value in eqn.params.values()
