@@ -240,7 +240,7 @@ class LinenSide(TreeSide):
                 if torch_path is None or key in done or key[0] in active or depth(key[0]) != level:
                     return next_fun(*args, **kwargs)
                 done.add(key)
-                prepared = prepare(torch_path) if not _traced(args, kwargs) else TRACED
+                prepared = prepare(torch_path, self.port_calls[names[key]]) if not _traced(args, kwargs) else TRACED
                 if isinstance(prepared, str):
                     skipped[torch_path] = prepared
                     return next_fun(*args, **kwargs)

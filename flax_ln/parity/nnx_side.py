@@ -83,11 +83,16 @@ def _bound_call(code, local: Mapping[str, Any]) -> tuple[str, list[Any], dict[st
     return code.co_name, args, kwargs
 
 
-def _state_before(module: nnx.Module) -> nnx.Module | None:
-    """A copy of ``module`` as it is now (new variables over the same arrays: a call that then writes its cache or
-    counts its RNG leaves the copy as it was), or ``None`` where NNX cannot copy it."""
+def _state_before(module: nnx.Module, args: list[Any], kwargs: dict[str, Any]) -> tuple | None:
+    """A copy of ``(module, args, kwargs)`` as they are now: new variables over the same arrays (a call that then
+    writes a cache, its own or one passed to it, or counts its RNG leaves the copy as it was), sharing kept; only
+    the module where NNX cannot copy the arguments; ``None`` where it cannot copy the module either."""
     try:
-        return nnx.clone(module)
+        return nnx.clone((module, args, kwargs))
+    except Exception:  # noqa: BLE001 - arguments NNX cannot copy are replayed as they are
+        pass
+    try:
+        return nnx.clone(module), args, kwargs
     except Exception:  # noqa: BLE001 - a module NNX cannot copy is replayed on its live state, as before
         return None
 
@@ -128,7 +133,7 @@ def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, Por
                 method, f_args, f_kwargs = _bound_call(code, local)
                 state = None
                 if calls is not None and (paths[owner], method) not in kept:
-                    state = _state_before(modules[owner])
+                    state = _state_before(modules[owner], f_args, f_kwargs)
                 positional = tuple(code.co_varnames[1 : code.co_argcount])
                 port_call = PortCall(method, f_args, f_kwargs, positional, next(clock), state=state)
                 open_calls[id(frame)] = (owner, floating_leaves(args), port_call)
@@ -392,10 +397,11 @@ class NNXSide(FlaxSide):
         (floating arrays in the flax layout by :func:`flax_ln.convert.rules.flax_activation`; integer and boolean
         arrays and plain values as they are) for mirrored pairs; for pairs found by their parameters, the port's
         own recorded call of the module (the same method), with its floating arguments replaced by torch's values
-        (:func:`~flax_ln.parity.replay.replay_arguments`: by provenance, else by correspondence), on a copy of the
-        module as it was just before that call (its caches and counters as the call found them; the model is not
-        changed). A call with an argument that is not data (a callable, a module), or one the flax module does not
-        accept, is not run: the reason comes back."""
+        (:func:`~flax_ln.parity.replay.replay_arguments`: by provenance, else by correspondence), on copies of the
+        module and of the arguments as they were just before that call (its caches and counters, and a cache passed
+        to it, as the call found them; the model and the recorded call are not changed). A call with an argument
+        that is not data (a callable, a module), or one the flax module does not accept, is not run: the reason
+        comes back."""
         prepare = replays(pairs, torch_records, torch_calls, flax_records, self.own_calls)
         for path, (args, kwargs) in (torch_calls or {}).items():
             module = pairs.modules.get(path)
@@ -410,12 +416,14 @@ class NNXSide(FlaxSide):
                 if own is None:
                     yield path, "its flax twin was not called (with a floating output) in the flax run"
                     continue
-                prepared = prepare(path)
+                if own.state is not None:  # a fresh copy of the module and its arguments as the call found them
+                    module, args_then, kwargs_then = nnx.clone(own.state)
+                    own = dataclasses.replace(own, args=list(args_then), kwargs=dict(kwargs_then))
+                prepared = prepare(path, own)
                 if isinstance(prepared, str):
                     yield path, prepared
                     continue
                 method, f_args, f_kwargs, kept = own.method, prepared.args, prepared.kwargs, prepared.kept
-                module = module if own.state is None else nnx.clone(own.state)  # a fresh copy for each run
             elif unsupported:
                 yield path, f"takes a {unsupported[0]} argument, which a record cannot hold"
                 continue

@@ -42,9 +42,10 @@ class PortCall:
     ``method``: the method called (``"__call__"``, ``"attend"``); ``args``/``kwargs``: the arguments as the port
     passed them; ``positional``: the names of the positional parameters (for naming a kept argument); ``start``,
     ``end``: the call's place among the recorded calls' entries and returns (one counter), so that only pairs
-    finished before it began can explain its arguments; ``state``: the module as it was just before the call (an
-    NNX clone, taken at entry: its caches, counters and RNG counts as the call found them), ``None`` where the
-    kind of side replays its state otherwise (Linen: one new ``apply`` from the recorded variables).
+    finished before it began can explain its arguments; ``state``: ``(module, args, kwargs)`` as they were just
+    before the call (an NNX clone taken at entry: the module's caches, counters and RNG counts, and a cache passed
+    to it, as the call found them), ``None`` where the kind of side replays its state otherwise (Linen: one new
+    ``apply`` from the recorded variables).
     """
 
     method: str
@@ -226,14 +227,13 @@ def replays(
     torch_calls: Calls | None,
     flax_records: Records,
     port_calls: Mapping[str, PortCall],
-) -> Callable[[str], Replay | str]:
-    """The prepared :func:`replay_arguments` of every pair, by torch path: ``port_calls`` are the port's recorded
-    calls by flax name; provenance reads the pairs' records."""
+) -> Callable[[str, PortCall], Replay | str]:
+    """:func:`replay_arguments` prepared for every pair: ``prepare(torch path, its port call)``. ``port_calls``
+    are the port's recorded calls by flax name (for when each returned); provenance reads the pairs' records."""
     ends = {t: port_calls[f].end for t, f in pairs.flax_paths.items() if f in port_calls}
     sources = Sources.of(pairs, torch_records, flax_records, ends)
 
-    def prepare(path: str) -> Replay | str:
-        call = port_calls[pairs.flax_paths[path]]
+    def prepare(path: str, call: PortCall) -> Replay | str:
         inputs = torch_floats((torch_calls or {}).get(path), torch_records.get(path, ([], []))[0])
         return replay_arguments(pairs, path, call, inputs, None if path == WHOLE_MODEL else sources)
 
