@@ -522,6 +522,11 @@ class FlaxSide(abc.ABC):
         :meth:`parameter_groups` (``{}`` without a plan) and the :meth:`record`."""
         raise NotImplementedError(f"{type(self).__name__} has no module tree")
 
+    def method_calls(self) -> dict[str, str]:
+        """Each recorded call through a module's other method (``embed_tokens.attend``, named so by
+        :func:`~flax_ln.parity.replay.call_names`) -> that module's path: a candidate wherever the module is."""
+        return {}
+
     def type_layout(self, handle: Any) -> Permute | None:
         """How the activations of the module behind ``handle`` are laid out against torch's by its type alone
         (channels-last convolutions); ``None``: not known from its type."""

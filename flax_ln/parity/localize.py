@@ -29,6 +29,7 @@ from flax_ln.parity.pairing import (
     projection_layouts,
 )
 from flax_ln.parity.policy import Tolerance, compare_tensors
+from flax_ln.parity.replay import Replayed
 from flax_ln.parity.report import FirstDivergence, Isolation, ParityReport, TensorResult
 from flax_ln.parity.torch_side import TorchSide
 
@@ -76,6 +77,9 @@ def pair_modules(
     else:
         groups = flax.parameter_groups(filled_variables(flax.plan), recorded)
         candidates = pairs_by_parameters(groups, flax.plan, torch_keys, modules)
+        methods = flax.method_calls()  # a tied head's attend is a candidate wherever its embedding is
+        for found in candidates.values():
+            found += [name for name, owner in methods.items() if owner in found and name not in found]
         flax_paths = {t: found[0] for t, found in candidates.items()}
     by_flax_path = flax.module_paths(groups, recorded)
     pairs = complete_pairs(
@@ -340,13 +344,16 @@ def isolate(
     module that differs. A module that could not be run alone is skipped with the reason. ``culprits`` are
     the failing modules none of whose own submodules fails; a module whose own error is within tolerance (NaN
     at the same places on both sides allowed) is never one. ``flax_culprits`` are their flax paths;
-    ``own_code`` the culprits with paired children, all agreeing alone: the difference is in the code between.
+    ``own_code`` the culprits with paired children, all agreeing alone: the difference is in the code between;
+    ``kept`` the floating arguments of each module's call that kept the port's own value.
     """
-    results, skipped = [], {}
+    results, skipped, kept = [], {}, {}
     for path, run in flax.run_alone(pairs, torch_records, torch_calls, flax_records, forward):
         if isinstance(run, str):
             skipped[path] = run
             continue
+        if isinstance(run, Replayed) and run.kept:  # floating arguments that kept the port's own value (a mask)
+            kept[path] = run.kept
         try:
             compared = _compare_activations("output", run, torch_records[path][1], tolerance, pairs, path)
         except Exception as err:  # noqa: BLE001 - one module that cannot be compared is skipped, the rest go on
@@ -359,7 +366,9 @@ def isolate(
     failing = [r.name for r in results if not _within_tolerance(r)]
     culprits = [p for p in failing if not any(_inside(q, p) for q in failing if q != p)]
     own_code = [p for p in culprits if any(_inside(r.name, p) for r in results)]
-    return Isolation(results, skipped, culprits, [pairs.flax_paths[p] for p in culprits], own_code)
+    ran = {r.name for r in results}
+    kept = {p: names for p, names in kept.items() if p in ran}
+    return Isolation(results, skipped, culprits, [pairs.flax_paths[p] for p in culprits], own_code, kept)
 
 
 def _inside(child: str, parent: str) -> bool:

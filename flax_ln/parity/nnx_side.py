@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
@@ -46,8 +46,9 @@ from flax_ln.parity.flax_side import (
 )
 from flax_ln.parity.islands import Island
 from flax_ln.parity.jax_islands import name_modules_of
-from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups, substitute_floats
+from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups
 from flax_ln.parity.policy import parameter_dtype
+from flax_ln.parity.replay import PortCall, Replayed, call_names, replays
 from flax_ln.parity.torch_side import TorchSide
 
 
@@ -67,10 +68,7 @@ def _method_codes(cls: type) -> set:
     return codes
 
 
-OwnCall = tuple[str, list[Any], dict[str, Any]]  # a module's recorded call: method name, args, kwargs
-
-
-def _bound_call(code, local: Mapping[str, Any]) -> OwnCall:
+def _bound_call(code, local: Mapping[str, Any]) -> tuple[str, list[Any], dict[str, Any]]:
     """The call a frame of ``code`` was made with, from its locals at entry: (method name, args, kwargs)."""
     names = code.co_varnames
     n_pos, n_kw = code.co_argcount, code.co_kwonlyargcount
@@ -85,19 +83,38 @@ def _bound_call(code, local: Mapping[str, Any]) -> OwnCall:
     return code.co_name, args, kwargs
 
 
-def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, OwnCall] | None = None) -> Records:
-    """Run ``call`` eagerly with the (inputs, outputs) of every submodule of ``model`` recorded by path.
+def _state_before(module: nnx.Module, args: list[Any], kwargs: dict[str, Any]) -> tuple | None:
+    """A copy of ``(module, args, kwargs)`` as they are now: new variables over the same arrays (a call that then
+    writes a cache, its own or one passed to it, or counts its RNG leaves the copy as it was), sharing kept; only
+    the module where NNX cannot copy the arguments; ``None`` where it cannot copy the module either."""
+    try:
+        return nnx.clone((module, args, kwargs))
+    except Exception:  # noqa: BLE001 - arguments NNX cannot copy are replayed as they are
+        pass
+    try:
+        return nnx.clone(module), args, kwargs
+    except Exception:  # noqa: BLE001 - a module NNX cannot copy is replayed on its live state, as before
+        return None
 
-    Dict order is execution order (a module is recorded when its outermost call returns).
-    Only ``model``'s own submodule instances are recorded; see the module docstring. With ``calls``, the
-    recorded call of each module is also kept there whole (:data:`OwnCall`: the method's name, its positional
-    and keyword arguments as the port passed them), so that isolation can make it again.
+
+def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, PortCall] | None = None) -> Records:
+    """Run ``call`` eagerly with the (inputs, outputs) of every submodule of ``model`` recorded by call name.
+
+    Dict order is execution order (a call is recorded when it returns). Only ``model``'s own submodule instances
+    are recorded; see the module docstring. Each method through which a module is called is a call of its own,
+    named by :func:`~flax_ln.parity.replay.call_names` (``__call__`` by the module's path, ``attend`` after a
+    lookup by ``path.attend``). With ``calls``, each recorded call is also kept there whole
+    (:class:`~flax_ln.parity.replay.PortCall`: the method, its arguments as the port passed them, its place among
+    the calls, and the module as it was just before it), so that isolation can make it again.
     """
+    modules = {id(m): m for _, m in nnx.iter_modules(model)}
     paths = {id(m): ".".join(map(str, p)) or WHOLE_MODEL for p, m in nnx.iter_modules(model)}
     codes = set().union(*(_method_codes(type(m)) for _, m in nnx.iter_modules(model)))
-    records: Records = {}
-    open_calls: dict[int, tuple[int, list[np.ndarray], OwnCall]] = {}  # id(frame) -> (id(module), inputs, call)
+    kept: dict[tuple[str, str], tuple[list[np.ndarray], list[np.ndarray]]] = {}  # (path, method) -> record
+    own: dict[tuple[str, str], PortCall] = {}
+    open_calls: dict[int, tuple[int, list[np.ndarray], PortCall]] = {}  # id(frame) -> (id(module), inputs, call)
     active: set[int] = set()  # modules with a recorded call in progress
+    clock = itertools.count()  # entries and returns of recorded calls, in order
 
     def watch(frame, event, arg):
         if event == "call" and frame.f_code in codes:
@@ -113,15 +130,22 @@ def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, Own
                 )
                 args = [local[name] for name in code.co_varnames[1:n_args] if name in local]
                 active.add(owner)
-                open_calls[id(frame)] = (owner, floating_leaves(args), _bound_call(code, local))
+                method, f_args, f_kwargs = _bound_call(code, local)
+                state = None
+                if calls is not None and (paths[owner], method) not in kept:
+                    state = _state_before(modules[owner], f_args, f_kwargs)
+                positional = tuple(code.co_varnames[1 : code.co_argcount])
+                port_call = PortCall(method, f_args, f_kwargs, positional, next(clock), state=state)
+                open_calls[id(frame)] = (owner, floating_leaves(args), port_call)
         elif event == "return" and id(frame) in open_calls:
-            owner, inputs, bound = open_calls.pop(id(frame))
+            owner, inputs, port_call = open_calls.pop(id(frame))
             active.discard(owner)
+            port_call.end = next(clock)
             outputs = floating_leaves(arg)  # arg is None when the frame exits by an exception
-            if outputs and paths[owner] not in records:
-                records[paths[owner]] = (inputs, outputs)
-                if calls is not None:
-                    calls[paths[owner]] = bound
+            key = (paths[owner], port_call.method)
+            if outputs and key not in kept:
+                kept[key] = (inputs, outputs)
+                own[key] = port_call
         if previous is not None:
             previous(frame, event, arg)
 
@@ -131,7 +155,10 @@ def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, Own
         call()
     finally:
         sys.setprofile(previous)
-    return records
+    names = call_names(sorted(own, key=lambda key: own[key].start))
+    if calls is not None:
+        calls.update({names[key]: port_call for key, port_call in own.items()})
+    return {names[key]: record for key, record in kept.items()}
 
 
 def _check_flax_params(model: nnx.Module, dtype: str) -> None:
@@ -202,22 +229,6 @@ def _canonical_variables(root: nnx.Module) -> dict[int, str]:
     return names
 
 
-def _own_call_on(pairs: Pairs, path: str, own: OwnCall, torch_inputs: list[np.ndarray]) -> OwnCall | str:
-    """The port's own recorded call of the module paired at ``path``, its floating arrays replaced by torch's
-    recorded inputs (:func:`~flax_ln.parity.pairing.substitute_floats`); masks, caches, ids, RNGs and flags stay
-    the port's. Containers (tuples, lists, dicts) are opened; any other object is one argument."""
-    method, args, kwargs = own
-    leaves, treedef = jax.tree_util.tree_flatten(
-        (args, kwargs), is_leaf=lambda x: not isinstance(x, (tuple, list, dict)) or x is None
-    )
-    replaced = substitute_floats(pairs, path, leaves, torch_inputs)
-    if isinstance(replaced, str):
-        return replaced
-    replaced = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in replaced]
-    f_args, f_kwargs = jax.tree_util.tree_unflatten(treedef, replaced)
-    return method, list(f_args), dict(f_kwargs)
-
-
 def _in_rule_layout(module, value):
     """A recorded torch argument for the mirrored flax ``module``: floating arrays in its rule's activation layout,
     other arrays as they are, plain values unchanged."""
@@ -238,7 +249,7 @@ class NNXSide(FlaxSide):
 
     module: nnx.Module
     model: nnx.Module
-    own_calls: dict[str, OwnCall] = dataclasses.field(default_factory=dict)  # by flax path, from record()
+    own_calls: dict[str, PortCall] = dataclasses.field(default_factory=dict)  # by flax call name, from record()
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # torch's ties, by the rules
     constants: list[Island] = dataclasses.field(default_factory=list)  # float32 arrays held outside variables
 
@@ -336,7 +347,13 @@ class NNXSide(FlaxSide):
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
         """Every callable submodule (``nnx.iter_modules``; an ``nnx.List`` is a container), by attribute path."""
-        return {".".join(map(str, p)) or WHOLE_MODEL: m for p, m in nnx.iter_modules(self.model) if callable(m)}
+        found = {".".join(map(str, p)) or WHOLE_MODEL: m for p, m in nnx.iter_modules(self.model) if callable(m)}
+        return {**found, **{name: found[owner] for name, owner in self.method_calls().items() if owner in found}}
+
+    def method_calls(self) -> dict[str, str]:
+        """Each recorded call through a module's second method (``embed_tokens.attend``) -> the module's path."""
+        modules = {".".join(map(str, p)) or WHOLE_MODEL for p, _ in nnx.iter_modules(self.model)}
+        return {name: name.rsplit(".", 1)[0] for name in self.own_calls if name not in modules}
 
     def type_layout(self, handle: Any) -> Permute | None:
         """The converter's activation layout for the module's type (channels-last ``nnx.Conv``)."""
@@ -379,28 +396,34 @@ class NNXSide(FlaxSide):
         """Each recorded torch call made again, eagerly, on the paired flax module: on the same arguments
         (floating arrays in the flax layout by :func:`flax_ln.convert.rules.flax_activation`; integer and boolean
         arrays and plain values as they are) for mirrored pairs; for pairs found by their parameters, the port's
-        own recorded call of the module (the same method), with its floating activations replaced by torch's
-        recorded inputs (see :func:`_own_call_on`), so that caches, masks, ids, RNGs and flags are the port's. A
-        call with an argument that is not data (a callable, a module), or one the flax module does not accept, is
-        not run: the reason comes back."""
+        own recorded call of the module (the same method), with its floating arguments replaced by torch's values
+        (:func:`~flax_ln.parity.replay.replay_arguments`: by provenance, else by correspondence), on copies of the
+        module and of the arguments as they were just before that call (its caches and counters, and a cache passed
+        to it, as the call found them; the model and the recorded call are not changed). A call with an argument
+        that is not data (a callable, a module), or one the flax module does not accept, is not run: the reason
+        comes back."""
+        prepare = replays(pairs, torch_records, torch_calls, flax_records, self.own_calls)
         for path, (args, kwargs) in (torch_calls or {}).items():
             module = pairs.modules.get(path)
-            t_ins, t_outs = torch_records.get(path, ([], []))
+            t_outs = torch_records.get(path, ([], []))[1]
             unsupported = [v for v in [*args, *kwargs.values()] if isinstance(v, Unsupported)]
             if module is None:
                 yield path, pairs.unpaired.get(path, NO_HOLDER if pairs.by_parameters else "no flax twin at this path")
                 continue
-            method = "__call__"
+            method, kept = "__call__", []
             if pairs.by_parameters:
                 own = self.own_calls.get(pairs.flax_paths[path])
                 if own is None:
                     yield path, "its flax twin was not called (with a floating output) in the flax run"
                     continue
-                prepared = _own_call_on(pairs, path, own, t_ins)
+                if own.state is not None:  # a fresh copy of the module and its arguments as the call found them
+                    module, args_then, kwargs_then = nnx.clone(own.state)
+                    own = dataclasses.replace(own, args=list(args_then), kwargs=dict(kwargs_then))
+                prepared = prepare(path, own)
                 if isinstance(prepared, str):
                     yield path, prepared
                     continue
-                method, f_args, f_kwargs = prepared
+                method, f_args, f_kwargs, kept = own.method, prepared.args, prepared.kwargs, prepared.kept
             elif unsupported:
                 yield path, f"takes a {unsupported[0]} argument, which a record cannot hold"
                 continue
@@ -413,4 +436,4 @@ class NNXSide(FlaxSide):
                 except Exception as err:  # noqa: BLE001 - any failure to call is reported as the reason it was skipped
                     yield path, f"the flax call on torch's arguments raised {type(err).__name__}: {str(err)[:120]}"
                     continue
-                yield path, floating_leaves(out)
+                yield path, Replayed(floating_leaves(out), kept)

@@ -18,7 +18,6 @@ from einops.parsing import ParsedExpression
 
 from flax_ln.convert import KeyPlan
 from flax_ln.convert.layouts import ArrayLayout, Permute, parse_layout
-from flax_ln.parity.call import is_float
 from flax_ln.parity.capture import WHOLE_MODEL
 
 NO_HOLDER = "no flax module holds its parameters"  # why a torch module has no pair, when pairs go by parameters
@@ -168,7 +167,7 @@ class Pairs:
         ``source`` whose outputs they are, each side up to an exact axis permutation; ``None`` when not known."""
         path, f_out, t_out = source
         at_source = self.known_permutation(path, f_out, np.shape(t_out))
-        torch_moved, flax_moved = _exact_permutation(t_out, t), _exact_permutation(f_out, f)
+        torch_moved, flax_moved = exact_permutation(t_out, t), exact_permutation(f_out, f)
         if at_source is None or torch_moved is None or flax_moved is None:
             return None
         # f = f_out.T(flax_moved), t = t_out.T(torch_moved) ~ f_out.T(at_source).T(torch_moved): f.T(p) ~ t
@@ -180,7 +179,7 @@ def fingerprint(array) -> bytes:
     return hashlib.blake2b(np.sort(np.asarray(array).ravel()).tobytes(), digest_size=16).digest()
 
 
-def _exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...] | None:
+def exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...] | None:
     """The one ``p`` with ``source.transpose(p)`` equal to ``target`` element for element, else ``None``."""
     found = _candidates(np.shape(source), np.shape(target))
     exact = [p for p in found if np.array_equal(np.transpose(source, p), target)]
@@ -336,38 +335,3 @@ def _permutation(
         f"shapes {source} and {target} are {len(found)} axis permutations apart and the pair's inputs do not "
         "decide; give the pair's layout in modules={torch_path: (flax_path, 'einops pattern')}"
     )
-
-
-def _is_floating_array(leaf) -> bool:
-    return hasattr(leaf, "dtype") and hasattr(leaf, "shape") and is_float(leaf)
-
-
-def substitute_floats(pairs: Pairs, path: str, leaves: list, torch_inputs: Sequence[np.ndarray]) -> list | str:
-    """The flax call's argument ``leaves`` with its floating arrays replaced, in order, by torch's recorded
-    floating inputs put into the flax layout (each onto the shape flax's own had, and its dtype unless that is
-    narrower than torch's); a floating argument torch has no counterpart for, or one whose shape torch's does
-    not fit after the first, keeps the port's own value (a mask, a cache, a rotary table); or why the first
-    cannot be replaced (torch's call recorded no floating input: the port's own would not make the run one of
-    the module alone)."""
-    out, k = list(leaves), 0
-    if not torch_inputs and any(map(_is_floating_array, leaves)):  # on the port's own activations: not alone
-        return "torch's call recorded no floating input to put in the flax call's place"
-    for i, leaf in enumerate(leaves):
-        if not _is_floating_array(leaf):
-            continue
-        if k >= len(torch_inputs):
-            break
-        moved = pairs.to_flax(path, torch_inputs[k], np.shape(leaf))
-        if isinstance(moved, str) or np.shape(moved) != np.shape(leaf):
-            if k == 0:
-                why = (
-                    moved if isinstance(moved, str) else f"torch's {np.shape(moved)} is not the call's {np.shape(leaf)}"
-                )
-                return f"input 0: {why}"
-            break
-        # never narrower than torch's: a port's cast to bfloat16 before the call is its caller's code, not the call's
-        out[i] = np.asarray(moved, np.promote_types(leaf.dtype, np.asarray(moved).dtype))
-        k += 1
-    if k == 0 and torch_inputs:
-        return "the flax call has no floating argument to put torch's inputs in"
-    return out

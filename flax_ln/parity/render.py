@@ -37,7 +37,7 @@ from flax_ln.parity.policy import TensorResult
 #   "first divergence":    module, flax_module, by_parameters, inputs, outputs (TensorResult s, at seen_at),
 #                          between, flax_between (the paired children around a gap in module's own code), seen_at
 #   "no first divergence": failed_outputs (the failing outputs; empty: the backward pass differs)
-#   "isolation":           results, skipped, culprits, flax_culprits, own_code
+#   "isolation":           results, skipped, culprits, flax_culprits, own_code, kept
 #   "localization note":   note (why localisation did not run)
 #   "input casts":         casts (input name -> "float64 -> float32": floating inputs cast to the comparison's dtype)
 #   "islands":             islands (Island s: side, module, what, lifted)
@@ -306,9 +306,12 @@ def _isolation(d: Mapping[str, Any]) -> list[str]:
         ]
     by_name = {r.name: r for r in d["results"]}
     own = set(d.get("own_code", ()))
+    kept = d.get("kept", {})
     named = ", ".join(
         f"{m} (own output rel {fmt(by_name[m].relative_error)}"
-        + ("; in its own code: its paired children agree alone)" if m in own else ")")
+        + ("; in its own code: its paired children agree alone" if m in own else "")
+        + ("; kept the port's own " + ", ".join(f"`{k}`" for k in kept[m]) if kept.get(m) else "")
+        + ")"
         for m in d["culprits"]
     )
     return [f"isolated: {named}{skipped}"]

@@ -79,7 +79,8 @@ class Isolation:
     none of whose submodules fails: the modules whose own computation differs (torch paths);
     ``flax_culprits`` the dotted paths of their flax twins, in the same order; ``own_code``: the culprits
     that have paired children, each of which agrees alone: the difference is in the module's own code
-    between them.
+    between them; ``kept``: the floating arguments of a module's call that kept the port's own value (neither
+    an earlier pair's output nor torch's input stood for them: a mask built from ids, a table).
     """
 
     results: list[TensorResult]
@@ -87,6 +88,7 @@ class Isolation:
     culprits: list[str]
     flax_culprits: list[str] = dataclasses.field(default_factory=list)
     own_code: list[str] = dataclasses.field(default_factory=list)
+    kept: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # torch path -> port arguments kept
 
     def section(self) -> Section:
         """The report's ``"isolation"`` section."""
@@ -98,6 +100,7 @@ class Isolation:
                 "culprits": self.culprits,
                 "flax_culprits": self.flax_culprits,
                 "own_code": self.own_code,
+                "kept": self.kept,
             },
         )
 
@@ -110,6 +113,7 @@ class Isolation:
             "culprits": self.culprits,
             "flax_culprits": self.flax_culprits,
             "own_code": self.own_code,
+            "kept": self.kept,
             "modules": [r.to_json() for r in self.results],
             "skipped": self.skipped,
         }
@@ -469,6 +473,7 @@ def report_from_dict(d: dict[str, Any]) -> ParityReport:
             iso["culprits"],
             iso.get("flax_culprits", []),
             iso.get("own_code", []),
+            iso.get("kept", {}),
         )
 
     def tie(t: dict[str, list[str]]) -> Tie:
