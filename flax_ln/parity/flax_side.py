@@ -517,6 +517,11 @@ class FlaxSide(abc.ABC):
         execution order."""
         raise NotImplementedError(f"{type(self).__name__} has no module tree")
 
+    def unrecorded(self) -> dict[str, str]:
+        """After :meth:`record`: the flax paths of the modules that ran but were not recorded (called only inside a
+        trace: a scan or vmap over layers), each with the reason."""
+        return {}
+
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
         """``{dotted flax path: handle}`` of its submodules (the handle :class:`Pairs` keeps), given the
         :meth:`parameter_groups` (``{}`` without a plan) and the :meth:`record`."""

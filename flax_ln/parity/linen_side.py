@@ -22,7 +22,7 @@ from flax_ln.convert.trees import path_step
 from flax_ln.parity.capture import WHOLE_MODEL, Calls, Records, floating_leaves
 from flax_ln.parity.flax_side import Linen, Parts, Run
 from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups
-from flax_ln.parity.replay import PortCall, Replayed, call_names, replays, transparent_remat
+from flax_ln.parity.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
 from flax_ln.parity.tree_side import TreeSide
 
 
@@ -43,9 +43,6 @@ def _positional(module, method: str) -> tuple[str, ...]:
 
 def _traced(args, kwargs) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs)))
-
-
-TRACED = "called inside a traced transform (nn.scan, nn.vmap, jit): its values are not concrete, so it is not recorded"
 
 
 def capture_linen(
@@ -202,6 +199,9 @@ class LinenSide(TreeSide):
             if own:
                 groups.setdefault(own, []).append(path)
         return groups
+
+    def unrecorded(self) -> dict[str, str]:
+        return dict(self.traced)
 
     def run_alone(
         self,

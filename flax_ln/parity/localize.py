@@ -449,11 +449,13 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     if not ok:
         return
     flax_records = {t: recorded[f] for t, f in pairs.flax_paths.items() if f in recorded}
+    unrecorded = {p: why for p, why in flax.unrecorded().items() if p not in recorded}
     ok, found = phase.run(
         "finding the first divergence", lambda: first_divergence(torch_records, flax_records, tolerance, pairs)
     )
     if ok:
         report.module_errors, report.first_divergence = found
+        report.first_divergence = _not_recorded_within(report.first_divergence, unrecorded, pairs)
         _, inputs = phase.run(
             "comparing each module's inputs",
             lambda: _input_errors(report.module_errors, torch_records, flax_records, tolerance, pairs),
@@ -476,8 +478,30 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
             ),
         )
         if ok:
-            report.isolation = isolation
+            report.isolation = _unrecorded_culprits(isolation, unrecorded, pairs)
             _confirm_between(report)
+
+
+def _held_by(flax_path: str, unrecorded: Mapping[str, str]) -> list[str]:
+    """The unrecorded flax modules inside ``flax_path``."""
+    return [p for p in unrecorded if _inside(p, flax_path)]
+
+
+def _not_recorded_within(fd: FirstDivergence | None, unrecorded: Mapping[str, str], pairs: Pairs):
+    """A gap in a module's own code holds the modules that ran there without a record: the difference may be in
+    them (a scan's body), so the first divergence names them; those inside a paired child are that child's."""
+    if fd is None or fd.between is None:
+        return fd
+    inside = [pairs.flax_paths.get(t) for t in pairs.flax_paths if t != fd.module and _inside(t, fd.module)]
+    children = [c for c in inside if c and c not in unrecorded]  # recorded: the pairs that could take the blame
+    held = [p for p in _held_by(fd.flax_module, unrecorded) if not any(p == c or _inside(p, c) for c in children)]
+    return dataclasses.replace(fd, unrecorded=held)
+
+
+def _unrecorded_culprits(isolation: Isolation, unrecorded: Mapping[str, str], pairs: Pairs) -> Isolation:
+    """Every unrecorded module with its reason; a culprit holding one is not blamed in its own code."""
+    own_code = [p for p in isolation.own_code if not _held_by(pairs.flax_paths[p], unrecorded)]
+    return dataclasses.replace(isolation, own_code=own_code, unrecorded=dict(unrecorded))
 
 
 def _confirm_between(report: ParityReport) -> None:
@@ -488,7 +512,7 @@ def _confirm_between(report: ParityReport) -> None:
     child = fd.between[1]
     flax_child = fd.flax_between[1] if fd.flax_between is not None else child
     report.first_divergence = dataclasses.replace(
-        fd, module=child, flax_module=flax_child or child, between=None, flax_between=None
+        fd, module=child, flax_module=flax_child or child, between=None, flax_between=None, unrecorded=[]
     )
 
 

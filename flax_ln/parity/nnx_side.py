@@ -11,6 +11,13 @@ changed; the previous profile function is restored on exit, also when the call r
 For each submodule the outermost call of any of its methods is recorded (``__call__``,
 or e.g. GPT's ``attend`` when its parent calls that directly); a method it calls on
 itself is part of that call. The first completed call with a floating output is kept.
+
+Rematerialisation is transparent while recording (:func:`~flax_ln.parity.replay.transparent_remat`, as for
+Linen): a block under ``nnx.remat`` or ``jax.checkpoint`` runs eagerly, on the copy of the module that NNX's
+lifted transform merges, which holds the same arrays as the model's own module: the copy is recorded under that
+module's path. A module called inside a trace that stays (``nnx.scan``/``nnx.vmap`` over stacked layers, a
+``jax.checkpoint`` applied when its class was defined) holds no values: it is not recorded, and its path comes
+back with the reason (``unrecorded``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
@@ -48,7 +56,7 @@ from flax_ln.parity.islands import Island
 from flax_ln.parity.jax_islands import name_modules_of
 from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups
 from flax_ln.parity.policy import parameter_dtype
-from flax_ln.parity.replay import PortCall, Replayed, call_names, replays
+from flax_ln.parity.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
 from flax_ln.parity.torch_side import TorchSide
 
 
@@ -97,7 +105,74 @@ def _state_before(module: nnx.Module, args: list[Any], kwargs: dict[str, Any]) -
         return None
 
 
-def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, PortCall] | None = None) -> Records:
+def _joined(prefix: str, rel: tuple) -> str:
+    return ".".join(map(str, rel)) if prefix == WHOLE_MODEL else ".".join([prefix, *map(str, rel)])
+
+
+def _arrays(module: nnx.Module) -> frozenset[int]:
+    """The ids of the arrays ``module``'s variables (its submodules' too) hold."""
+    return frozenset(id(n.get_value()) for _, n in nnx.iter_graph(module) if isinstance(n, nnx.Variable))
+
+
+def _shape(module: nnx.Module) -> tuple:
+    """``module``'s submodules: (relative path, type), in order."""
+    return tuple((tuple(map(str, p)), type(m)) for p, m in nnx.iter_modules(module))
+
+
+def _holds_tracer(tree: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Module))
+    return any(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+def _module_tracers(module: nnx.Module) -> bool:
+    return any(
+        isinstance(n, nnx.Variable) and isinstance(n.get_value(), jax.core.Tracer) for _, n in nnx.iter_graph(module)
+    )
+
+
+class _Copies:
+    """The model's modules by id, and the copies NNX's lifted transforms merge of them (``nnx.remat``,
+    ``nnx.scan``), mapped to the module they copy: by the arrays they hold (the same arrays: an eager copy, whose
+    values are the model's), else, for a copy holding tracers only (its calls are not recorded, only named), by
+    its type and submodules where one module of the model has them."""
+
+    def __init__(self, model: nnx.Module):
+        found = list(nnx.iter_modules(model))
+        self.modules = {id(m): m for _, m in found}
+        self.paths = {id(m): ".".join(map(str, p)) or WHOLE_MODEL for p, m in found}
+        self.by_arrays: dict[tuple, str | None] = {}
+        self.by_shape: dict[tuple, str | None] = {}
+        for p, m in found:
+            path = ".".join(map(str, p)) or WHOLE_MODEL
+            arrays = (type(m), _arrays(m))
+            if arrays[1]:
+                self.by_arrays[arrays] = None if arrays in self.by_arrays else path  # None: ambiguous
+            shape = _shape(m)
+            self.by_shape[shape] = None if shape in self.by_shape else path
+        self.kept: list[nnx.Module] = []  # the mapped copies, alive while recording: their ids stay theirs
+
+    def owner(self, obj: Any) -> tuple[int | None, bool]:
+        """(id under which ``obj``'s path is known, or ``None``; whether it is a copy holding tracers)."""
+        if id(obj) in self.paths:
+            return id(obj), False
+        if not isinstance(obj, nnx.Module):
+            return None, False
+        traced = _module_tracers(obj)
+        path = self.by_arrays.get((type(obj), _arrays(obj))) if not traced else self.by_shape.get(_shape(obj))
+        if path is None:
+            return None, traced
+        for rel, sub in nnx.iter_modules(obj):
+            self.paths[id(sub)], self.modules[id(sub)] = _joined(path, rel), sub
+            self.kept.append(sub)
+        return id(obj), traced
+
+
+def capture_nnx(
+    model: nnx.Module,
+    call: Callable[[], Any],
+    calls: dict[str, PortCall] | None = None,
+    unrecorded: dict[str, str] | None = None,
+) -> Records:
     """Run ``call`` eagerly with the (inputs, outputs) of every submodule of ``model`` recorded by call name.
 
     Dict order is execution order (a call is recorded when it returns). Only ``model``'s own submodule instances
@@ -105,10 +180,13 @@ def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, Por
     named by :func:`~flax_ln.parity.replay.call_names` (``__call__`` by the module's path, ``attend`` after a
     lookup by ``path.attend``). With ``calls``, each recorded call is also kept there whole
     (:class:`~flax_ln.parity.replay.PortCall`: the method, its arguments as the port passed them, its place among
-    the calls, and the module as it was just before it), so that isolation can make it again.
+    the calls, and the module as it was just before it), so that isolation can make it again. ``nnx.remat`` and
+    ``jax.checkpoint`` are transparent meanwhile; with ``unrecorded``, the path of each module called only inside
+    a trace (``nnx.scan``, ``vmap``) is kept there with the reason.
     """
-    modules = {id(m): m for _, m in nnx.iter_modules(model)}
-    paths = {id(m): ".".join(map(str, p)) or WHOLE_MODEL for p, m in nnx.iter_modules(model)}
+    copies = _Copies(model)
+    modules, paths = copies.modules, copies.paths
+    traced_paths: dict[str, str] = {}
     codes = set().union(*(_method_codes(type(m)) for _, m in nnx.iter_modules(model)))
     kept: dict[tuple[str, str], tuple[list[np.ndarray], list[np.ndarray]]] = {}  # (path, method) -> record
     own: dict[tuple[str, str], PortCall] = {}
@@ -120,8 +198,10 @@ def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, Por
         if event == "call" and frame.f_code in codes:
             local = frame.f_locals
             code = frame.f_code
-            owner = id(local.get(code.co_varnames[0]))
-            if owner in paths and owner not in active:
+            owner, traced = copies.owner(local.get(code.co_varnames[0]))
+            if owner is not None and (traced or _holds_tracer([local.get(n) for n in code.co_varnames[1:]])):
+                traced_paths.setdefault(paths[owner], TRACED)  # inside a trace: no values to record
+            elif owner is not None and owner not in active:
                 n_args = (
                     code.co_argcount
                     + code.co_kwonlyargcount
@@ -152,9 +232,13 @@ def capture_nnx(model: nnx.Module, call: Callable[[], Any], calls: dict[str, Por
     previous = sys.getprofile()
     sys.setprofile(watch)
     try:
-        call()
+        with transparent_remat():
+            call()
     finally:
         sys.setprofile(previous)
+    if unrecorded is not None:
+        recorded = {path for path, _ in kept}
+        unrecorded.update({p: why for p, why in traced_paths.items() if p not in recorded})
     names = call_names(sorted(own, key=lambda key: own[key].start))
     if calls is not None:
         calls.update({names[key]: port_call for key, port_call in own.items()})
@@ -252,6 +336,7 @@ class NNXSide(FlaxSide):
     own_calls: dict[str, PortCall] = dataclasses.field(default_factory=dict)  # by flax call name, from record()
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # torch's ties, by the rules
     constants: list[Island] = dataclasses.field(default_factory=list)  # float32 arrays held outside variables
+    traced: dict[str, str] = dataclasses.field(default_factory=dict)  # paths not recorded, and why, from record()
 
     needs_key_map: ClassVar[bool] = False
     buffers_as_values: ClassVar[bool] = True  # the converter checks the buffers flax recomputes against their values
@@ -341,9 +426,12 @@ class NNXSide(FlaxSide):
 
     def record(self, forward: Callable[[], Any]) -> Records:
         """And each submodule's own call, kept whole for isolation."""
-        self.own_calls = {}
+        self.own_calls, self.traced = {}, {}
         name_modules_of(self.model)
-        return capture_nnx(self.model, forward, self.own_calls)
+        return capture_nnx(self.model, forward, self.own_calls, self.traced)
+
+    def unrecorded(self) -> dict[str, str]:
+        return dict(self.traced)
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
         """Every callable submodule (``nnx.iter_modules``; an ``nnx.List`` is a container), by attribute path."""

@@ -35,9 +35,10 @@ from flax_ln.parity.policy import TensorResult
 #   "frozen":              names (the frozen torch parameters)
 #   "dropped outputs":     outputs (output leaf -> its type)
 #   "first divergence":    module, flax_module, by_parameters, inputs, outputs (TensorResult s, at seen_at),
-#                          between, flax_between (the paired children around a gap in module's own code), seen_at
+#                          between, flax_between (the paired children around a gap in module's own code), seen_at,
+#                          unrecorded (flax modules in that gap that ran without a record: inside a scan or vmap)
 #   "no first divergence": failed_outputs (the failing outputs; empty: the backward pass differs)
-#   "isolation":           results, skipped, culprits, flax_culprits, own_code, kept
+#   "isolation":           results, skipped, culprits, flax_culprits, own_code, kept, unrecorded (flax path -> why)
 #   "localization note":   note (why localisation did not run)
 #   "input casts":         casts (input name -> "float64 -> float32": floating inputs cast to the comparison's dtype)
 #   "islands":             islands (Island s: side, module, what, lifted)
@@ -270,7 +271,12 @@ def _first_divergence(d: Mapping[str, Any]) -> list[str]:
     if d.get("between") is not None:
         before, after = d["between"]
         gap = f"between {before or 'its start'} and {after or 'its end'}"
-        where = f"in {where}, {gap}: its own code"
+        held = d.get("unrecorded") or []
+        where = f"in {where}, {gap}: " + (
+            f"in its submodules that ran there without a record ({_few(held)}: inside a scan or vmap), or its own code"
+            if held
+            else "its own code"
+        )
     seen = f"seen at {d['seen_at']}: " if d.get("seen_at", d["module"]) != d["module"] else ""
     return [
         f"first divergence: {where}  ({seen}output rel {out.relative_error:.2e}, "
@@ -291,6 +297,10 @@ def _no_first_divergence(d: Mapping[str, Any]) -> list[str]:
 UNPAIRED_REASONS = ("no flax module holds", "no flax twin", "no flax module's output")  # not a failed isolation
 
 
+def _few(names: Sequence[str]) -> str:
+    return ", ".join(names[:4]) + (f", ... ({len(names)})" if len(names) > 4 else "")
+
+
 def _isolation(d: Mapping[str, Any]) -> list[str]:
     tried = [m for m, why in d["skipped"].items() if not why.startswith(UNPAIRED_REASONS)]
     skipped = (
@@ -299,6 +309,11 @@ def _isolation(d: Mapping[str, Any]) -> list[str]:
         if tried
         else ""
     )
+    unrecorded = list(d.get("unrecorded", {}))
+    if unrecorded:
+        skipped += (
+            f"; not recorded: {_few(unrecorded)} (inside a scan or vmap; the reasons are in isolation.unrecorded)"
+        )
     if not d["culprits"]:
         return [
             f"isolated: every module agrees on torch's inputs ({len(d['results'])} run alone, "

@@ -242,6 +242,11 @@ def replays(
 
 # ---- rematerialisation, transparent while recording
 
+TRACED = (
+    "called inside a traced transform (a scan, vmap or jit: nn.scan, nnx.scan, vmap over stacked layers): its "
+    "values are not concrete, so it is not recorded"
+)
+
 _on = threading.local()
 _lock = threading.Lock()
 _saved: dict[str, Any] = {}

@@ -37,7 +37,9 @@ class FirstDivergence:
     before and just after the gap (``None`` at the start or the end of its code), ``flax_between`` their
     flax paths; ``between`` is ``None`` when the module itself differs (no paired child, or a child that
     differs). ``seen_at`` is the torch path of the module whose output was first out of tolerance, and
-    ``inputs`` and ``outputs`` are its errors: the evidence.
+    ``inputs`` and ``outputs`` are its errors: the evidence. ``unrecorded``: the flax paths of the module's
+    submodules that ran but were not recorded (inside a scan or vmap): with a gap, the difference is in them or
+    in the module's own code, which the recorded values cannot tell apart.
     """
 
     module: str
@@ -48,6 +50,7 @@ class FirstDivergence:
     between: tuple[str | None, str | None] | None = None
     flax_between: tuple[str | None, str | None] | None = None
     seen_at: str = ""
+    unrecorded: list[str] = dataclasses.field(default_factory=list)
 
     def section(self) -> Section:
         """The report's ``"first divergence"`` section."""
@@ -62,6 +65,7 @@ class FirstDivergence:
                 "between": self.between,
                 "flax_between": self.flax_between,
                 "seen_at": self.seen_at or self.module,
+                "unrecorded": self.unrecorded,
             },
         )
 
@@ -80,7 +84,9 @@ class Isolation:
     ``flax_culprits`` the dotted paths of their flax twins, in the same order; ``own_code``: the culprits
     that have paired children, each of which agrees alone: the difference is in the module's own code
     between them; ``kept``: the floating arguments of a module's call that kept the port's own value (neither
-    an earlier pair's output nor torch's input stood for them: a mask built from ids, a table).
+    an earlier pair's output nor torch's input stood for them: a mask built from ids, a table); ``unrecorded``:
+    the flax modules that ran but were not recorded (inside a scan or vmap), each with the reason: a culprit
+    holding one is not in ``own_code`` (the difference may be in them).
     """
 
     results: list[TensorResult]
@@ -89,6 +95,7 @@ class Isolation:
     flax_culprits: list[str] = dataclasses.field(default_factory=list)
     own_code: list[str] = dataclasses.field(default_factory=list)
     kept: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # torch path -> port arguments kept
+    unrecorded: dict[str, str] = dataclasses.field(default_factory=dict)  # flax path -> why it was not recorded
 
     def section(self) -> Section:
         """The report's ``"isolation"`` section."""
@@ -101,6 +108,7 @@ class Isolation:
                 "flax_culprits": self.flax_culprits,
                 "own_code": self.own_code,
                 "kept": self.kept,
+                "unrecorded": self.unrecorded,
             },
         )
 
@@ -114,6 +122,7 @@ class Isolation:
             "flax_culprits": self.flax_culprits,
             "own_code": self.own_code,
             "kept": self.kept,
+            "unrecorded": self.unrecorded,
             "modules": [r.to_json() for r in self.results],
             "skipped": self.skipped,
         }
@@ -212,6 +221,7 @@ class ParityReport:
                 "between": self.first_divergence.between,
                 "flax_between": self.first_divergence.flax_between,
                 "seen_at": self.first_divergence.seen_at or self.first_divergence.module,
+                "unrecorded": self.first_divergence.unrecorded,
                 "inputs": [r.to_json() for r in self.first_divergence.inputs],
                 "outputs": [r.to_json() for r in self.first_divergence.outputs],
             },
@@ -463,6 +473,7 @@ def report_from_dict(d: dict[str, Any]) -> ParityReport:
             pair(fd.get("between")),
             pair(fd.get("flax_between")),
             fd.get("seen_at", fd["module"]),
+            fd.get("unrecorded", []),
         )
     iso = d.get("isolated")
     isolation = None
@@ -474,6 +485,7 @@ def report_from_dict(d: dict[str, Any]) -> ParityReport:
             iso.get("flax_culprits", []),
             iso.get("own_code", []),
             iso.get("kept", {}),
+            iso.get("unrecorded", {}),
         )
 
     def tie(t: dict[str, list[str]]) -> Tie:
