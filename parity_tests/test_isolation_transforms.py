@@ -97,6 +97,42 @@ def test_nnx_remat_blocks_are_recorded_and_the_inner_norm_is_named(dtype):
     assert report.isolation.unrecorded == {}, str(report)
 
 
+class DecoratedBlock(Block):
+    @nnx.remat
+    def __call__(self, x):
+        return x + jnp.tanh(self.mlp(self.norm(x)))
+
+
+class DecoratedStack(RematStack):
+    """``nnx.remat`` applied once, as the blocks' class is defined: its calls are traced, not recordable."""
+
+    def __init__(self, dtype, eps):
+        super().__init__(dtype, eps)
+        rngs, dtype = nnx.Rngs(1), getattr(jnp, dtype)
+        self.blocks = nnx.List([DecoratedBlock(dtype, e, rngs=rngs) for e in eps])
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nnx_remat_as_a_decorator_names_the_blocks_as_not_recorded(dtype):
+    """A method decorated with nnx.remat runs traced even eagerly: its modules are named as not recorded, the model's
+    own code is not blamed for the gap they ran in, and isolation (on torch's inputs) still names the norm."""
+    x = np.random.default_rng(3).standard_normal((BATCH, SEQ, WIDTH)).astype(dtype)
+    with jax.enable_x64(dtype == "float64"):
+        port = DecoratedStack(dtype, (1e-5, 1e-1))
+        report = compare_modules(randomized(TorchStack(), dtype), port, (x,), dtype=dtype)
+    assert {"blocks.0", "blocks.1", "blocks.1.norm"} <= set(report.isolation.unrecorded), str(report)
+    fd = report.first_divergence
+    assert fd.between == ("inp", "head") and "blocks.1.norm" in fd.unrecorded, str(report)
+    assert "between inp and head: in its submodules that ran there without a record (" in str(report), str(report)
+    assert report.isolation.culprits == ["blocks.1.norm"], str(report)
+
+
 # --- layers stacked and run under nnx.scan: not recorded per iteration ------------------------------------------------
 
 

@@ -224,3 +224,18 @@ def probe(lifted: Callable[[], Any]) -> None:
     except Exception as err:  # noqa: BLE001 - an internal that behaves differently may fail in any way
         _probe_failure.append(f"a lifted trace raised {type(err).__name__}: {str(err)[:200]}")
     _probed.set()
+
+
+def forget_traces() -> None:
+    """Clear JAX's caches of traced functions (``jax._src.interpreters.partial_eval.trace_to_jaxpr`` and
+    ``jax._src.ad_checkpoint._trace_to_jaxpr``; compiled ``jit`` functions keep theirs): a ``jax.checkpoint`` or
+    scan applied once (``nnx.remat`` as a decorator) is traced again at its next call, so that a recording run
+    sees the modules in it. Not part of lifting; a JAX without them is left as it is."""
+    for name, attr in (
+        ("jax._src.interpreters.partial_eval", "trace_to_jaxpr"),
+        ("jax._src.ad_checkpoint", "_trace_to_jaxpr"),
+    ):
+        try:
+            getattr(_module(name), attr).cache_clear()
+        except Exception:  # noqa: BLE001 - an internal that moved: the recording names fewer traced modules
+            pass

@@ -455,7 +455,7 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     )
     if ok:
         report.module_errors, report.first_divergence = found
-        report.first_divergence = _not_recorded_within(report.first_divergence, unrecorded, pairs)
+        report.first_divergence = _not_recorded_within(report.first_divergence, unrecorded, pairs, recorded)
         _, inputs = phase.run(
             "comparing each module's inputs",
             lambda: _input_errors(report.module_errors, torch_records, flax_records, tolerance, pairs),
@@ -487,13 +487,13 @@ def _held_by(flax_path: str, unrecorded: Mapping[str, str]) -> list[str]:
     return [p for p in unrecorded if _inside(p, flax_path)]
 
 
-def _not_recorded_within(fd: FirstDivergence | None, unrecorded: Mapping[str, str], pairs: Pairs):
+def _not_recorded_within(fd: FirstDivergence | None, unrecorded: Mapping[str, str], pairs: Pairs, recorded: Records):
     """A gap in a module's own code holds the modules that ran there without a record: the difference may be in
     them (a scan's body), so the first divergence names them; those inside a paired child are that child's."""
     if fd is None or fd.between is None:
         return fd
     inside = [pairs.flax_paths.get(t) for t in pairs.flax_paths if t != fd.module and _inside(t, fd.module)]
-    children = [c for c in inside if c and c not in unrecorded]  # recorded: the pairs that could take the blame
+    children = [c for c in inside if c in recorded]  # the recorded pairs: they could take the blame
     held = [p for p in _held_by(fd.flax_module, unrecorded) if not any(p == c or _inside(p, c) for c in children)]
     return dataclasses.replace(fd, unrecorded=held)
 

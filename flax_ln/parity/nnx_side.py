@@ -53,6 +53,7 @@ from flax_ln.parity.flax_side import (
     write_through,
 )
 from flax_ln.parity.islands import Island
+from flax_ln.parity.jax_internals import forget_traces
 from flax_ln.parity.jax_islands import name_modules_of
 from flax_ln.parity.pairing import NO_HOLDER, Pairs, ParameterGroups
 from flax_ln.parity.policy import parameter_dtype
@@ -106,7 +107,9 @@ def _state_before(module: nnx.Module, args: list[Any], kwargs: dict[str, Any]) -
 
 
 def _joined(prefix: str, rel: tuple) -> str:
-    return ".".join(map(str, rel)) if prefix == WHOLE_MODEL else ".".join([prefix, *map(str, rel)])
+    if prefix == WHOLE_MODEL:
+        return ".".join(map(str, rel)) or WHOLE_MODEL
+    return ".".join([prefix, *map(str, rel)])
 
 
 def _arrays(module: nnx.Module) -> frozenset[int]:
@@ -187,6 +190,7 @@ def capture_nnx(
     copies = _Copies(model)
     modules, paths = copies.modules, copies.paths
     traced_paths: dict[str, str] = {}
+    traced_types: set[type] = set()
     codes = set().union(*(_method_codes(type(m)) for _, m in nnx.iter_modules(model)))
     kept: dict[tuple[str, str], tuple[list[np.ndarray], list[np.ndarray]]] = {}  # (path, method) -> record
     own: dict[tuple[str, str], PortCall] = {}
@@ -199,7 +203,9 @@ def capture_nnx(
             local = frame.f_locals
             code = frame.f_code
             owner, traced = copies.owner(local.get(code.co_varnames[0]))
-            if owner is not None and (traced or _holds_tracer([local.get(n) for n in code.co_varnames[1:]])):
+            if owner is None and traced:
+                traced_types.add(type(local.get(code.co_varnames[0])))  # a copy of which of its modules: not known
+            elif owner is not None and (traced or _holds_tracer([local.get(n) for n in code.co_varnames[1:]])):
                 traced_paths.setdefault(paths[owner], TRACED)  # inside a trace: no values to record
             elif owner is not None and owner not in active:
                 n_args = (
@@ -233,11 +239,15 @@ def capture_nnx(
     sys.setprofile(watch)
     try:
         with transparent_remat():
+            forget_traces()  # a jax.checkpoint applied once is traced again: its modules are seen, and named
             call()
     finally:
         sys.setprofile(previous)
     if unrecorded is not None:
         recorded = {path for path, _ in kept}
+        for p, m in nnx.iter_modules(model):  # modules of a type seen traced, as copies that could not be told apart
+            if type(m) in traced_types and callable(m):
+                traced_paths.setdefault(".".join(map(str, p)) or WHOLE_MODEL, TRACED)
         unrecorded.update({p: why for p, why in traced_paths.items() if p not in recorded})
     names = call_names(sorted(own, key=lambda key: own[key].start))
     if calls is not None:

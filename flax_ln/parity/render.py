@@ -273,7 +273,8 @@ def _first_divergence(d: Mapping[str, Any]) -> list[str]:
         gap = f"between {before or 'its start'} and {after or 'its end'}"
         held = d.get("unrecorded") or []
         where = f"in {where}, {gap}: " + (
-            f"in its submodules that ran there without a record ({_few(held)}: inside a scan or vmap), or its own code"
+            f"in its submodules that ran there without a record ({_few(held)}: traced inside a transform), "
+            "or its own code"
             if held
             else "its own code"
         )
@@ -312,7 +313,8 @@ def _isolation(d: Mapping[str, Any]) -> list[str]:
     unrecorded = list(d.get("unrecorded", {}))
     if unrecorded:
         skipped += (
-            f"; not recorded: {_few(unrecorded)} (inside a scan or vmap; the reasons are in isolation.unrecorded)"
+            f"; not recorded: {_few(unrecorded)} (traced inside a scan, vmap or checkpoint; the reasons are in "
+            "isolation.unrecorded)"
         )
     if not d["culprits"]:
         return [
