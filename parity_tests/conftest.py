@@ -59,3 +59,13 @@ def built_once(tmp_path_factory, worker_id):
             return json.loads(path.read_text())  # the same JSON round trip as the workers that read it
 
     return once
+
+
+@pytest.fixture
+def plugin_arguments() -> list[str]:
+    """The pytest arguments that load flax-ln's plugin in a pytester run: ``-p flax_ln.pytest_plugin`` unless the
+    installed entry point already loads it (twice is an error)."""
+    import importlib.metadata
+
+    installed = any(ep.value == "flax_ln.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    return [] if installed else ["-p", "flax_ln.pytest_plugin"]

@@ -9,7 +9,6 @@ them (CI installs it). One browser serves the whole module and each report is bu
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import re
@@ -418,16 +417,10 @@ def test_linear_port():
 """
 
 
-def plugin_arguments() -> list[str]:
-    """``-p flax_ln.pytest_plugin`` unless the installed entry point already loads it (twice is an error)."""
-    installed = any(ep.value == "flax_ln.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
-    return [] if installed else ["-p", "flax_ln.pytest_plugin"]
-
-
-def test_parity_html_writes_the_page_of_a_failing_assert_parity_and_names_it(pytester):
+def test_parity_html_writes_the_page_of_a_failing_assert_parity_and_names_it(pytester, plugin_arguments):
     pytester.makepyfile(test_port=FAILING_TEST)
     pages = pytester.path / "pages"
-    result = pytester.runpytest_inprocess(*plugin_arguments(), "--parity-html", str(pages), "-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess(*plugin_arguments, "--parity-html", str(pages), "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     expected = pages / (safe_file_name("test_port.py::test_linear_port") + ".html")
     assert expected.is_file()
@@ -437,9 +430,9 @@ def test_parity_html_writes_the_page_of_a_failing_assert_parity_and_names_it(pyt
     assert "FLAX_LN_PARITY_HTML_DIR" not in os.environ  # the run's setting did not outlive it
 
 
-def test_without_the_option_nothing_is_written_and_the_message_is_unchanged(pytester):
+def test_without_the_option_nothing_is_written_and_the_message_is_unchanged(pytester, plugin_arguments):
     pytester.makepyfile(test_port=FAILING_TEST)
-    result = pytester.runpytest_inprocess(*plugin_arguments(), "-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess(*plugin_arguments, "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     assert not re.search(r"HTML report: \S+\.html", result.stdout.str())
     assert not list(pytester.path.glob("**/*.html"))

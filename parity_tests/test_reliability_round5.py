@@ -172,17 +172,10 @@ def test_page(case):
 """
 
 
-def _plugin_arguments() -> list[str]:
-    import importlib.metadata
-
-    installed = any(ep.value == "flax_ln.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
-    return [] if installed else ["-p", "flax_ln.pytest_plugin"]
-
-
-def test_two_tests_whose_ids_read_alike_get_their_own_pages(pytester):
+def test_two_tests_whose_ids_read_alike_get_their_own_pages(pytester, plugin_arguments):
     pytester.makepyfile(test_pages=PAGES_TEST)
     pages = pytester.path / "pages"
-    result = pytester.runpytest_inprocess(*_plugin_arguments(), "--parity-html", str(pages), "-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess(*plugin_arguments, "--parity-html", str(pages), "-p", "no:cacheprovider")
     result.assert_outcomes(failed=2)
     written = sorted(pages.glob("*.html"))
     assert len(written) == 2
@@ -192,11 +185,11 @@ def test_two_tests_whose_ids_read_alike_get_their_own_pages(pytester):
         assert f"HTML report: {page}" in result.stdout.str()
 
 
-def test_a_parity_html_folder_under_a_file_is_a_usage_error(pytester):
+def test_a_parity_html_folder_under_a_file_is_a_usage_error(pytester, plugin_arguments):
     pytester.makepyfile(test_pages=PAGES_TEST)
     (pytester.path / "afile").write_text("x")
     result = pytester.runpytest_inprocess(
-        *_plugin_arguments(), "--parity-html", str(pytester.path / "afile" / "pages"), "-p", "no:cacheprovider"
+        *plugin_arguments, "--parity-html", str(pytester.path / "afile" / "pages"), "-p", "no:cacheprovider"
     )
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "--parity-html" in result.stderr.str() and "INTERNALERROR" not in result.stdout.str()
@@ -214,11 +207,11 @@ def test_removed_folder():
 )
 
 
-def test_a_parity_html_folder_removed_during_the_run_is_made_again(pytester):
+def test_a_parity_html_folder_removed_during_the_run_is_made_again(pytester, plugin_arguments):
     pytester.makepyfile(test_pages=REMOVED_TEST)
     pages = pytester.path / "pages"
     result = pytester.runpytest_inprocess(
-        *_plugin_arguments(), "--parity-html", str(pages), "-p", "no:cacheprovider", "-k", "removed"
+        *plugin_arguments, "--parity-html", str(pages), "-p", "no:cacheprovider", "-k", "removed"
     )
     result.assert_outcomes(failed=1)
     assert "parity failed" in result.stdout.str() and "FileNotFoundError" not in result.stdout.str()
