@@ -463,11 +463,19 @@ class Comparison:
             return self._run(dtype, zero, plan, want_zero, progress, prefix, stage)
         except Exception as err:
             if dtype == "float64":  # say where it came from: a port that runs in float32 may not be x64-safe
-                where = f"compare_modules: raised in the float64 run, {stage[0]}"
-                note_failure(err, where + (" (x64 on)" if "flax" in stage[0] else ""))
+                note_failure(err, f"compare_modules: raised in the float64 run (x64 on), {stage[0]}")
             raise
 
-    def _run(self, dtype, zero, plan, want_zero, progress, prefix, stage: list[str]):
+    def _run(
+        self,
+        dtype: str,
+        zero: set[str] | None,
+        plan: KeyPlan | None,
+        want_zero: bool,
+        progress: Progress | None,
+        prefix: str,
+        stage: list[str],  # the stage running now, in words, kept up to date for an error's note
+    ) -> tuple[ParityReport, set[str], Any]:
         bar = progress or Progress(0, label="", quiet=True)
         shown = 0
         stages = {
