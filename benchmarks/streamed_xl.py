@@ -96,8 +96,8 @@ def measure_torch(model: str, dtype: str, file: Path) -> dict:
     from flax import nnx
 
     import flax_ln
-    from flax_ln.parity.stages import gpt_stages
-    from flax_ln.parity.stream_sides import Checkpoint, torch_stage
+    from flax_ln.parity.streamed.sides import Checkpoint, torch_stage
+    from flax_ln.parity.streamed.stages import gpt_stages
 
     config = _config(model)
     skeleton = _meta_torch(config)

@@ -106,7 +106,7 @@ def test_a_passing_comparison_never_asks_for_the_zero_evidence(monkeypatch, x64)
 
 
 def test_short_memory_keeps_torchs_gradients_in_files_with_the_same_verdict(monkeypatch):
-    import flax_ln.parity.spill as spill
+    import flax_ln.parity.core.spill as spill
 
     monkeypatch.setattr(spill, "SMALL", 64)  # every gradient of the toy GPT goes to a file
     torch_model, flax_model, idx = gpt_pair()
@@ -119,7 +119,7 @@ def test_short_memory_keeps_torchs_gradients_in_files_with_the_same_verdict(monk
         return files[-1]
 
     monkeypatch.setattr(spill, "available_bytes", lambda: 1 << 20)  # a machine with 1 MiB free
-    monkeypatch.setattr("flax_ln.parity.torch_side.to_file", recording_to_file)
+    monkeypatch.setattr("flax_ln.parity.sides.torch.to_file", recording_to_file)
     spilled = compare_modules(torch_model, flax_model, idx, dtype="float32")
     assert files and all(isinstance(f, np.memmap) and not f.flags.writeable for f in files)
     assert len(files) == len([p for p in torch_model.parameters() if p.requires_grad])
@@ -131,7 +131,7 @@ def test_short_memory_keeps_torchs_gradients_in_files_with_the_same_verdict(monk
 
 
 def test_spill_is_chosen_by_the_memory_three_more_copies_need(monkeypatch):
-    import flax_ln.parity.spill as spill
+    import flax_ln.parity.core.spill as spill
 
     monkeypatch.setattr(spill, "available_bytes", lambda: 10 * 2**30)
     assert not spill.should_spill(2 * 2**30)  # 3 x 2 GiB + 1 GiB margin fits in 10 GiB
@@ -141,7 +141,7 @@ def test_spill_is_chosen_by_the_memory_three_more_copies_need(monkeypatch):
 
 
 def test_a_gradient_that_cannot_go_to_a_file_stays_in_memory(monkeypatch, tmp_path):
-    import flax_ln.parity.spill as spill
+    import flax_ln.parity.core.spill as spill
 
     monkeypatch.setattr(spill, "SMALL", 0)
     monkeypatch.setattr(spill.tempfile, "tempdir", str(tmp_path))

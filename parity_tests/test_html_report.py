@@ -25,9 +25,9 @@ from flax import nnx
 from flax_ln.book import cases
 from flax_ln.cli import main
 from flax_ln.parity import ParityReport, check_case, compare_modules
-from flax_ln.parity.html import render_html
-from flax_ln.parity.render import Section
-from flax_ln.parity.report import reports_from_json
+from flax_ln.parity.report.data import reports_from_json
+from flax_ln.parity.report.html import render_html
+from flax_ln.parity.report.text import Section
 from flax_ln.pytest_plugin import safe_file_name
 
 pytest_plugins = ["pytester"]

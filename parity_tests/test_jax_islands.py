@@ -17,8 +17,8 @@ import pytest
 from flax import linen, nnx
 from jax.experimental import pallas as pl
 
-from flax_ln.parity.islands import Island
-from flax_ln.parity.jax_islands import lift_float32, unlifted_float32
+from flax_ln.parity.islands.island import Island
+from flax_ln.parity.islands.jax import lift_float32, unlifted_float32
 
 pytestmark = pytest.mark.lower_bounds  # every test here runs in the lower-bounds CI step (pyproject.toml, markers)
 

@@ -1,5 +1,5 @@
 """Float32 lifting degrades instead of breaking: on a JAX whose internals lifting needs are missing or changed
-(forced here by taking one away and importing flax_ln.parity.jax_internals again), ``islands="lift"`` runs the
+(forced here by taking one away and importing flax_ln.parity.islands.jax_internals again), ``islands="lift"`` runs the
 flax side as written, lists each float32 request it met as ``lifted=False`` with the reason, and the report
 says so once. With lifting available nothing changes (the first test, and every test of test_jax_islands)."""
 
@@ -13,9 +13,9 @@ import torch
 from flax import nnx
 from jax._src.lax.control_flow import loops as jax_loops
 
-import flax_ln.parity.jax_internals as internals
+import flax_ln.parity.islands.jax_internals as internals
 from flax_ln.parity import compare_modules
-from flax_ln.parity.jax_islands import lift_float32
+from flax_ln.parity.islands.jax import lift_float32
 
 pytestmark = pytest.mark.lower_bounds  # every test here runs in the lower-bounds CI step (pyproject.toml, markers)
 

@@ -144,3 +144,61 @@ def test_the_checks_see_a_circle_and_an_underscore_import(tmp_path):
     found = _imports(planted, "flax_ln.convert.planted")
     assert ("flax_ln.convert.keymap", ["_hidden"], 1) in found
     assert ("flax_ln.convert", ["sibling"], 3) in found
+
+
+# The rooms of flax_ln/parity/, lowest first: a module may import its own room and the rooms before it
+# (docs/design.md, "The house of the parity engine"). report and sides share a level: neither imports the other.
+PARITY_ROOMS = [{"core"}, {"records"}, {"islands"}, {"report", "sides"}, {"localize"}, {"top"}, {"streamed"}]
+MAX_FILES_PER_FOLDER = 15  # modules, __init__.py aside: past this a folder holds more than one concept
+
+
+def _parity_room(module: str) -> str:
+    """The room of a module of flax_ln.parity: its folder, or ``top`` for the modules at the top."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 or (ROOT / "flax_ln/parity" / parts[-1]).is_dir() else "top"
+
+
+def _room_level(room: str) -> int:
+    return next(level for level, rooms in enumerate(PARITY_ROOMS) if room in rooms)
+
+
+def _room_offences(modules: dict[str, Path]) -> list[str]:
+    """Every import of a higher room (or of a room beside one's own), and every underscore name taken across rooms."""
+    offences = []
+    for module, path in modules.items():
+        if module == "flax_ln.parity":  # the public face re-exports every room
+            continue
+        room = _parity_room(module)
+        for target, names, line in _imports(path, module):
+            if not target.startswith("flax_ln.parity."):
+                continue
+            other = _parity_room(target)
+            where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{line}"
+            if other != room and _room_level(other) >= _room_level(room):
+                offences.append(f"{where} ({room}) imports {target} ({other})")
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if other != room and private:
+                offences.append(f"{where} takes {private} from another room")
+    return offences
+
+
+def test_the_parity_rooms_import_only_downwards():
+    modules = _sources("flax_ln/parity")
+    assert {_parity_room(m) for m in modules if m != "flax_ln.parity"} == set().union(*PARITY_ROOMS)
+    assert _room_offences(modules) == []
+
+
+def test_the_room_check_sees_an_upward_import(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from flax_ln.parity.sides.torch import run_torch_side\nfrom flax_ln.parity.core import _x\n")
+    offences = _room_offences({"flax_ln.parity.records.planted": planted})
+    assert len(offences) == 2 and "(records) imports flax_ln.parity.sides.torch (sides)" in offences[0]
+
+
+def test_no_folder_holds_more_than_one_concept_of_files():
+    crowded = {
+        str(folder.relative_to(ROOT)): n
+        for folder in [ROOT / "flax_ln", *(ROOT / "flax_ln").rglob("*/")]
+        if folder.is_dir() and (n := len(set(folder.glob("*.py")) - {folder / "__init__.py"})) > MAX_FILES_PER_FOLDER
+    }
+    assert crowded == {}

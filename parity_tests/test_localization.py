@@ -20,7 +20,7 @@ from flax import linen, nnx
 
 from flax_ln.convert import KeyMap
 from flax_ln.parity import Linen, compare_modules, localize
-from flax_ln.parity.capture import WHOLE_MODEL
+from flax_ln.parity.records.capture import WHOLE_MODEL
 
 VOCAB, WIDTH, HEADS, HEAD, SEQ, BATCH = 32, 24, 3, 8, 6, 2  # sqrt(24) is not a bfloat16 number
 CHANNELS, IMAGE, CLASSES = 4, 8, 5  # the stem halves the image: 4 x 4 x 4 activations, H = W = C

@@ -18,9 +18,9 @@ from flax_ln.book.catalog import MODEL_NAMES
 from flax_ln.book.torch_checkpoint import torch_checkpoint_case
 from flax_ln.cli import main
 from flax_ln.parity import Tolerance, assert_parity, compare_modules, compare_tensors
-from flax_ln.parity.capture import WHOLE_MODEL
-from flax_ln.parity.nnx_side import capture_nnx
-from flax_ln.parity.torch_side import run_torch_side
+from flax_ln.parity.records.capture import WHOLE_MODEL
+from flax_ln.parity.sides.nnx import capture_nnx
+from flax_ln.parity.sides.torch import run_torch_side
 
 JSON_TENSOR_KEYS = {
     "name",

@@ -1,4 +1,4 @@
-"""A long comparison's progress bar (flax_ln.parity.progress): shown on a terminal after its delay with the phase
+"""A long comparison's progress bar (flax_ln.parity.core.progress): shown on a terminal after its delay with the phase
 that runs, cleared when closed (also on an error), and never made with ``quiet=True``, off a terminal (pytest's
 capture, pipes) or with ``FLAX_LN_PROGRESS=0``. The terminal is a fake: a StringIO that says it is a tty."""
 
@@ -13,10 +13,10 @@ import torch
 from flax import nnx
 
 import flax_ln.parity.case as case
-import flax_ln.parity.progress as progress
+import flax_ln.parity.core.progress as progress
 from flax_ln.cli import main
 from flax_ln.parity import compare_modules
-from flax_ln.parity.progress import Progress
+from flax_ln.parity.core.progress import Progress
 
 
 class FakeTerminal(io.StringIO):

@@ -20,9 +20,9 @@ import flax_ln
 import torch_ref
 from flax_ln.convert import ConversionError
 from flax_ln.parity import Stage, Stages, compare_modules, compare_streamed, parameters_on_meta
-from flax_ln.parity.stages import gpt_stages
-from flax_ln.parity.stream_sides import Checkpoint
-from flax_ln.parity.streamed import Streamed
+from flax_ln.parity.streamed.compare import Streamed
+from flax_ln.parity.streamed.sides import Checkpoint
+from flax_ln.parity.streamed.stages import gpt_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # examples/ is not installed; the port is imported from the checkout

@@ -16,11 +16,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from flax_ln.parity import islands as islands_module
-from flax_ln.parity import torch_islands
-from flax_ln.parity.capture import WHOLE_MODEL
-from flax_ln.parity.islands import Island
-from flax_ln.parity.torch_islands import build_lifted, default_factory, lift_float32, rounded_buffers
+from flax_ln.parity.islands import island as islands_module
+from flax_ln.parity.islands import torch as torch_islands
+from flax_ln.parity.islands.island import Island
+from flax_ln.parity.islands.torch import build_lifted, default_factory, lift_float32, rounded_buffers
+from flax_ln.parity.records.capture import WHOLE_MODEL
 
 pytestmark = pytest.mark.lower_bounds  # every test here runs in the lower-bounds CI step (pyproject.toml, markers)
 

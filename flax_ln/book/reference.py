@@ -1,7 +1,7 @@
 """Reference files: the torch side of a parity run in one safetensors file, checked later without torch.
 
 ``flax-ln parity --save-reference FILE`` writes, for every selected model, what the
-comparison takes from torch (:class:`flax_ln.parity.torch_side.TorchSide`): inputs, weights,
+comparison takes from torch (:class:`flax_ln.parity.sides.torch.TorchSide`): inputs, weights,
 cotangents (or tangents), outputs, gradients, every submodule's recorded first call (so
 the first divergence and isolated mode work from the file) and, with ``--attribute``,
 the float64 values. Arrays are tensors named ``<model index>/<field>/...``; everything
@@ -29,10 +29,10 @@ from flax import nnx
 import flax_ln
 from flax_ln._atomic import write_atomically
 from flax_ln.book import reference_schema
-from flax_ln.parity.capture import Unsupported
-from flax_ln.parity.policy import numerics, parameter_dtype
+from flax_ln.parity.core.policy import numerics, parameter_dtype
+from flax_ln.parity.records.capture import Unsupported
+from flax_ln.parity.sides.torch import TorchSide
 from flax_ln.parity.stored import compare_side
-from flax_ln.parity.torch_side import TorchSide
 
 METADATA_KEY = "flax_ln_reference"
 DIGEST_KEY = "flax_ln_reference_sha256"

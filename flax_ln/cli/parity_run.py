@@ -13,13 +13,14 @@ import json
 import sys
 import time
 
+import flax_ln.parity.report.text as render
 from flax_ln.book import reference
 from flax_ln.cli.parity import capture_modules, model_names
-from flax_ln.parity import TOLERANCES, check_case, check_training, render
+from flax_ln.parity import TOLERANCES, check_case, check_training
 from flax_ln.parity.case import torch_side_of_case
-from flax_ln.parity.html import render_html
-from flax_ln.parity.policy import numerics
-from flax_ln.parity.report import environment
+from flax_ln.parity.core.policy import numerics
+from flax_ln.parity.report.data import environment
+from flax_ln.parity.report.html import render_html
 from flax_ln.parity.stored import compare_side
 from flax_ln.sharding import DATA
 

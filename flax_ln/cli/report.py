@@ -1,7 +1,7 @@
 """``flax-ln report``: a report written by ``flax-ln parity --json``, rendered again (an HTML page) without a rerun.
 
-Reads the JSON back into reports (:func:`flax_ln.parity.report.reports_from_json`) and writes the page of
-:func:`flax_ln.parity.html.render_html`, as ``flax-ln parity --html`` would have: a CI run's JSON artifact
+Reads the JSON back into reports (:func:`flax_ln.parity.report.data.reports_from_json`) and writes the page of
+:func:`flax_ln.parity.report.html.render_html`, as ``flax-ln parity --html`` would have: a CI run's JSON artifact
 rendered later, where neither torch nor the models are needed.
 """
 
@@ -34,8 +34,8 @@ def main_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(problem)
     if same_file(args.html, args.json_path):
         parser.error(f"--html {args.html!r} is the JSON file itself; give --html a different file")
-    from flax_ln.parity.html import render_html
-    from flax_ln.parity.report import reports_from_json
+    from flax_ln.parity.report.data import reports_from_json
+    from flax_ln.parity.report.html import render_html
 
     try:
         reports = reports_from_json(args.json_path)

@@ -14,16 +14,16 @@ import numpy as np
 from flax import nnx
 
 from flax_ln.convert import load_torch_state_dict, to_torch_state_dict
-from flax_ln.parity.call import Call, forward_pair, run_forward
 from flax_ln.parity.compare import compare_modules
-from flax_ln.parity.policy import Tolerance, compare_tensors, numerics, zero_gradient_names
-from flax_ln.parity.report import ParityReport
-from flax_ln.parity.torch_side import (
+from flax_ln.parity.core.call import Call, forward_pair, run_forward
+from flax_ln.parity.core.policy import Tolerance, compare_tensors, numerics, zero_gradient_names
+from flax_ln.parity.islands.torch import torch_in_float64
+from flax_ln.parity.report.data import ParityReport
+from flax_ln.parity.sides.torch import (
     TorchSide,
     float64_zero_gradients,
     resolve_dtype,
     run_torch_side,
-    torch_in_float64,
     torch_tensors,
 )
 

@@ -15,13 +15,9 @@ from flax import nnx
 
 from flax_ln.convert import KeyMap, KeyPlan
 from flax_ln.convert.keymap_syntax import describe_value
-from flax_ln.parity.call import Call, as_inputs, cast_floats, merge_dropped
-from flax_ln.parity.failure import describe_failure, note_failure
-from flax_ln.parity.flax_side import FlaxSide, Function, Linen
-from flax_ln.parity.kinds import flax_side_kind
-from flax_ln.parity.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
-from flax_ln.parity.localize import check_torch_paths, localize
-from flax_ln.parity.policy import (
+from flax_ln.parity.core.call import Call, as_inputs, cast_floats, merge_dropped
+from flax_ln.parity.core.failure import describe_failure, note_failure
+from flax_ln.parity.core.policy import (
     HALF_PRECISION,
     Tolerance,
     compare_tensors,
@@ -33,12 +29,16 @@ from flax_ln.parity.policy import (
     whole_norm,
     zero_gradient_names,
 )
-from flax_ln.parity.progress import Progress
-from flax_ln.parity.report import ParityReport, environment
-from flax_ln.parity.shared import as_shared, one_variable_for_distinct_parameters, zero_shared
-from flax_ln.parity.spill import should_spill
-from flax_ln.parity.split import as_split
-from flax_ln.parity.torch_side import (
+from flax_ln.parity.core.progress import Progress
+from flax_ln.parity.core.spill import should_spill
+from flax_ln.parity.islands.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
+from flax_ln.parity.localize.locate import check_torch_paths, localize
+from flax_ln.parity.report.data import ParityReport, environment
+from flax_ln.parity.sides.flax import FlaxSide, Function, Linen
+from flax_ln.parity.sides.kinds import flax_side_kind
+from flax_ln.parity.sides.shared import as_shared, one_variable_for_distinct_parameters, zero_shared
+from flax_ln.parity.sides.split import as_split
+from flax_ln.parity.sides.torch import (
     MODES,
     TorchSide,
     float64_zero_gradients,
@@ -170,7 +170,7 @@ def load_and_judge(
 ):
     """Load the flax side of ``kind`` with ``side``'s weights (through ``weights``, a key map, when given), run
     and compare it, add the ties, LM metrics and attribution. ``rerun``: the torch side again with other tangents
-    (:func:`~flax_ln.parity.torch_side.with_tangents`), for :func:`~flax_ln.parity.shared.as_shared`;
+    (:func:`~flax_ln.parity.sides.torch.with_tangents`), for :func:`~flax_ln.parity.sides.shared.as_shared`;
     ``judging()`` is called when the flax side has run, before its values are compared (a progress phase)."""
     flax = kind.load(flax_module, side, flax_inputs, weights, plan)
     shared = {} if flax.plan is None else flax.plan.shared()
@@ -247,8 +247,8 @@ def compare_modules(
     Args:
       torch_module: a ``torch.nn.Module`` whose parameters are in ``dtype``.
       flax_module: its NNX twin, with the same module tree (a path names the same module
-        in both) and parameters in ``dtype``; or a :class:`~flax_ln.parity.flax_side.Linen` module
-        with its variables, or a :class:`~flax_ln.parity.flax_side.Function` over a parameter
+        in both) and parameters in ``dtype``; or a :class:`~flax_ln.parity.sides.flax.Linen` module
+        with its variables, or a :class:`~flax_ln.parity.sides.flax.Function` over a parameter
         pytree: both need ``weights``, are filled on copies, and ``forward``'s flax function
         receives ``run`` (``run(*a, **k)`` applies the module or the function to the filled
         variables). A ``Function`` has no modules to localise (``report.localization_note``
@@ -312,7 +312,7 @@ def compare_modules(
         model unchanged on error), parameter gradients come back under ``named_parameters()``'s
         names through each layout's inverse (tied copies summed), ``jvp`` parameter tangents go
         into the flax layout through it, ``report.ties`` lists the ties, and localisation pairs
-        modules by their parameters (:func:`~flax_ln.parity.localize.pair_modules`). Distinct
+        modules by their parameters (:func:`~flax_ln.parity.localize.locate.pair_modules`). Distinct
         torch parameters that fill one flax variable (``report.shared``,
         :meth:`~flax_ln.convert.KeyPlan.shared`) fail: the port holds one variable where torch
         keeps two (equal at initialisation, apart after training), said in a failing result under
@@ -328,7 +328,7 @@ def compare_modules(
         compute dtypes; a port's ``astype(float32)``), so that a faithful port agrees to
         float64 rounding; casts to bfloat16 or float16 are the port's own and stay.
         ``"keep"`` runs each side as written. ``report.islands`` lists each island lifted
-        (:class:`~flax_ln.parity.islands.Island`: side, module, what, lifted), and the
+        (:class:`~flax_ln.parity.islands.island.Island`: side, module, what, lifted), and the
         built-in ones either way.
       torch_factory: a zero-argument callable that builds the torch module afresh: with
         ``islands="lift"`` the float64 copy is built by it with lifting on (so buffers made
@@ -342,7 +342,7 @@ def compare_modules(
         -0.5, jnp.float32)``, an ``nnx.data`` table) are float64 (listed as lifted), then fills its variables
         with the weights as usual. Without it such constants are listed in ``report.islands`` as not lifted.
       quiet: no progress bar. Without it, a comparison that runs longer than two seconds shows a bar of its
-        phases on a terminal (:class:`~flax_ln.parity.progress.Progress`; never when ``sys.stderr`` is not a
+        phases on a terminal (:class:`~flax_ln.parity.core.progress.Progress`; never when ``sys.stderr`` is not a
         terminal, or with the environment variable ``FLAX_LN_PROGRESS=0``).
 
     Frozen torch parameters (``requires_grad=False``) are loaded and compared through the
@@ -363,24 +363,26 @@ def compare_modules(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     comparison = Comparison(
-        kind,
-        torch_module,
-        flax_module,
-        as_inputs(inputs),
-        None if flax_inputs is None else as_inputs(flax_inputs),
-        dict(kwargs or {}),
-        dict(forward=forward, loss=loss, mode=mode, input_names=input_names, tangent_params=tangent_params, name=name),
-        tolerances,
-        attribute,
-        lm_logits,
-        mesh,
-        localize_failures,
-        capture_modules,
-        weights,
-        modules,
-        islands,
-        torch_factory,
-        flax_factory,
+        kind=kind,
+        torch_module=torch_module,
+        flax_module=flax_module,
+        weights=weights,
+        torch_factory=torch_factory,
+        flax_factory=flax_factory,
+        inputs=as_inputs(inputs),
+        flax_inputs=None if flax_inputs is None else as_inputs(flax_inputs),
+        kwargs=dict(kwargs or {}),
+        call_options=dict(
+            forward=forward, loss=loss, mode=mode, input_names=input_names, tangent_params=tangent_params, name=name
+        ),
+        tolerances=tolerances,
+        islands=islands,
+        attribute=attribute,
+        lm_logits=lm_logits,
+        mesh=mesh,
+        localize_failures=localize_failures,
+        capture_modules=capture_modules,
+        modules=modules,
     )
     explicit = dtype is not None
     dtype = resolve_dtype(torch_module, dtype)
@@ -401,33 +403,38 @@ def compare_modules(
     return stamp(report, started)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Comparison:
-    """One :func:`compare_modules` call's arguments, run in a dtype (:meth:`run`)."""
+    """One :func:`compare_modules` call's arguments, run in a dtype (:meth:`run`); built by keyword only."""
 
+    # what is compared: the two sides, how the flax side is filled, and how each side is rebuilt in float64
     kind: type[FlaxSide]
     torch_module: Any
     flax_module: Any
+    weights: KeyMap | None
+    torch_factory: Callable[[], Any] | None
+    flax_factory: Callable[[], Any] | None = None
+    # what each side is called with: the inputs, keyword arguments, and the call's options (forward, loss, mode,
+    # input_names, tangent_params, name)
     inputs: tuple[np.ndarray, ...]
     flax_inputs: tuple[np.ndarray, ...] | None
     kwargs: dict[str, Any]
     call_options: dict[str, Any]
+    # how the results are judged
     tolerances: Mapping[str, Tolerance] | None
+    islands: str
     attribute: bool
     lm_logits: str | None
     mesh: Any
+    # what localisation does
     localize_failures: bool
     capture_modules: bool
-    weights: KeyMap | None
     modules: Mapping[str, Any] | None
-    islands: str
-    torch_factory: Callable[[], Any] | None
-    flax_factory: Callable[[], Any] | None = None
 
     def flax_side_for(self, dtype: str) -> Any:
         """The flax side a run in ``dtype`` loads: the caller's, or, in a float64 run that lifts, the one
-        ``flax_factory`` builds now (call inside :func:`~flax_ln.parity.lifting.flax_lifted`), so that constants it
-        makes at construction are float64 (listed as lifted); of the caller's kind."""
+        ``flax_factory`` builds now (call inside :func:`~flax_ln.parity.islands.lifting.flax_lifted`), so that
+        constants it makes at construction are float64 (listed as lifted); of the caller's kind."""
         if self.flax_factory is None or dtype != "float64" or self.islands != "lift":
             return self.flax_module
         built = self.flax_factory()

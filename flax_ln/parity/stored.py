@@ -9,13 +9,13 @@ from typing import Any
 
 from flax import nnx
 
-from flax_ln.parity.call import as_inputs
 from flax_ln.parity.compare import load_and_judge, stamp
-from flax_ln.parity.kinds import flax_side_kind
-from flax_ln.parity.localize import localize
-from flax_ln.parity.policy import Tolerance, numerics, tolerances_for
-from flax_ln.parity.report import ParityReport
-from flax_ln.parity.torch_side import TorchSide
+from flax_ln.parity.core.call import as_inputs
+from flax_ln.parity.core.policy import Tolerance, numerics, tolerances_for
+from flax_ln.parity.localize.locate import localize
+from flax_ln.parity.report.data import ParityReport
+from flax_ln.parity.sides.kinds import flax_side_kind
+from flax_ln.parity.sides.torch import TorchSide
 
 
 def compare_side(

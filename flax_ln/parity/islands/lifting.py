@@ -1,0 +1,103 @@
+"""How a float64 comparison runs both sides in float64: the torch module's float64 copy, and both sides'
+float32 islands lifted while they run (``islands="lift"``) or kept as written (``"keep"``).
+
+In float64 both frameworks compute the same math, so what is left is rounding, about 1e-16 per op, unless
+one side computes part of it in float32: transformers' RMSNorm, attention softmax and rotary tables, flax's
+``dot_product_attention`` softmax, a port's own ``astype(float32)``. Lifting runs those parts in float64 on
+both sides (torch: :mod:`flax_ln.parity.islands.torch`, per dispatched op; flax:
+:mod:`flax_ln.parity.islands.jax`, while the flax side is traced), and lists each island it met. Only
+float32 is lifted: a cast to bfloat16 or float16 is the port's own computation, which a check must show.
+
+Built-in islands are values made in float32 when the model was built (rotary ``inv_freq`` buffers): a
+``.double()`` copy keeps them float32-rounded. The torch model is rebuilt with lifting on during its
+construction when a factory is known (``torch_factory=``, or ``type(m)(m.config)`` for a transformers
+model), loaded with the caller's weights and checked equal to them; without one, the float64 buffers whose
+values are all float32-rounded (and that the weights do not overwrite) are listed, not lifted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax_ln.parity.islands.jax as jax_islands
+import flax_ln.parity.islands.torch as torch_islands
+from flax_ln.parity.islands.island import Island
+from flax_ln.parity.islands.torch import torch_in_float64
+
+ISLAND_MODES = ("lift", "keep")
+
+
+def check_island_mode(islands: str) -> None:
+    """``ValueError`` unless ``islands`` is one of :data:`ISLAND_MODES`."""
+    if islands not in ISLAND_MODES:
+        raise ValueError(f"islands must be one of {list(ISLAND_MODES)}, got {islands!r}")
+
+
+class Found:
+    """The islands one comparison met, in the order it met them, each once."""
+
+    def __init__(self) -> None:
+        self.islands: list[Island] = []
+
+    def add(self, islands: list[Island]) -> None:
+        for island in islands:
+            if island not in self.islands:
+                self.islands.append(island)
+
+
+@contextlib.contextmanager
+def torch_model_for(
+    torch_module: Any, dtype: str, islands: str, factory: Callable[[], Any] | None, found: Found
+) -> Iterator[Any]:
+    """The torch model a comparison in ``dtype`` runs: the caller's module, in float64 for this scope when the
+    comparison is float64 and the module is not (restored after, exactly), or, with lifting and a factory,
+    a float64 copy rebuilt with its construction-time buffers in float64. Built-in islands go into ``found``."""
+    if dtype != "float64":
+        yield torch_module
+        return
+    factory = (factory or torch_islands.default_factory(torch_module)) if islands == "lift" else None
+    if factory is not None:
+        model, built = torch_islands.build_lifted(factory, torch_module)
+        found.add(built)
+        yield model
+        return
+    weights = set(torch_module.state_dict())
+    in_float64 = all(str(t.dtype) == "torch.float64" for t in _floats(torch_module))
+    with contextlib.nullcontext() if in_float64 else torch_in_float64(torch_module):
+        found.add(torch_islands.rounded_buffers(torch_module, weights))
+        yield torch_module
+
+
+def _floats(module: Any) -> list[Any]:
+    return [t for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+
+
+@contextlib.contextmanager
+def torch_lifted(torch_model: Any, dtype: str, islands: str, found: Found) -> Iterator[None]:
+    """The torch side of a float64 comparison in this scope: its ``torch.autocast`` regions kept in their half
+    precision (as in the model's own run), and, when it lifts, its float32 islands run in float64."""
+    if dtype != "float64":
+        yield
+        return
+    lifting = torch_islands.lift_float32(torch_model) if islands == "lift" else contextlib.nullcontext()
+    with torch_islands.keep_autocast(torch_model) as kept, lifting as lifted:
+        try:
+            yield
+        finally:
+            found.add(kept.islands + (lifted.islands if lifted is not None else []))
+
+
+@contextlib.contextmanager
+def flax_lifted(dtype: str, islands: str, found: Found) -> Iterator[None]:
+    """The flax side's float32 islands run in float64 in this scope, while it is traced (a float64
+    comparison that lifts)."""
+    if dtype != "float64" or islands != "lift":
+        yield
+        return
+    with jax_islands.lift_float32() as lifted:
+        try:
+            yield
+        finally:
+            found.add(lifted.islands)

@@ -1,0 +1,87 @@
+"""Records of every submodule's inputs and outputs during one forward pass: what a record holds
+(:data:`Records`, :data:`Calls`, :func:`floating_leaves`, :func:`plain_value`) and the torch side's
+recording (:func:`capture_torch`: forward hooks on the submodules of one model, removed when the call ends).
+
+Each kind of flax side records its own submodules (``FlaxSide.record``): an NNX module with
+:func:`flax_ln.parity.sides.nnx.capture_nnx`, a Linen module with :func:`flax_ln.parity.sides.linen.capture_linen`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from flax_ln.convert.assign import as_numpy, is_floating
+
+WHOLE_MODEL = "(whole model)"  # the path under which the root module's own call is recorded
+
+Records = dict[str, tuple[list[np.ndarray], list[np.ndarray]]]  # path -> (inputs, outputs)
+Calls = dict[str, tuple[list[Any], dict[str, Any]]]  # path -> (positional args, keyword args) of the first call
+
+
+class Unsupported(str):
+    """A recorded argument that is neither an array nor a plain value (a callable, a module): names its type."""
+
+
+def plain_value(value: Any) -> Any:
+    """A call argument as data: a NumPy array for a tensor, the value itself for None/bool/int/float/str
+    (and tuples/lists of those), else :class:`Unsupported` naming its type."""
+    if hasattr(value, "detach"):  # a torch.Tensor
+        return as_numpy(value).copy()
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return np.array(value)  # a copy, as for a tensor
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [plain_value(v) for v in value]
+        return next((v for v in items if isinstance(v, Unsupported)), type(value)(items))
+    return Unsupported(type(value).__name__)
+
+
+def floating_leaves(tree: Any) -> list[np.ndarray]:
+    """Floating array leaves of a (possibly nested) input or output, as NumPy copies taken at call time
+    (a record must not change when the model later modifies a tensor in place); tracers are skipped."""
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in floating_leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in floating_leaves(item)]
+    if isinstance(tree, jax.core.Tracer):
+        return []  # inside a jit/scan trace: no values to record
+    if hasattr(tree, "detach"):  # a torch.Tensor: copied now, so that a later in-place op cannot change the record
+        tree = as_numpy(tree).copy()
+    if isinstance(tree, (np.ndarray, jax.Array)) and is_floating(tree.dtype):  # bfloat16 too
+        return [np.array(tree)]  # a copy: never a view of a caller's array or of a device buffer
+    return []
+
+
+def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None) -> Records:
+    """Run ``call`` with forward hooks on every submodule of the torch ``model``: path -> (inputs, outputs).
+
+    Dict order is execution order (a module is recorded when its forward returns). A module's inputs are its
+    positional floating arrays, or, when it was given none, its keyword arguments' (in call order). With
+    ``calls``, each module's first call is also stored there whole (every positional and
+    keyword argument, by :func:`plain_value`), so the module can be called again on it.
+    """
+    import torch
+
+    records: Records = {}
+    handles = []
+    for name, module in model.named_modules():
+
+        def hook(mod, args, kwargs, output, name=name or WHOLE_MODEL):
+            if name not in records and calls is not None:
+                calls[name] = ([plain_value(a) for a in args], {k: plain_value(v) for k, v in kwargs.items()})
+            inputs = floating_leaves(args) or floating_leaves(kwargs)  # transformers passes hidden_states by name
+            records.setdefault(name, (inputs, floating_leaves(output)))
+
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return records

@@ -1,0 +1,337 @@
+"""Torch submodules paired with flax submodules (:class:`Pairs`), whatever the kind of flax side, and activations
+moved between the two layouts of a pair. Imports no torch.
+
+How pairs are found from a flax side's module tree is :func:`flax_ln.parity.localize.locate.pair_modules`; the pieces
+here know nothing of NNX or Linen: a flax module is a dotted path and an opaque handle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from einops.parsing import ParsedExpression
+
+from flax_ln.convert import KeyPlan
+from flax_ln.convert.layouts import ArrayLayout, Permute, parse_layout
+from flax_ln.parity.records.capture import WHOLE_MODEL
+
+NO_HOLDER = "no flax module holds its parameters"  # why a torch module has no pair, when pairs go by parameters
+NO_OUTPUT = "no flax module's output is its output"  # the start of the reason when a pair's values do not flow on
+
+
+class PairingArgumentError(ValueError):
+    """A ``modules=`` entry that names no flax module: the caller's mistake, raised (never caught by localisation)."""
+
+
+ParameterGroups = dict[frozenset, list[tuple[str, ...]]]  # the filled variables a module holds -> its module paths
+
+
+@dataclasses.dataclass
+class Pairs:
+    """Torch submodules paired with flax submodules, for localisation and isolated mode.
+
+    ``modules``: torch path -> the flax module's handle (what the flax side's
+    :meth:`~flax_ln.parity.sides.flax.FlaxSide.module_paths` gives: an NNX module, a Linen scope path);
+    ``flax_paths``: torch path -> dotted flax path (the root is :data:`WHOLE_MODEL` on both sides); ``layouts``:
+    torch path -> the pair's own activation layout (torch -> flax), from ``modules=``; ``skipped``: torch path ->
+    why a pair's activations could not be compared; ``by_parameters``: the pairs were found by the parameters
+    each module holds (through a key map's plan), not by mirrored paths, so a pair's flax path may differ from its
+    torch path; ``unpaired``: torch path -> why a module that holds parameters has no flax twin.
+
+    How a flax activation is put into torch's layout, first rule that applies: the pair's own layout
+    (``modules=``); the flax module type's (``type_layouts``: channels-last convolutions); the one the key map's
+    einops layout of the pair's projection weight says (``derived``: ``"(n h) d -> d n h"`` makes the output's
+    ``(n h)`` flax's ``n h``); for mirrored pairs, none; else the axis permutation from one shape to the other:
+    the only one, or, where several fit (square images), the one under which the pair's inputs agree
+    (``decided``, see :meth:`decide`), else the inputs' own axis order.
+    """
+
+    modules: dict[str, Any]
+    flax_paths: dict[str, str]
+    layouts: dict[str, ArrayLayout] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    by_parameters: bool = False
+    orders: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # the inputs' torch -> flax axis orders
+    type_layouts: dict[str, Permute] = dataclasses.field(default_factory=dict)
+    derived: dict[str, dict[str, ArrayLayout]] = dataclasses.field(default_factory=dict)  # "input"/"output"
+    decided: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # flax -> torch, by values
+    unpaired: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def assign(self, torch_path: str, flax_path: str, handle: Any, type_layout: Permute | None) -> None:
+        """Pair ``torch_path`` with the flax module ``handle`` at ``flax_path`` instead (a layout decided for the
+        previous pair is forgotten)."""
+        self.modules[torch_path], self.flax_paths[torch_path] = handle, flax_path
+        self.decided.pop(torch_path, None)
+        self.type_layouts.pop(torch_path, None)
+        if type_layout is not None:
+            self.type_layouts[torch_path] = type_layout
+
+    def unpair(self, torch_path: str, reason: str) -> None:
+        """Take ``torch_path`` out of the pairs, ``reason`` kept in ``unpaired``."""
+        for table in (self.modules, self.flax_paths, self.type_layouts, self.decided, self.derived):
+            table.pop(torch_path, None)
+        self.unpaired[torch_path] = reason
+
+    def _layout(self, path: str, which: str) -> ArrayLayout | None:
+        return self.layouts.get(path) or self.derived.get(path, {}).get(which)
+
+    def to_torch(self, path: str, array, torch_shape, which: str = "output") -> np.ndarray | str:
+        """A flax activation (an ``"input"`` or ``"output"``) of the pair at ``path`` in torch's layout, or why it
+        cannot be put there."""
+        array, layout = np.asarray(array), self._layout(path, which)
+        try:
+            if layout is not None:
+                return np.asarray(layout.to_torch(array, tuple(torch_shape)))
+        except ValueError as err:
+            return str(err)
+        if path in self.type_layouts:
+            return array.transpose(self.type_layouts[path].to_torch(array.ndim))
+        if not self.by_parameters:
+            return array
+        inverse = [tuple(int(i) for i in np.argsort(o)) for o in self.orders]  # flax -> torch
+        perm = _permutation(array.shape, torch_shape, self.decided.get(path), inverse)
+        return perm if isinstance(perm, str) else np.transpose(array, perm)
+
+    def to_flax(self, path: str, array: np.ndarray, flax_shape, which: str = "input") -> np.ndarray | str:
+        """A torch activation of the pair at ``path`` in the flax module's layout, or why it cannot be put there."""
+        layout = self._layout(path, which)
+        try:
+            if layout is not None:
+                return np.asarray(layout.to_flax(array, tuple(flax_shape)))
+        except ValueError as err:
+            return str(err)
+        if path in self.type_layouts:
+            return array.transpose(self.type_layouts[path].to_flax(array.ndim))
+        if flax_shape is None or not self.by_parameters:
+            return array
+        decided = self.decided.get(path)
+        inverse = None if decided is None else tuple(int(i) for i in np.argsort(decided))
+        perm = _permutation(array.shape, flax_shape, inverse, self.orders)
+        return perm if isinstance(perm, str) else np.transpose(array, perm)
+
+    def known_permutation(self, path: str, flax_output, torch_shape) -> tuple[int, ...] | None:
+        """The flax -> torch axis permutation of the pair's output where it is known without comparing values: the
+        module type's, none for mirrored pairs, the one decided, or the only one the shapes allow."""
+        if self._layout(path, "output") is not None:
+            return None
+        ndim = np.ndim(flax_output)
+        if path in self.type_layouts:
+            return tuple(int(i) for i in self.type_layouts[path].to_torch(ndim))
+        if not self.by_parameters:
+            return tuple(range(ndim))
+        found = _candidates(np.shape(flax_output), tuple(torch_shape))
+        if self.decided.get(path) in found:
+            return self.decided[path]
+        return found[0] if len(found) == 1 else None
+
+    def decide(
+        self,
+        path: str,
+        flax_inputs: Sequence[np.ndarray],
+        torch_inputs: Sequence[np.ndarray],
+        sources: Mapping[bytes, tuple[str, np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        """Where several axis permutations take the pair's flax input onto torch's shape, keep the right one.
+
+        First by where the input comes from (``sources``: the torch output fingerprint (:func:`fingerprint`) of
+        each earlier pair -> that pair's path, flax output and torch output): when torch's input is exactly an axis
+        permutation of an earlier pair's torch output, flax's input exactly one of that pair's flax output, and that
+        pair's own layout is known, the three compose into this pair's layout, whatever the values' errors. Else by
+        values: the permutation under which the two inputs agree, its error at least ten times below every other's
+        (inputs are meant to be the same values, up to the first divergence; the outputs, which are judged, never
+        decide)."""
+        if not self.by_parameters or self._layout(path, "input") is not None or path in self.type_layouts:
+            return
+        for f, t in zip(flax_inputs, torch_inputs):
+            found = _candidates(np.shape(f), np.shape(t))
+            if len(found) < 2:
+                continue
+            source = None if sources is None else sources.get(fingerprint(t))
+            if source is not None:
+                flowed = self._by_flow(source, f, t)
+                if flowed in found:
+                    self.decided[path] = flowed
+                    return
+            errors = sorted((_rel_error(np.transpose(f, p), t), p) for p in found)
+            if errors[0][0] < 0.5 and errors[0][0] * 10 < errors[1][0]:
+                self.decided[path] = errors[0][1]
+            return
+
+    def _by_flow(self, source: tuple[str, np.ndarray, np.ndarray], f: np.ndarray, t: np.ndarray):
+        """The flax -> torch permutation of ``f`` (flax's input) onto ``t`` (torch's) through the earlier pair
+        ``source`` whose outputs they are, each side up to an exact axis permutation; ``None`` when not known."""
+        path, f_out, t_out = source
+        at_source = self.known_permutation(path, f_out, np.shape(t_out))
+        torch_moved, flax_moved = exact_permutation(t_out, t), exact_permutation(f_out, f)
+        if at_source is None or torch_moved is None or flax_moved is None:
+            return None
+        # f = f_out.T(flax_moved), t = t_out.T(torch_moved) ~ f_out.T(at_source).T(torch_moved): f.T(p) ~ t
+        return tuple(int(i) for i in np.argsort(flax_moved)[np.asarray(at_source)[list(torch_moved)]])
+
+
+def fingerprint(array) -> bytes:
+    """The same for two arrays holding the same values in any layout (any axis order or reshape)."""
+    return hashlib.blake2b(np.sort(np.asarray(array).ravel()).tobytes(), digest_size=16).digest()
+
+
+def exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...] | None:
+    """The one ``p`` with ``source.transpose(p)`` equal to ``target`` element for element, else ``None``."""
+    found = _candidates(np.shape(source), np.shape(target))
+    exact = [p for p in found if np.array_equal(np.transpose(source, p), target)]
+    return exact[0] if len(exact) == 1 else None
+
+
+def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
+    scale = float(np.linalg.norm(b.astype(np.float64)))
+    return float(np.linalg.norm(a.astype(np.float64) - b)) / (scale or 1.0)
+
+
+def projection_layouts(plan: KeyPlan, torch_path: str) -> dict[str, ArrayLayout]:
+    """The activation layouts (``"input"``, ``"output"``: torch -> flax) that the key map's einops layout of the
+    torch module's 2-D ``weight`` implies: with ``"(n h) d -> d n h"``, torch's output ``(..., n*h)`` is flax's
+    ``(..., n, h)``; only where axes are split or merged (a plain transpose keeps activations as they are)."""
+    found: dict[str, ArrayLayout] = {}
+    for target in plan.targets.get(f"{torch_path}.weight", ()):
+        pattern = target.layout.pattern
+        if pattern is None or len(target.torch_shape) != 2:
+            continue
+        lhs, rhs = (ParsedExpression(side) for side in pattern.split("->"))
+        if len(lhs.composition) != 2 or lhs.has_ellipsis or rhs.has_ellipsis:
+            continue
+        for which, group in (("output", lhs.composition[0]), ("input", lhs.composition[1])):
+            flax_groups = [g for g in rhs.composition if set(g) <= set(group)]
+            if flax_groups == [group] or len(group) == len(flax_groups) == 1:
+                continue
+            torch_axes = " ".join(group) if len(group) == 1 else f"({' '.join(group)})"
+            flax_axes = " ".join(g[0] if len(g) == 1 else f"({' '.join(g)})" for g in flax_groups)
+            found[which] = ArrayLayout(pattern=f"... {torch_axes} -> ... {flax_axes}")
+        break
+    return found
+
+
+def filled_variables(plan: KeyPlan) -> set[str]:
+    """The flax variables (canonical paths) that ``plan`` fills."""
+    return {t.path for ts in plan.targets.values() for t in ts}
+
+
+def _region_names(plan: KeyPlan) -> dict[str, set[str]]:
+    """The names (``path[i]``, ``path[:, 0:768]``) of the regions that fill each variable ``plan`` fills by parts."""
+    names: dict[str, set[str]] = {}
+    for targets in plan.targets.values():
+        for target in targets:
+            if target.name != target.path:
+                names.setdefault(target.path, set()).add(target.name)
+    return names
+
+
+def _whole(names: frozenset, parts: Mapping[str, set[str]]) -> frozenset:
+    """Flax variable names with the regions of a variable filled by parts (``path[i]`` of a stack, ``path[:, 0:768]``
+    of a fused kernel) collapsed into ``path`` when all its parts are there (a fused kernel filled from several
+    torch keys); a part of a variable stays named as the part."""
+    out = set(names)
+    for base, regions in parts.items():
+        if regions <= out:
+            out -= regions
+            out.add(base)
+    return frozenset(out)
+
+
+def pairs_by_parameters(
+    flax_groups: ParameterGroups, plan: KeyPlan, torch_keys: Sequence[str], modules: Mapping[str, Any] | None
+) -> dict[str, list[str]]:
+    """torch path -> the flax paths of the submodules whose parameters map exactly onto its own (see
+    :func:`~flax_ln.parity.localize.locate.pair_modules`), the likeliest first: where several modules on a side hold the
+    same parameters (a wrapper and its only child), the k-th innermost torch module lists the k-th innermost flax
+    module first. ``flax_groups``: each flax module's filled variables -> the modules' paths; a torch module that
+    ``modules=`` removes (``None``) takes no part."""
+    removed = {t for t, given in (modules or {}).items() if given is None}
+    parts = _region_names(plan)
+    prefixes = {".".join(key.split(".")[:i]) for key in torch_keys for i in range(1, key.count(".") + 1)}
+    torch_groups: dict[frozenset, list[str]] = {}
+    for prefix in sorted(prefixes - removed):
+        names = _whole(plan.flax_names(k for k in torch_keys if k.startswith(prefix + ".")), parts)
+        if names:
+            torch_groups.setdefault(names, []).append(prefix)
+    found: dict[str, list[str]] = {}
+    for names, torch_paths in torch_groups.items():
+        flax_paths = [".".join(f) or WHOLE_MODEL for f in sorted(flax_groups.get(names, []), key=len, reverse=True)]
+        for k, t in enumerate(sorted(torch_paths, key=lambda p: p.count("."), reverse=True)):
+            if flax_paths:
+                first = flax_paths[min(k, len(flax_paths) - 1)]
+                found[t] = [first] + [f for f in flax_paths if f != first]
+    return found
+
+
+def complete_pairs(
+    flax_paths: dict[str, str],
+    by_flax_path: Mapping[str, Any],
+    modules: Mapping[str, Any] | None,
+    orders: Sequence[tuple[int, ...]],
+    by_parameters: bool,
+    named: str,
+    type_layout: Callable[[Any], Permute | None],
+) -> Pairs:
+    """The automatic pairs ``flax_paths`` (torch path -> flax path), the roots and ``modules=`` added;
+    ``by_flax_path`` holds the flax modules' handles, ``named`` says how their paths are named (for errors),
+    ``type_layout`` gives a handle's activation layout by its module type (channels-last convolutions)."""
+    flax_paths[WHOLE_MODEL] = WHOLE_MODEL
+    layouts: dict[str, ArrayLayout] = {}
+    for torch_path, given in (modules or {}).items():
+        if given is None:
+            flax_paths.pop(torch_path, None)
+            continue
+        path, layout = given if isinstance(given, tuple) else (given, None)
+        if path not in by_flax_path:
+            raise PairingArgumentError(
+                f"modules={{{torch_path!r}: {path!r}}}: the flax model has no module at {path!r}; its modules: "
+                f"{sorted(p for p in by_flax_path if p != WHOLE_MODEL)[:12]} ... (dotted paths, {named})"
+            )
+        flax_paths[torch_path] = path
+        if layout is not None:
+            layouts[torch_path] = parse_layout(layout)
+    paired = {t: by_flax_path[f] for t, f in flax_paths.items() if f in by_flax_path}
+    hints = [tuple(o) for o in orders if tuple(o) != tuple(range(len(o)))]
+    pairs = Pairs(paired, flax_paths, layouts, {}, by_parameters, hints)
+    for torch_path, handle in paired.items():
+        if (layout := type_layout(handle)) is not None:
+            pairs.type_layouts[torch_path] = layout
+    return pairs
+
+
+def _candidates(source: tuple, target: tuple) -> list[tuple[int, ...]]:
+    """Every ``p`` with ``source[p] == target``."""
+    source, target = tuple(source), tuple(target)
+    if len(source) != len(target):
+        return []
+    return [p for p in itertools.permutations(range(len(source))) if tuple(source[i] for i in p) == target]
+
+
+def _permutation(
+    source: tuple, target: tuple, decided: tuple[int, ...] | None, hints: Sequence[tuple[int, ...]] = ()
+) -> tuple[int, ...] | str:
+    """The unique ``p`` with ``source[p] == target``, else the reason there is none.
+
+    Among several (repeated sizes): the one ``decided`` by the pair's input values, else the one of ``hints``
+    (the inputs' own axis orders) if exactly one is there, else the identity if the shapes are equal and no
+    hint has this many axes.
+    """
+    source, target = tuple(source), tuple(target)
+    found = set(_candidates(source, target))
+    if decided is not None and decided in found:
+        return decided
+    hinted = found & set(hints)
+    if len(found) == 1 or len(hinted) == 1:
+        return (found if len(found) == 1 else hinted).pop()
+    if source == target and not any(len(h) == len(source) for h in hints):
+        return tuple(range(len(source)))
+    if not found:
+        return f"shapes {source} and {target} are not one axis permutation apart"
+    return (
+        f"shapes {source} and {target} are {len(found)} axis permutations apart and the pair's inputs do not "
+        "decide; give the pair's layout in modules={torch_path: (flax_path, 'einops pattern')}"
+    )

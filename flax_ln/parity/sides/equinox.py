@@ -1,0 +1,300 @@
+"""The flax side as an Equinox module: :class:`Equinox` (what a user passes; an ``equinox.Module`` passed bare is
+taken as ``Equinox(module)``) and :class:`EquinoxSide`. Its variables are the module's array leaves, named by
+attribute names and indices, dotted (:class:`~flax_ln.convert.trees.EquinoxTree`); its submodules are recorded by
+swapping each for a recording wrapper in a copy of the module (the caller's is never changed), under ``jax.vmap``
+and ``eqx.filter_jit`` too. Imports neither torch nor, until an Equinox module is compared, equinox."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax_ln.convert import KeyMap, PytreeTree
+from flax_ln.convert.trees import EquinoxTree, is_equinox_module
+from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
+from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
+from flax_ln.parity.sides.flax import Parts, Run
+from flax_ln.parity.sides.tree import TreeSide
+
+
+@dataclasses.dataclass(frozen=True)
+class Equinox:
+    """An Equinox module as the flax side of a comparison (``weights=KeyMap(...)`` required).
+
+    The forward receives the module, filled from the torch weights on a copy (the caller's is not modified),
+    as it receives an NNX module. The parameters (differentiated, and filled by the key map) are its inexact
+    arrays, or those ``params`` chooses: an Equinox filter as ``eqx.partition`` takes it (a callable on leaves,
+    or a pytree of bools). Everything else is static. A key map names a leaf by the module's attribute names and
+    sequence indices, dotted (``layers.0.attn.query_proj.weight``).
+    """
+
+    module: Any
+    params: Any = None
+
+    def variable_tree(self) -> EquinoxTree:
+        """Its arrays as the converter names them (``load_torch_state_dict``/``to_torch_state_dict`` take them)."""
+        return EquinoxTree(self.module, self.params)
+
+
+def _wrapper(flax_module: Any) -> Equinox:
+    return flax_module if isinstance(flax_module, Equinox) else Equinox(flax_module)
+
+
+@dataclasses.dataclass
+class EquinoxSide(TreeSide):
+    """The flax side as an :class:`Equinox` module: its parameters are differentiated, its other leaves are state
+    or static; the forward receives the module rebuilt from them."""
+
+    wrapper_type: ClassVar[type] = Equinox
+    tree_type: ClassVar[type[PytreeTree]] = EquinoxTree
+    variable_noun: ClassVar[str] = "parameter"
+    paths_named: ClassVar[str] = "Equinox attribute paths (dotted, as the key map names them)"
+    recorded_batched: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def takes(cls, flax_module: Any) -> bool:
+        return isinstance(flax_module, Equinox) or is_equinox_module(flax_module)
+
+    @classmethod
+    def variables_of(cls, wrapper: Any) -> Any:
+        return _wrapper(wrapper).module
+
+    @classmethod
+    def check(cls, flax_module: Any, weights: KeyMap | None, mesh) -> None:
+        """A key map, an Equinox module, and no ``mesh`` (its arrays have no sharding rule)."""
+        wrapper = _wrapper(flax_module)
+        if not is_equinox_module(wrapper.module):
+            raise TypeError(f"Equinox(module): module must be an equinox.Module, got {type(wrapper.module).__name__}")
+        if weights is None:
+            raise TypeError(
+                "an Equinox flax side needs weights=KeyMap(...) (written, or KeyMap.discover(loader, torch_module, "
+                "kind='equinox')): its arrays are filled from the torch state dict through the key map"
+            )
+        super().check(wrapper, weights, mesh)
+        if mesh is not None:
+            raise ValueError("mesh= is not supported for an Equinox flax side; compare it without mesh")
+
+    @classmethod
+    def wrapped(cls, flax_module: Any) -> Equinox:
+        """A bare ``equinox.Module`` as ``Equinox(module)``."""
+        return _wrapper(flax_module)
+
+    @classmethod
+    def tree_of(cls, wrapper: Any) -> EquinoxTree:
+        """Its arrays, with the wrapper's ``params`` filter (kept in every tree made from this one)."""
+        return wrapper.variable_tree()
+
+    def _tree(self) -> EquinoxTree:
+        assert isinstance(self.tree, EquinoxTree)
+        return self.tree
+
+    def parts(self) -> Parts:
+        """The parameters are differentiated; the other arrays are state; the rest (callables, numbers) static."""
+        tree = self._tree()
+        module = tree.tree()
+        leaves, treedef = jax.tree_util.tree_flatten(module)
+        names = list(tree.names(module))
+        chosen = [i for i, n in enumerate(names) if n in tree.chosen]
+        arrays = [i for i, x in enumerate(leaves) if i not in chosen and isinstance(x, (jax.Array, np.ndarray))]
+        static = list(leaves)
+
+        def build(params, rest):
+            out = list(static)
+            for i, x in itertools.chain(zip(chosen, params), zip(arrays, rest)):
+                out[i] = x
+            return jax.tree_util.tree_unflatten(treedef, out)
+
+        chosen_names = [names[i] for i in chosen]
+        return Parts(
+            build, [leaves[i] for i in chosen], [leaves[i] for i in arrays], lambda g: dict(zip(chosen_names, g))
+        )
+
+    # ---- its module tree
+
+    def eager_model(self) -> Any:
+        """A copy of the filled module with every submodule (the root too) wrapped in a recorder
+        (:func:`instrumented`): it computes what the module computes, and records only inside :meth:`record`."""
+        return instrumented(self.tree.tree())
+
+    def submodules(self) -> dict[str, Any]:
+        """``{dotted path: submodule}`` of every callable ``equinox.Module`` in the filled module, root included."""
+        return dict(_walk(self.tree.tree(), ()))
+
+    def record(self, forward: Callable[[], Any]) -> Records:
+        """Run ``forward()`` (over :meth:`eager_model`'s copy) with its recorders on: each submodule's first call,
+        its floating inputs and outputs by dotted path, in call order. A call under ``jax.vmap`` is recorded with
+        its batch axis first (one record a batch element, stacked); under ``jit`` its values arrive when it runs."""
+        sink = _Sink()
+        _SINKS.append(sink)
+        try:
+            jax.block_until_ready(forward())
+            jax.effects_barrier()
+        finally:
+            _SINKS.remove(sink)
+        self.recorded_batched = dict(sink.batched)
+        return sink.records()
+
+    def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
+        return self.submodules()
+
+    def parameter_groups(self, filled: set[str], recorded: Records) -> ParameterGroups:
+        """The filled variables under each submodule's path -> the submodules' path steps."""
+        out: ParameterGroups = {}
+        for path in self.submodules():
+            prefix = "" if path == WHOLE_MODEL else path + "."
+            own = frozenset(n for n in filled if n.split("[")[0].startswith(prefix))
+            if own:
+                out.setdefault(own, []).append(tuple(prefix[:-1].split(".")) if prefix else ())
+        return out
+
+    def run_alone(
+        self,
+        pairs: Pairs,
+        torch_records: Records,
+        torch_calls: Calls | None,
+        flax_records: Records,
+        forward: Callable[[], Any],
+    ) -> Iterator[tuple[str, Run]]:
+        """Each paired submodule called alone on torch's recorded floating inputs (in the flax layout), under
+        ``jax.vmap`` over their first axis where the port called it under ``vmap``; or why it was not run."""
+        for path in torch_records:
+            module = pairs.modules.get(path)
+            if module is None:
+                yield path, pairs.unpaired.get(path, NO_HOLDER)
+                continue
+            flax_path = pairs.flax_paths[path]
+            own = flax_records.get(path)
+            if own is None:
+                yield path, "its flax twin was not called (with a floating output) in the flax run"
+                continue
+            inputs = []
+            for k, (t_in, f_in) in enumerate(zip(torch_records[path][0], own[0])):
+                moved = pairs.to_flax(path, t_in, np.shape(f_in))
+                if isinstance(moved, str) or np.shape(moved) != np.shape(f_in):
+                    why = moved if isinstance(moved, str) else f"torch's {np.shape(moved)} is not {np.shape(f_in)}"
+                    yield path, f"input {k}: {why}"
+                    break
+                inputs.append(jnp.asarray(moved, f_in.dtype))
+            else:
+                call = jax.vmap(module) if self.recorded_batched.get(flax_path) else module
+                try:
+                    yield path, floating_leaves(call(*inputs))
+                except Exception as err:  # noqa: BLE001 - any failure to call is reported as the reason
+                    yield path, f"the flax call on torch's inputs raised {type(err).__name__}: {str(err)[:120]}"
+
+
+def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    """``(dotted path, module)`` of every callable ``equinox.Module`` under ``node`` (its fields, lists, dicts)."""
+    if is_equinox_module(node):
+        if callable(node):
+            yield ".".join(path) or WHOLE_MODEL, node
+        for field in dataclasses.fields(node):
+            yield from _walk(getattr(node, field.name, None), (*path, field.name))
+    elif isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            yield from _walk(item, (*path, str(i)))
+    elif isinstance(node, dict):
+        for key, item in node.items():
+            yield from _walk(item, (*path, str(key)))
+
+
+class _Sink:
+    """The calls recorded during one :meth:`EquinoxSide.record`: per path its first call's values (one entry per
+    batch element under ``vmap``) and whether it was batched."""
+
+    def __init__(self):
+        self.calls: dict[str, list[tuple[list[np.ndarray], list[np.ndarray]]]] = {}
+        self.batched: dict[str, bool] = {}
+
+    def begin(self, path: str, leaves: list[Any]) -> bool:
+        """Whether this call of ``path`` is recorded (its first); notes whether it runs under ``vmap``."""
+        if path in self.calls:
+            return False
+        self.calls[path] = []
+        self.batched[path] = any("Batch" in type(x).__name__ for x in leaves)  # a vmap's tracer
+        return True
+
+    def store(self, path: str, inputs: list[Any], outputs: list[Any]) -> None:
+        self.calls[path].append(([np.array(x) for x in inputs], [np.array(x) for x in outputs]))
+
+    def records(self) -> Records:
+        out: Records = {}
+        for path, calls in self.calls.items():
+            if not calls or not calls[0][1]:
+                continue
+            if self.batched[path]:
+                out[path] = tuple([np.stack(xs) for xs in zip(*(c[i] for c in calls))] for i in (0, 1))  # type: ignore[assignment]
+            else:
+                out[path] = calls[0]
+        return out
+
+
+_SINKS: list[_Sink] = []  # the recordings under way (the innermost last)
+
+
+def _floating(leaves: list[Any]) -> list[Any]:
+    return [x for x in leaves if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+@functools.cache
+def _recorder() -> type:
+    import equinox as eqx
+
+    class Recorder(eqx.Module):
+        """A submodule as it is, its first call's floating inputs and outputs recorded while a recording is on."""
+
+        inner: Any
+        path: str = eqx.field(static=True)
+
+        def __call__(self, *args, **kwargs):
+            out = self.inner(*args, **kwargs)
+            if _SINKS:
+                sink = _SINKS[-1]
+                inputs = _floating(jax.tree_util.tree_leaves(list(args)))
+                if sink.begin(self.path, inputs):
+                    outputs = _floating(jax.tree_util.tree_leaves(out))
+                    jax.debug.callback(functools.partial(sink.store, self.path), inputs, outputs)
+            return out
+
+        def __getattr__(self, name: str) -> Any:  # the port's forward may call another method
+            if name in ("inner", "path") or name.startswith("__"):
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    return Recorder
+
+
+def instrumented(node: Any, path: tuple[str, ...] = ()) -> Any:
+    """A copy of ``node`` with every callable ``equinox.Module`` in it wrapped in a recorder named by its dotted
+    path (the root: :data:`WHOLE_MODEL`); the caller's module and its submodules are not changed."""
+    if is_equinox_module(node):
+        changed = {}
+        for field in dataclasses.fields(node):
+            if field.metadata.get("static", False):
+                continue
+            value = getattr(node, field.name, None)
+            new = instrumented(value, (*path, field.name))
+            if new is not value:
+                changed[field.name] = new
+        if changed:
+            node = copy.copy(node)  # a shallow copy: the caller's module keeps its own fields
+            for name, value in changed.items():
+                object.__setattr__(node, name, value)
+        return _recorder()(node, ".".join(path) or WHOLE_MODEL) if callable(node) else node
+    if isinstance(node, (list, tuple)):
+        items = [instrumented(item, (*path, str(i))) for i, item in enumerate(node)]
+        if all(a is b for a, b in zip(items, node)):
+            return node
+        return type(node)(items) if not hasattr(node, "_fields") else type(node)(*items)
+    if isinstance(node, dict):
+        new_dict = {k: instrumented(v, (*path, str(k))) for k, v in node.items()}
+        return node if all(new_dict[k] is node[k] for k in node) else type(node)(new_dict)
+    return node
