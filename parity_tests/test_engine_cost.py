@@ -13,9 +13,10 @@ from flax import nnx
 
 import flax_ln
 import flax_ln.parity.compare as compare
+import flax_ln.parity.core.tensor_stats as tensor_stats
 import torch_ref
 from flax_ln import GPTConfig
-from flax_ln.parity import Tolerance, compare_modules, compare_tensors, relative_error, tensor_stats
+from flax_ln.parity import Tolerance, compare_modules, compare_tensors, relative_error
 
 SMALL = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=40, block_size=8)
 

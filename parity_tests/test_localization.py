@@ -18,8 +18,9 @@ import pytest
 import torch
 from flax import linen, nnx
 
+import flax_ln.parity.localize.locate as localize
 from flax_ln.convert import KeyMap
-from flax_ln.parity import Linen, compare_modules, localize
+from flax_ln.parity import Linen, compare_modules
 from flax_ln.parity.records.capture import WHOLE_MODEL
 
 VOCAB, WIDTH, HEADS, HEAD, SEQ, BATCH = 32, 24, 3, 8, 6, 2  # sqrt(24) is not a bfloat16 number
