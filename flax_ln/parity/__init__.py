@@ -45,6 +45,7 @@ from flax_ln.parity.core.policy import (
 from flax_ln.parity.report.data import FirstDivergence, Isolation, ParityReport
 from flax_ln.parity.sides.equinox import Equinox
 from flax_ln.parity.sides.flax import Function, Linen
+from flax_ln.parity.sides.keras import Keras
 from flax_ln.parity.streamed.compare import compare_streamed
 from flax_ln.parity.streamed.sides import parameters_on_meta
 from flax_ln.parity.streamed.stages import Stage, Stages
@@ -91,6 +92,7 @@ __all__ = [
     "HALF_PRECISION",
     "Isolation",
     "KeyMap",
+    "Keras",
     "Linen",
     "ParityReport",
     "Stage",
