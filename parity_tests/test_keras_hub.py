@@ -1,0 +1,121 @@
+"""keras-hub conversions against their transformers originals, with no rule written: a tiny transformers folder
+converted by keras-hub's own converter (``Backbone.from_preset``), its key map discovered through that converter
+(``kind="keras"``), and the default comparison. A Llama decoder converts faithfully (PASS, float64 at float64
+rounding); a planted eps in one sublayer is named on both sides. BERT does not: keras-hub builds its feed-forward
+with the tanh approximation of GELU where transformers' ``hidden_act="gelu"`` is the exact (erf) one; the float64
+check names that module on both sides, and passes once its activation is the exact GELU. Skipped without keras or
+keras-hub, except under ``CI=true``, where a missing one fails."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from flax_ln.convert import KeyMap
+from flax_ln.parity import compare_modules
+from flax_ln.parity.sides.keras import layer_paths
+
+IDS = np.random.default_rng(0).integers(0, 64, size=(2, 6))
+MASK = np.ones((2, 6), np.int64)
+
+
+def converted(keras_hub, hf, tmp_path):
+    """The transformers model saved to a folder, keras-hub's conversion of it, and the key map its converter
+    implements, discovered through it."""
+    hf.save_pretrained(tmp_path)
+
+    def loader(folder):
+        return keras_hub.models.Backbone.from_preset(str(folder))
+
+    return loader(tmp_path), KeyMap.discover(loader, hf, takes="folder", kind="keras")
+
+
+def worst(report):
+    """The largest relative error of a report's tensors, the gradients float64 shows are zero left out (noise)."""
+    return max(r.relative_error for r in report.results if r.passed_by != "zero")
+
+
+def layer(model, path):
+    return next(found for p, found in layer_paths(model).values() if p == path)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def hidden_states(m, ids, mask):
+    return m.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def backbone(k, ids, mask):
+    return k({"token_ids": ids, "padding_mask": mask})
+
+
+def test_llama_conversion_passes_with_a_discovered_map(keras_hub, llama, tmp_path):
+    model, key_map = converted(keras_hub, llama, tmp_path)
+    assert "transformer_layer_0/self_attention/query/kernel" in key_map.to_source()
+    report = compare_modules(llama, model, (IDS, MASK), weights=key_map, forward=(hidden_states, backbone))
+    assert report.passed, report
+    assert "model.embed_tokens.weight" in report.ties  # the tied head, found by discovery
+    assert report.float64_check is not None and report.float64_check.passed, report
+    assert worst(report.float64_check) < 1e-12, report  # float64 rounding
+
+
+def test_a_planted_eps_is_named_by_keras_path_and_torch_name(keras_hub, llama, tmp_path):
+    model, key_map = converted(keras_hub, llama, tmp_path)
+    layer(model, "transformer_layer_0/feedforward_layernorm").epsilon = 0.5  # transformers' is 1e-6
+    report = compare_modules(
+        llama, model, (IDS, MASK), weights=key_map, forward=(hidden_states, backbone), dtype="float32"
+    )
+    assert not report.passed
+    fd = report.first_divergence
+    assert (fd.module, fd.flax_module) == (
+        "model.layers.0.post_attention_layernorm",
+        "transformer_layer_0/feedforward_layernorm",
+    ), report
+    assert report.isolation.culprits == ["model.layers.0.post_attention_layernorm"], report
+    assert report.isolation.flax_culprits == ["transformer_layer_0/feedforward_layernorm"], report
+
+
+def test_bert_conversion_approximates_gelu_and_passes_once_corrected(keras, keras_hub, tmp_path):
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        hidden_act="gelu",  # the exact GELU, erf
+    )
+    torch.manual_seed(0)
+    bert = transformers.BertModel(config).eval()
+    model, key_map = converted(keras_hub, bert, tmp_path)
+
+    def sequence_output(k, ids, mask):
+        return k({"token_ids": ids, "padding_mask": mask, "segment_ids": ids * 0})["sequence_output"]
+
+    forward = (lambda m, ids, mask: m(input_ids=ids, attention_mask=mask).last_hidden_state, sequence_output)
+    check = compare_modules(bert, model, (IDS, MASK), weights=key_map, forward=forward, dtype="float64")
+    assert not check.passed, check  # at these widths the approximation hides in float32's tolerance, not float64's
+    assert (check.first_divergence.module, check.first_divergence.flax_module) == (
+        "encoder.layer.0.intermediate",
+        "transformer_layer_0/feedforward_intermediate_dense",
+    ), check
+    assert check.isolation.flax_culprits == ["transformer_layer_0/feedforward_intermediate_dense"], check
+
+    layer(model, "transformer_layer_0/feedforward_intermediate_dense").activation = keras.activations.gelu  # erf
+    corrected = compare_modules(bert, model, (IDS, MASK), weights=key_map, forward=forward, dtype="float64")
+    assert corrected.passed, corrected
+    assert worst(corrected) < 1e-12, corrected  # float64 rounding
