@@ -51,7 +51,9 @@ def keras():
 @pytest.fixture(scope="module")
 def keras_hub(keras):
     """keras-hub (installed with --no-deps, see .ci/run); skipped without it, failed under CI=true."""
-    return optional_package("keras_hub", "pip install --no-deps keras-hub==0.32.0 sentencepiece kagglehub kagglesdk==0.1.28")
+    return optional_package(
+        "keras_hub", "pip install --no-deps keras-hub==0.32.0 sentencepiece kagglehub kagglesdk==0.1.28"
+    )
 
 
 @pytest.fixture

@@ -115,7 +115,9 @@ def test_jvp_and_a_float64_rebuild(keras):
 
 
 def test_isolation_runs_every_sublayer_alone(keras):
-    report = compare_modules(torch_net(), keras_net(keras), (X,), weights=KEY_MAP, dtype="float32", capture_modules=True)
+    report = compare_modules(
+        torch_net(), keras_net(keras), (X,), weights=KEY_MAP, dtype="float32", capture_modules=True
+    )
     assert report.passed, report
     pairs = {t: f for t, f in report.module_pairs.items() if f is not None}
     assert pairs == {

@@ -351,9 +351,9 @@ def read_values(tree: VariableTree, path: str) -> np.ndarray | None:
 
 
 _KINDS = (
-    "an nnx.Module, an equinox.Module, a Keras model, a VariableTree (flax_ln.convert.LinenTree(variables) for a Linen module's "
-    "variables, flax_ln.convert.PytreeTree(params) for a parameter pytree), or a flax_ln.parity.Linen, Function or "
-    "Equinox"
+    "an nnx.Module, an equinox.Module, a Keras model, a VariableTree (flax_ln.convert.LinenTree(variables) for a "
+    "Linen module's variables, flax_ln.convert.PytreeTree(params) for a parameter pytree), or a "
+    "flax_ln.parity.Linen, Function, Equinox or Keras"
 )
 
 
@@ -444,6 +444,6 @@ def loaded_tree(loaded: Any, kind: str | None) -> VariableTree:
             "(collections at the top: {'params': ...}) or kind='function' for a parameter pytree"
         )
     raise TypeError(
-        "KeyMap.discover: the loader must return an nnx.Module, an equinox.Module, a Keras model, a dict (with kind='linen') or "
-        f"a pytree (with kind='function'), got {type(loaded).__name__}"
+        "KeyMap.discover: the loader must return an nnx.Module, an equinox.Module, a Keras model, a dict (with "
+        f"kind='linen') or a pytree (with kind='function'), got {type(loaded).__name__}"
     )

@@ -231,8 +231,12 @@ class KerasSide(TreeSide):
         tree = self._tree()
         trainable, non_trainable = tree.ordered(tree.tree())
         model, names = tree.model, list(tree.trainable)
-        return Parts(lambda params, rest: KerasRun(model, params, rest), trainable, non_trainable,
-                     lambda grads: dict(zip(names, grads)))
+        return Parts(
+            lambda params, rest: KerasRun(model, params, rest),
+            trainable,
+            non_trainable,
+            lambda grads: dict(zip(names, grads)),
+        )
 
     # ---- its layer tree
 

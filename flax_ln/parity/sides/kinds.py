@@ -23,9 +23,9 @@ def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
     if kind is None:
         raise TypeError(
             f"the flax side is a {type(flax_module).__module__}.{type(flax_module).__qualname__}, which the engine "
-            "does not know: compare_modules takes an nnx.Module, an equinox.Module, a Keras model, flax_ln.parity.Linen(module, "
-            "variables) or flax_ln.parity.Function(apply, params). Wrap a model of another module system (a pytree "
-            "with its own call) as Function(apply, params), with params its arrays and apply(params, *inputs) "
-            "calling it"
+            "does not know: compare_modules takes an nnx.Module, an equinox.Module, a Keras model, "
+            "flax_ln.parity.Linen(module, variables) or flax_ln.parity.Function(apply, params). Wrap a model of "
+            "another module system (a pytree with its own call) as Function(apply, params), with params its arrays "
+            "and apply(params, *inputs) calling it"
         )
     return kind
