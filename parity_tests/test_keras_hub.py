@@ -1,12 +1,15 @@
 """keras-hub conversions against their transformers originals, with no rule written: a tiny transformers folder
 converted by keras-hub's own converter (``Backbone.from_preset``), its key map discovered through that converter
 (``kind="keras"``), and the default comparison. A Llama decoder converts faithfully (PASS, float64 at float64
-rounding); a planted eps in one sublayer is named on both sides. BERT does not: keras-hub builds its feed-forward
+rounding; ``examples/ports/keras_hub_llama.py``, the recipe of docs/ports.md, "A Keras model"); a planted eps in one
+sublayer is named on both sides. BERT does not: keras-hub builds its feed-forward
 with the tanh approximation of GELU where transformers' ``hidden_act="gelu"`` is the exact (erf) one; the float64
 check names that module on both sides, and passes once its activation is the exact GELU. Skipped without keras or
 keras-hub, except under ``CI=true``, where a missing one fails."""
 
-import numpy as np
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -15,8 +18,12 @@ from flax_ln.convert import KeyMap
 from flax_ln.parity import compare_modules
 from flax_ln.parity.sides.keras import layer_paths
 
-IDS = np.random.default_rng(0).integers(0, 64, size=(2, 6))
-MASK = np.ones((2, 6), np.int64)
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # examples/ is not installed; the ports are imported from the checkout
+    sys.path.insert(0, str(ROOT))
+from examples.ports import keras_hub_llama  # noqa: E402
+
+IDS, MASK = keras_hub_llama.inputs()
 
 
 def converted(keras_hub, hf, tmp_path):
@@ -41,32 +48,14 @@ def layer(model, path):
 
 @pytest.fixture(scope="module")
 def llama():
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def hidden_states(m, ids, mask):
-    return m.model(input_ids=ids, attention_mask=mask).last_hidden_state
-
-
-def backbone(k, ids, mask):
-    return k({"token_ids": ids, "padding_mask": mask})
+    return keras_hub_llama.hf_llama()
 
 
 def test_llama_conversion_passes_with_a_discovered_map(keras_hub, llama, tmp_path):
-    model, key_map = converted(keras_hub, llama, tmp_path)
+    llama.save_pretrained(tmp_path)
+    key_map = keras_hub_llama.key_map(llama)
     assert "transformer_layer_0/self_attention/query/kernel" in key_map.to_source()
-    report = compare_modules(llama, model, (IDS, MASK), weights=key_map, forward=(hidden_states, backbone))
+    report = keras_hub_llama.check(llama, keras_hub_llama.convert(tmp_path), key_map)
     assert report.passed, report
     assert "model.embed_tokens.weight" in report.ties  # the tied head, found by discovery
     assert report.float64_check is not None and report.float64_check.passed, report
@@ -74,11 +63,10 @@ def test_llama_conversion_passes_with_a_discovered_map(keras_hub, llama, tmp_pat
 
 
 def test_a_planted_eps_is_named_by_keras_path_and_torch_name(keras_hub, llama, tmp_path):
-    model, key_map = converted(keras_hub, llama, tmp_path)
+    llama.save_pretrained(tmp_path)
+    model = keras_hub_llama.convert(tmp_path)
     layer(model, "transformer_layer_0/feedforward_layernorm").epsilon = 0.5  # transformers' is 1e-6
-    report = compare_modules(
-        llama, model, (IDS, MASK), weights=key_map, forward=(hidden_states, backbone), dtype="float32"
-    )
+    report = keras_hub_llama.check(llama, model, keras_hub_llama.key_map(llama), dtype="float32")
     assert not report.passed
     fd = report.first_divergence
     assert (fd.module, fd.flax_module) == (
