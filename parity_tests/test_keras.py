@@ -91,6 +91,9 @@ def test_batchnorm_model_passes_in_float32_and_float64_and_is_not_changed(keras)
     assert report.float64_check is not None and report.float64_check.passed, report
     worst = max(r.relative_error for r in report.float64_check.results)
     assert worst < 1e-12, report  # float64 rounding of a few dozen ops, no float32 left on either side
+    casts = [i for i in report.float64_check.islands if i.side == "flax" and i.what == "asarray with dtype float32"]
+    assert len(casts) == 1 and casts[0].lifted and casts[0].count > 1, report.float64_check.islands  # policy casts
+    assert f"(lifted, {casts[0].count} times)" in str(report)  # listed once, with their count
     names = {r.name for r in report.results}
     assert "bn1.weight" in names and "bn1.running_mean" not in names  # moving statistics: state, no gradient
     assert {v.path: np.array(v.value) for v in model.variables}.keys() == before.keys()
