@@ -201,7 +201,7 @@ class KerasSide(TreeSide):
                 "returning the Keras model (e.g. lambda folder: keras_hub.models.Backbone.from_preset(folder) with "
                 "takes='folder')"
             )
-        if not model.built or not model.weights:
+        if not model.built:
             raise ValueError(
                 f"the Keras model {model.name!r} has no variables yet: build it (call it once on an input, or "
                 "model.build(input_shape)) before comparing it"
@@ -209,7 +209,8 @@ class KerasSide(TreeSide):
         if mesh is not None:
             raise ValueError("mesh= is not supported for a Keras flax side; compare it without mesh")
         tree = KerasTree(model)
-        trainable = {p: tree.read(p) for p in tree.trainable}
+        values = tree.tree()
+        trainable = {p: values[p] for p in tree.trainable}
         fix = "Make its variable non-trainable (trainable=False), so that it is state"
         require_differentiable(trainable, "trainable variable", fix)
 
