@@ -1,5 +1,6 @@
 """Keras 3 as a flax side (``flax_ln.parity.Keras``): a plain Keras model with BatchNormalization (moving statistics as
-state), a nested layer that takes ``training`` and a dropout, against its torch twin, through a key map in Keras paths:
+state), a nested layer that takes ``training``, a dropout and a dense layer applying its own activation (torch's
+is apart), against its torch twin, through a key map in Keras paths:
 float32 and float64, ``jvp``, a float64 rebuild, isolation of every sublayer, a planted eps named on both sides,
 export; and the errors before torch runs (no key map, another backend, keras missing). Skipped without keras, except
 under ``CI=true``, where a missing keras fails."""
@@ -44,7 +45,7 @@ class TorchNet(torch.nn.Module):
         self.drop, self.block, self.head = torch.nn.Dropout(0.1), TorchBlock(), torch.nn.Linear(16, 4)
 
     def forward(self, x):
-        return self.head(self.block(self.drop(self.bn1(self.fc1(x)))))
+        return self.head(self.block(self.drop(self.bn1(torch.tanh(self.fc1(x))))))
 
 
 def torch_net():
@@ -73,7 +74,7 @@ def keras_net(keras, eps=1e-3, dtype=None):
             return x + keras.ops.relu(self.bn(self.fc(x), training=training))
 
     inputs = keras.Input((8,), dtype=dtype)
-    h = keras.layers.Dense(16, name="fc1", dtype=dtype)(inputs)
+    h = keras.layers.Dense(16, activation="tanh", name="fc1", dtype=dtype)(inputs)  # torch's tanh is apart
     h = keras.layers.BatchNormalization(epsilon=eps, name="bn1", dtype=dtype)(h)
     h = keras.layers.Dropout(0.1, name="drop", dtype=dtype)(h)
     h = Block(name="block", dtype=dtype)(h)
@@ -124,7 +125,7 @@ def test_isolation_runs_every_sublayer_alone(keras):
     assert report.passed, report
     pairs = {t: f for t, f in report.module_pairs.items() if f is not None}
     assert pairs == {
-        "fc1": "fc1",
+        "fc1": "fc1 (before its activation)",  # torch's fc1 is the projection alone
         "bn1": "bn1",
         "block": "block",
         "block.fc": "block/fc",

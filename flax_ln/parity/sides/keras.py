@@ -123,6 +123,43 @@ def _traced(args: Any, kwargs: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs)))
 
 
+BEFORE_ACTIVATION = " (before its activation)"  # the name of a layer's output before the activation it applies
+
+
+@dataclasses.dataclass(frozen=True)
+class BeforeActivation:
+    """A layer that applies its own activation (``Dense(activation="gelu")``) seen as its output before it: torch
+    often has the activation apart (``fc1`` then ``act``), and pairing takes whichever output is torch's."""
+
+    layer: Any
+
+
+def _activation(layer: Any) -> Any:
+    """The activation ``layer`` applies at the end of its call (a ``Dense``'s, a ``Conv``'s), or ``None``."""
+    act = getattr(layer, "activation", None)
+    return act if callable(act) and getattr(act, "__name__", "linear") != "linear" else None
+
+
+@contextlib.contextmanager
+def activation_inputs(layer: Any) -> Iterator[list[Any]]:
+    """While active, ``layer``'s activation is a transparent wrapper that keeps what it is given (the layer's output
+    before it) in the list yielded; it computes what the activation computes, and is taken off after."""
+    act, seen = _activation(layer), []
+    if act is None:
+        yield seen
+        return
+
+    def keeping(x: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(x)
+        return act(x, *args, **kwargs)
+
+    object.__setattr__(layer, "activation", keeping)  # object's: Keras's tracking has nothing to track here
+    try:
+        yield seen
+    finally:
+        object.__setattr__(layer, "activation", act)
+
+
 _local = threading.local()  # the recording active on this thread: a function (layer, call, args, kwargs) -> out
 _lock = threading.Lock()
 _patched: dict[str, Any] = {}
@@ -265,14 +302,18 @@ class KerasSide(TreeSide):
             active.add(path)
             port_call = PortCall("__call__", list(args), dict(kwargs), _positional(layer), next(clock))
             try:
-                out = call(*args, **kwargs)
+                with activation_inputs(layer) as before:
+                    out = call(*args, **kwargs)
             finally:
                 active.discard(path)
             port_call.end = next(clock)
             outputs = floating_leaves(out)
+            inputs = floating_leaves(list(args)) + floating_leaves(dict(kwargs))
             if outputs and path not in kept:
-                kept[path] = (floating_leaves(list(args)) + floating_leaves(dict(kwargs)), outputs)
-                own[path] = port_call
+                kept[path], own[path] = (inputs, outputs), port_call
+                if before:  # the output before the layer's own activation: a candidate of its own
+                    kept[path + BEFORE_ACTIVATION] = (inputs, floating_leaves(before[-1]))
+                    own[path + BEFORE_ACTIVATION] = port_call
             return out
 
         with intercept_layers(hook):
@@ -285,11 +326,18 @@ class KerasSide(TreeSide):
         return dict(self.traced)
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
-        """Every layer by its path; a handle is the layer."""
-        return {path: layer for path, layer in layer_paths(self._tree().model).values()}
+        """Every layer by its path (a handle is the layer), and each layer that applies its own activation as its
+        output before it too (``path (before its activation)``, a :class:`BeforeActivation`)."""
+        out: dict[str, Any] = {}
+        for path, layer in layer_paths(self._tree().model).values():
+            out[path] = layer
+            if _activation(layer) is not None:
+                out[path + BEFORE_ACTIVATION] = BeforeActivation(layer)
+        return out
 
     def parameter_groups(self, filled: set[str], recorded: Records) -> ParameterGroups:
-        """The filled variables each layer holds (by identity) -> the layers' paths, innermost first."""
+        """The filled variables each layer holds (by identity) -> the layers' paths, innermost first (a layer's output
+        before its own activation first of all: torch's twin is often the projection alone)."""
         tree = self._tree()
         variables = [*tree.model.trainable_variables, *tree.model.non_trainable_variables]
         path_of = dict(zip(map(id, variables), [*tree.trainable, *tree.non_trainable]))
@@ -298,7 +346,8 @@ class KerasSide(TreeSide):
         for path, layer in layers:
             own = frozenset(p for v in layer.variables if (p := path_of.get(id(v))) in filled)
             if own:
-                groups.setdefault(own, []).append(() if path == WHOLE_MODEL else (path,))
+                before = [(path + BEFORE_ACTIVATION,)] if _activation(layer) is not None else []
+                groups.setdefault(own, []).extend([*before, () if path == WHOLE_MODEL else (path,)])
         return groups
 
     def run_alone(
@@ -331,12 +380,14 @@ class KerasSide(TreeSide):
                 yield path, prepared
                 continue
             kwargs = dict(prepared.kwargs)
-            if "training" not in kwargs and _takes_training(layer):
+            if "training" not in kwargs and _takes_training(getattr(layer, "layer", layer)):
                 kwargs["training"] = False
+            called = layer.layer if isinstance(layer, BeforeActivation) else layer
             try:
-                with run.scope():
-                    out = layer(*prepared.args, **kwargs)
+                with run.scope(), activation_inputs(called) as before:
+                    out = called(*prepared.args, **kwargs)
             except Exception as err:  # noqa: BLE001 - any failure to call is reported as the reason
                 yield path, f"the flax call on torch's arguments raised {type(err).__name__}: {str(err)[:120]}"
                 continue
-            yield path, Replayed(floating_leaves(out), prepared.kept)
+            outputs = before[-1:] if isinstance(layer, BeforeActivation) else out
+            yield path, Replayed(floating_leaves(outputs), prepared.kept)
