@@ -144,7 +144,8 @@ def _activation(layer: Any) -> Any:
 def activation_inputs(layer: Any) -> Iterator[list[Any]]:
     """While active, ``layer``'s activation is a transparent wrapper that keeps what it is given (the layer's output
     before it) in the list yielded; it computes what the activation computes, and is taken off after."""
-    act, seen = _activation(layer), []
+    act = _activation(layer)
+    seen: list[Any] = []
     if act is None:
         yield seen
         return
