@@ -107,3 +107,42 @@ def test_bert_conversion_approximates_gelu_and_passes_once_corrected(keras, kera
     corrected = compare_modules(bert, model, (IDS, MASK), weights=key_map, forward=forward, dtype="float64")
     assert corrected.passed, corrected
     assert worst(corrected) < 1e-12, corrected  # float64 rounding
+
+
+def tiny_vit():
+    config = transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=16, patch_size=8
+    )
+    torch.manual_seed(0)
+    return transformers.ViTForImageClassification(config).eval()
+
+
+def test_saved_names_are_the_names_save_pretrained_writes(tmp_path):
+    from safetensors import safe_open
+
+    from flax_ln.convert.tensor_files import saved_names
+
+    vit = tiny_vit()
+    vit.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+        written = set(f.keys())
+    names = saved_names(vit)
+    if int(transformers.__version__.split(".")[0]) >= 5:  # 5 names ViT's modules apart from its checkpoints; 4 did not
+        assert names
+    assert {names.get(k, k) for k in vit.state_dict()} == written
+
+
+def test_vit_discovery_reads_the_saved_names(keras_hub, tmp_path):
+    """keras-hub's ViT converter asks for a checkpoint's names (``vit.encoder.layer.0.attention.attention.query``);
+    the probe folders hold them, so the map comes out under torch's own names."""
+    vit = tiny_vit()
+    key_map = KeyMap.discover(
+        lambda folder: keras_hub.models.Backbone.from_preset(str(folder)),
+        vit,
+        takes="folder",
+        kind="keras",
+        allow_dropped=[r"classifier\..*"],  # the backbone has no classification head
+    )
+    source = key_map.to_source()
+    assert "vit_encoder/transformer_block_1/mha/query/kernel" in source, source
+    assert set(key_map.discovery.dropped) == {"classifier.weight", "classifier.bias"}
