@@ -146,3 +146,16 @@ def test_vit_discovery_reads_the_saved_names(keras_hub, tmp_path):
     source = key_map.to_source()
     assert "vit_encoder/transformer_block_1/mha/query/kernel" in source, source
     assert set(key_map.discovery.dropped) == {"classifier.weight", "classifier.bias"}
+
+
+def test_gpt2_discovery_finds_the_split_and_the_tie(keras_hub, tmp_path):
+    """GPT-2's fused ``c_attn`` (Conv1D, ``(in, 3 * out)``) is split by keras-hub into three ``EinsumDense``
+    kernels: one torch key, three Keras variables, found with no rule written."""
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(config).eval()
+    _, key_map = converted(keras_hub, gpt2, tmp_path)
+    split = next(r for r in key_map.rules if "c_attn" in r.pattern and "weight" in r.pattern)
+    targets = " ".join(split.templates)
+    for part in ("query/kernel", "key/kernel", "value/kernel"):
+        assert part in targets, key_map.to_source()
