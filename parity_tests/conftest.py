@@ -9,6 +9,9 @@ if importlib.util.find_spec("libtpu") is not None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
+# Keras 3 runs its models on JAX only here (flax_ln.parity.Keras): its backend is read once, when keras is imported.
+os.environ["KERAS_BACKEND"] = "jax"
+
 import jax  # noqa: E402 - after the environment above
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,6 +28,32 @@ settings.register_profile(
     derandomize=True,
 )
 settings.load_profile("parity")
+
+
+def optional_package(name: str, why: str):
+    """The optional package ``name``, imported; skipped with the reason where it is missing or unimportable, except
+    under ``CI=true`` (CI installs it), where the test fails instead."""
+    try:
+        return importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - an unimportable package is as missing as an absent one
+        missing = f"{name} is not installed or not importable ({type(err).__name__}: {err}); {why}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true, so {name} must be tested: {missing}")
+        pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def keras():
+    """keras 3 (on JAX: KERAS_BACKEND above); skipped without it, failed under CI=true."""
+    return optional_package("keras", "pip install 'flax-ln[keras]'")
+
+
+@pytest.fixture(scope="module")
+def keras_hub(keras):
+    """keras-hub (installed with --no-deps, see .ci/run); skipped without it, failed under CI=true."""
+    return optional_package(
+        "keras_hub", "pip install --no-deps keras-hub==0.32.0 sentencepiece kagglehub kagglesdk==0.1.28"
+    )
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ import numpy as np
 from flax_ln.convert.assign import as_numpy, is_floating
 from flax_ln.convert.discover_layout import Region, describe_part, fold_families, layout_of, regions, slab_of
 from flax_ln.convert.errors import ConversionError
-from flax_ln.convert.tensor_files import write_streamed
+from flax_ln.convert.tensor_files import saved_names, write_streamed
 from flax_ln.convert.ties import find_ties
 from flax_ln.convert.trees import VariableTree, loaded_tree, read_values
 
@@ -153,11 +153,17 @@ class _Probe:
                 source = self.aliases.get(key, key)
                 state[key] = state[source] if source in state else self._array(key, values)
             return loaded_tree(self.loader(state), self.kind)
+        saved = saved_names(self.like)  # the names a transformers folder gives the tensors transformers 5 renames
         with tempfile.TemporaryDirectory() as folder:
             write_streamed(
                 Path(folder) / "model.safetensors",
                 [
-                    (key, self.shapes[key], self.dtypes[key], functools.partial(self._blocks, key, values))
+                    (
+                        saved.get(key, key),
+                        self.shapes[key],
+                        self.dtypes[key],
+                        functools.partial(self._blocks, key, values),
+                    )
                     for key in order
                 ],
                 metadata={"format": "pt"},  # as torch's save_file writes it: transformers' from_pt loaders ask

@@ -215,3 +215,24 @@ def shard_files(folder: Path, index_file: Path) -> list[Path]:
             )
         files[resolved] = None
     return list(files)
+
+
+def saved_names(model: Any) -> dict[str, str]:
+    """torch key -> the name ``save_pretrained`` gives that tensor, where they differ: transformers 5 renames some
+    models' modules when it loads a checkpoint (a ViT's ``encoder.layer.0.attention.attention.query`` is its module
+    ``layers.0.attention.q_proj``) and renames them back when it saves, so a loader that reads a transformers folder
+    (keras-hub's converters) asks for the saved names. Plain renames only (a key whose tensor a save converts, fuses or
+    splits keeps its name), found by running transformers' own reversal on shape-only (meta) tensors; ``{}`` for a
+    model transformers does not rename, or without transformers."""
+    reverse = getattr(sys.modules.get("transformers.core_model_loading"), "revert_weight_conversion", None)
+    if reverse is None or not hasattr(model, "config") or "torch" not in sys.modules:
+        return {}
+    import torch
+
+    placeholders = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+    try:
+        saved = reverse(model, dict(placeholders))
+    except Exception:  # noqa: BLE001 - a conversion that cannot run on shapes alone: the names stay torch's
+        return {}
+    by_tensor = {id(t): k for k, t in placeholders.items()}
+    return {by_tensor[id(t)]: name for name, t in saved.items() if id(t) in by_tensor and by_tensor[id(t)] != name}

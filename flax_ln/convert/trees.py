@@ -1,7 +1,9 @@
 """The flax side as a key map sees it: dotted paths to variables, their shapes, reads and writes.
 
 :class:`VariableTree` is the protocol; :class:`NNXTree` implements it for an ``nnx.Module``,
-:class:`PytreeTree` for a pytree of arrays and :class:`LinenTree` for a Linen module's variables.
+:class:`PytreeTree` for a pytree of arrays, :class:`LinenTree` for a Linen module's variables,
+:class:`EquinoxTree` for an ``equinox.Module`` and :class:`KerasTree` for a Keras model (keras is imported only
+for a model that is one).
 A new kind of flax side needs one more class here, if it holds its variables another way.
 """
 
@@ -288,6 +290,56 @@ class EquinoxTree(PytreeTree):
         return EquinoxTree(module, self.params)
 
 
+def is_keras_layer(model: Any) -> bool:
+    """Whether ``model`` is a ``keras.Layer`` (a ``keras.Model`` too), without importing keras: if it is not
+    imported, it is not one."""
+    keras = sys.modules.get("keras")
+    layer = getattr(getattr(keras, "layers", None), "Layer", None)
+    return layer is not None and isinstance(model, layer)
+
+
+class KerasTree(PytreeTree):
+    """:class:`VariableTree` of a Keras 3 model (or layer): paths are its variables' Keras paths
+    (``transformer_layer_0/self_attention/query/kernel``), as ``variable.path`` gives them.
+
+    Its trainable variables come first, then its non-trainable ones (BatchNorm moving statistics, seed
+    generators' states), each list in the order ``stateless_call`` takes it (:attr:`trainable`,
+    :attr:`non_trainable`). Every floating variable is required, trainable or not; the others (seeds) are filled
+    only where a rule names them. Writes go into a copy: the caller's model and its variables are never changed;
+    :meth:`tree` is ``{path: value}``.
+    """
+
+    required_noun = "floating variable of the Keras model"
+
+    def __init__(self, model: Any, values: Mapping[str, Any] | None = None):
+        self.model = model
+        self.trainable = _keras_paths(model.trainable_variables)
+        self.non_trainable = _keras_paths(model.non_trainable_variables)
+        own = dict(zip(self.trainable, model.trainable_variables))
+        own.update(zip(self.non_trainable, model.non_trainable_variables))
+        if len(own) != len(self.trainable) + len(self.non_trainable):
+            twice = sorted(p for p in self.trainable if p in self.non_trainable)
+            raise ValueError(f"two variables of the Keras model have one path: {twice[:4]}; give their layers names")
+        super().__init__({p: v.value for p, v in own.items()} if values is None else dict(values))
+
+    def like(self, tree: Any) -> KerasTree:
+        """The tree of the same model with the values ``tree`` (``{path: value}``: a copy, or its float64 cast)."""
+        return KerasTree(self.model, tree)
+
+    def ordered(self, tree: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+        """``tree``'s values (``{path: value}``) as ``stateless_call`` takes them: (trainable, non-trainable)."""
+        return [tree[p] for p in self.trainable], [tree[p] for p in self.non_trainable]
+
+
+def _keras_paths(variables: Any) -> list[str]:
+    """The Keras paths of ``variables``, in order; ``ValueError`` for two with one path."""
+    paths = [v.path for v in variables]
+    if len(set(paths)) != len(paths):
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        raise ValueError(f"two variables of the Keras model have one path: {twice[:4]}; give their layers names")
+    return paths
+
+
 def read_values(tree: VariableTree, path: str) -> np.ndarray | None:
     """The values of the variable at ``path``; ``None`` for an abstract one (a ``jax.ShapeDtypeStruct``, or a
     Variable holding one: what ``nnx.eval_shape`` builds and a loader that misses a key leaves behind)."""
@@ -299,9 +351,9 @@ def read_values(tree: VariableTree, path: str) -> np.ndarray | None:
 
 
 _KINDS = (
-    "an nnx.Module, an equinox.Module, a VariableTree (flax_ln.convert.LinenTree(variables) for a Linen module's "
-    "variables, flax_ln.convert.PytreeTree(params) for a parameter pytree), or a flax_ln.parity.Linen, Function or "
-    "Equinox"
+    "an nnx.Module, an equinox.Module, a Keras model, a VariableTree (flax_ln.convert.LinenTree(variables) for a "
+    "Linen module's variables, flax_ln.convert.PytreeTree(params) for a parameter pytree), or a "
+    "flax_ln.parity.Linen, Function, Equinox or Keras"
 )
 
 
@@ -313,6 +365,8 @@ def as_variable_tree(model: Any, caller: str) -> VariableTree:
         return NNXTree(model)
     if is_equinox_module(model):
         return EquinoxTree(model)
+    if is_keras_layer(model):
+        return KerasTree(model)
     if isinstance(model, VariableTree):
         return model
     make = getattr(model, "variable_tree", None)
@@ -372,6 +426,14 @@ def loaded_tree(loaded: Any, kind: str | None) -> VariableTree:
         return NNXTree(loaded)
     if is_equinox_module(loaded):  # kind="equinox", or recognised by type
         return EquinoxTree(loaded)
+    if is_keras_layer(loaded):  # kind="keras", or recognised by type
+        return KerasTree(loaded)
+    if kind == "keras":
+        raise TypeError(
+            f"KeyMap.discover(kind='keras'): the loader must return a Keras model (a keras.Layer), got "
+            f"{type(loaded).__name__}, e.g. lambda folder: keras_hub.models.Backbone.from_preset(folder) with "
+            "takes='folder'"
+        )
     if kind == "function":  # any JAX pytree, named as flax_ln.parity.Function names its params
         return PytreeTree(loaded)
     if isinstance(loaded, Mapping):
@@ -382,6 +444,6 @@ def loaded_tree(loaded: Any, kind: str | None) -> VariableTree:
             "(collections at the top: {'params': ...}) or kind='function' for a parameter pytree"
         )
     raise TypeError(
-        "KeyMap.discover: the loader must return an nnx.Module, an equinox.Module, a dict (with kind='linen') or "
-        f"a pytree (with kind='function'), got {type(loaded).__name__}"
+        "KeyMap.discover: the loader must return an nnx.Module, an equinox.Module, a Keras model, a dict (with "
+        f"kind='linen') or a pytree (with kind='function'), got {type(loaded).__name__}"
     )

@@ -14,7 +14,7 @@ The engine lives in rooms, each importing only the rooms below it (``docs/design
 * :mod:`.records`: each side's recorded submodule calls, which modules pair, and a recorded call replayed;
 * :mod:`.islands`: float32 islands in a float64 run, found, lifted or listed, on both sides;
 * :mod:`.report`: what a comparison found (``ParityReport``), as JSON, text, chart and HTML page;
-* :mod:`.sides`: the torch run and the flax side, one file per kind (NNX, Linen, Equinox, functions), with their
+* :mod:`.sides`: the torch run and the flax side, one file per kind (NNX, Linen, Equinox, Keras, functions), with their
   registry;
 * :mod:`.localize`: the first divergence and isolated mode, once for every kind;
 * the comparison itself at the top: :mod:`.compare` (``compare_modules``, ``assert_parity``), :mod:`.stored`
@@ -45,6 +45,7 @@ from flax_ln.parity.core.policy import (
 from flax_ln.parity.report.data import FirstDivergence, Isolation, ParityReport
 from flax_ln.parity.sides.equinox import Equinox
 from flax_ln.parity.sides.flax import Function, Linen
+from flax_ln.parity.sides.keras import Keras
 from flax_ln.parity.streamed.compare import compare_streamed
 from flax_ln.parity.streamed.sides import parameters_on_meta
 from flax_ln.parity.streamed.stages import Stage, Stages
@@ -91,6 +92,7 @@ __all__ = [
     "HALF_PRECISION",
     "Isolation",
     "KeyMap",
+    "Keras",
     "Linen",
     "ParityReport",
     "Stage",

@@ -20,13 +20,15 @@ class Island:
     (``"softmax with dtype=float32"``, ``"float32 input to aten.mm"``,
     ``"buffer inv_freq rebuilt in float64"``); ``lifted`` whether the float64 run computes it
     in float64 (``False``: it still holds or computes float32 values, and ``what`` says why).
-    An island is one entry per module and kind, however many op calls it covers.
+    An island is one entry per module and kind, however many op calls it covers: ``count`` says how many the
+    JAX side met while tracing (a dtype policy's cast in every layer is one entry, counted; not part of equality).
     """
 
     side: str
     module: str | None
     what: str
     lifted: bool
+    count: int = dataclasses.field(default=1, compare=False)
 
 
 def float32_rounded(values: np.ndarray) -> bool:

@@ -93,11 +93,14 @@ class Lifting:
     )  # id(root) -> (root, id(module) -> (path, module))
 
     def add(self, module: str | None, what: str, lifted: bool) -> None:
-        """Record one island unless this (module, kind) is already listed."""
+        """Record one island, or count it again where this (module, kind) is already listed."""
         if self.unsupported is not None and lifted:  # only listed: the request ran as written
             what, lifted = f"{what} ({self.unsupported})", False
         island = Island(side="flax", module=module, what=what, lifted=lifted)
-        if island not in self.islands:
+        if island in self.islands:  # met again: one entry, counted
+            at = self.islands.index(island)
+            self.islands[at] = dataclasses.replace(self.islands[at], count=self.islands[at].count + 1)
+        else:
             self.islands.append(island)
 
     def module_path(self, frame: FrameType | None) -> str | None:

@@ -338,7 +338,10 @@ def _islands(d: Mapping[str, Any]) -> list[str]:
     lines = [f"float32 islands ({len(d['islands'])}; lifted: run in float64 by this comparison):"]
     for island in d["islands"]:
         where = island.module if island.module is not None else "(no module)"
-        lines.append(f"  {island.side:<5} {where}: {island.what} ({'lifted' if island.lifted else 'NOT lifted'})")
+        times = f", {island.count} times" if island.count > 1 else ""
+        lines.append(
+            f"  {island.side:<5} {where}: {island.what} ({'lifted' if island.lifted else 'NOT lifted'}{times})"
+        )
     return lines
 
 

@@ -8,11 +8,12 @@ from typing import Any
 from flax_ln.parity.sides.equinox import EquinoxSide
 from flax_ln.parity.sides.flax import FlaxSide
 from flax_ln.parity.sides.function import FunctionSide
+from flax_ln.parity.sides.keras import KerasSide
 from flax_ln.parity.sides.linen import LinenSide
 from flax_ln.parity.sides.nnx import NNXSide
 
 # The kinds of flax side: a user's flax side is of the first that takes it.
-KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, EquinoxSide, NNXSide)
+KINDS: tuple[type[FlaxSide], ...] = (LinenSide, FunctionSide, EquinoxSide, KerasSide, NNXSide)
 
 
 def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
@@ -22,9 +23,9 @@ def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
     if kind is None:
         raise TypeError(
             f"the flax side is a {type(flax_module).__module__}.{type(flax_module).__qualname__}, which the engine "
-            "does not know: compare_modules takes an nnx.Module, an equinox.Module, flax_ln.parity.Linen(module, "
-            "variables) or flax_ln.parity.Function(apply, params). Wrap a model of another module system (a pytree "
-            "with its own call) as Function(apply, params), with params its arrays and apply(params, *inputs) "
-            "calling it"
+            "does not know: compare_modules takes an nnx.Module, an equinox.Module, a Keras model, "
+            "flax_ln.parity.Linen(module, variables) or flax_ln.parity.Function(apply, params). Wrap a model of "
+            "another module system (a pytree with its own call) as Function(apply, params), with params its arrays "
+            "and apply(params, *inputs) calling it"
         )
     return kind
