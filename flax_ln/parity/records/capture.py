@@ -8,6 +8,7 @@ Each kind of flax side records its own submodules (``FlaxSide.record``): an NNX 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -57,15 +58,20 @@ def floating_leaves(tree: Any) -> list[np.ndarray]:
     return []
 
 
-def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None) -> Records:
+def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None, trace: Any = None) -> Records:
     """Run ``call`` with forward hooks on every submodule of the torch ``model``: path -> (inputs, outputs).
 
     Dict order is execution order (a module is recorded when its forward returns). A module's inputs are its
     positional floating arrays, or, when it was given none, its keyword arguments' (in call order). With
     ``calls``, each module's first call is also stored there whole (every positional and
-    keyword argument, by :func:`plain_value`), so the module can be called again on it.
+    keyword argument, by :func:`plain_value`), so the module can be called again on it. With ``trace`` (a
+    :class:`~flax_ln.parity.records.torch_trace.TorchTrace`), torch's own code around each module is read too.
     """
     import torch
+
+    from flax_ln.parity.records.torch_trace import TorchTrace, tracing
+
+    watched = tracing(model, trace) if isinstance(trace, TorchTrace) else contextlib.nullcontext(None)
 
     records: Records = {}
     handles = []
@@ -75,11 +81,13 @@ def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None) ->
             if name not in records and calls is not None:
                 calls[name] = ([plain_value(a) for a in args], {k: plain_value(v) for k, v in kwargs.items()})
             inputs = floating_leaves(args) or floating_leaves(kwargs)  # transformers passes hidden_states by name
+            if name not in records and seen is not None:
+                seen(name, output, (args, kwargs))
             records.setdefault(name, (inputs, floating_leaves(output)))
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), watched as seen:
             call()
     finally:
         for handle in handles:
