@@ -31,6 +31,7 @@ from flax_ln.parity.records.pairing import (
 from flax_ln.parity.records.replay import Replayed
 from flax_ln.parity.records.torch_trace import TorchTrace
 from flax_ln.parity.report.data import FirstDivergence, Isolation, ParityReport, TensorResult
+from flax_ln.parity.report.text import commonest
 from flax_ln.parity.sides.flax import FlaxSide
 from flax_ln.parity.sides.torch import TorchSide
 
@@ -509,7 +510,13 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     report.module_pairs = {t: pairs.flax_paths.get(t) for t in torch_records}
     report.module_skipped = {**pairs.unpaired, **pairs.skipped}
     failed_outputs = [r.name for r in report.results if r.kind == "output" and not r.passed]
-    if ok and failed_outputs and report.first_divergence is None:
+    if ok and failed_outputs and not report.module_errors:
+        why = commonest(report.module_skipped)
+        phase.notes.append(
+            f"no paired module could be compared in the eager localisation run ({len(report.module_skipped)} "
+            f"pairs skipped or unpaired{why}), so nothing says where {', '.join(failed_outputs[:3])} differ"
+        )
+    elif ok and failed_outputs and report.first_divergence is None:
         phase.notes.append(
             f"the eager localisation run does not reproduce the failure of {', '.join(failed_outputs[:3])}: every "
             "recorded module output agrees there, so the difference arises only in the compiled (jit) run "
