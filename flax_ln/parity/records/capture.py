@@ -58,20 +58,24 @@ def floating_leaves(tree: Any) -> list[np.ndarray]:
     return []
 
 
-def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None, trace: Any = None) -> Records:
+def capture_torch(
+    model,
+    call: Callable[[], Any],
+    calls: Calls | None = None,
+    watch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> Records:
     """Run ``call`` with forward hooks on every submodule of the torch ``model``: path -> (inputs, outputs).
 
     Dict order is execution order (a module is recorded when its forward returns). A module's inputs are its
     positional floating arrays, or, when it was given none, its keyword arguments' (in call order). With
     ``calls``, each module's first call is also stored there whole (every positional and
-    keyword argument, by :func:`plain_value`), so the module can be called again on it. With ``trace`` (a
-    :class:`~flax_ln.parity.records.torch_trace.TorchTrace`), torch's own code around each module is read too.
+    keyword argument, by :func:`plain_value`), so the module can be called again on it. With ``watch``
+    (:func:`~flax_ln.parity.records.torch_trace.tracing` bound to a model and its trace), torch's own code around
+    each module is read too: the hook it yields is told of each module's first output.
     """
     import torch
 
-    from flax_ln.parity.records.torch_trace import TorchTrace, tracing
-
-    watched = tracing(model, trace) if isinstance(trace, TorchTrace) else contextlib.nullcontext(None)
+    watched = watch() if watch is not None else contextlib.nullcontext(None)
 
     records: Records = {}
     handles = []

@@ -80,7 +80,14 @@ class Pairs:
 
     def unpair(self, torch_path: str, reason: str) -> None:
         """Take ``torch_path`` out of the pairs, ``reason`` kept in ``unpaired``."""
-        for table in (self.modules, self.flax_paths, self.type_layouts, self.decided, self.derived, self.decided_outputs):
+        for table in (
+            self.modules,
+            self.flax_paths,
+            self.type_layouts,
+            self.decided,
+            self.derived,
+            self.decided_outputs,
+        ):
             table.pop(torch_path, None)
         self.unpaired[torch_path] = reason
 
@@ -213,7 +220,8 @@ class Pairs:
                 if flowed in found:
                     table[path] = flowed
             elif fed is not None and np.shape(f) == np.shape(fed[1]) and np.shape(t) == np.shape(fed[2]):
-                kept = self.known_permutation(fed[0], fed[1], np.shape(fed[2]))  # made from that output without moving an axis: its layout
+                # made from that output without moving an axis: its layout
+                kept = self.known_permutation(fed[0], fed[1], np.shape(fed[2]))
                 if kept in found:
                     table[path] = kept
             return

@@ -160,4 +160,3 @@ def tracing(model, trace: TorchTrace) -> Iterator[Callable[[str, Any], None]]:
 
     with Watch():
         yield hook
-

@@ -325,7 +325,8 @@ def _isolation(d: Mapping[str, Any]) -> list[str]:
         else ""
     )
     if not d["results"]:
-        return [f"isolated: no module could be run alone ({len(d['skipped'])} skipped{commonest(d['skipped'])}){skipped}"]
+        why = commonest(d["skipped"])
+        return [f"isolated: no module could be run alone ({len(d['skipped'])} skipped{why}){skipped}"]
     if not d["culprits"]:
         every = "every module agrees" if not d["skipped"] else "every module run alone agrees"
         return [

@@ -26,7 +26,7 @@ from flax_ln.parity.core.policy import HALF_PRECISION, TOLERANCES, parameter_dty
 from flax_ln.parity.core.spill import to_file
 from flax_ln.parity.islands.torch import lift_float32, torch_in_float64
 from flax_ln.parity.records.capture import Calls, Records, capture_torch
-from flax_ln.parity.records.torch_trace import TorchTrace
+from flax_ln.parity.records.torch_trace import TorchTrace, tracing
 
 
 def _torch():
@@ -466,8 +466,11 @@ def _state_dict(torch_module, share: bool = False) -> dict[str, np.ndarray]:
 def record_torch_side(side: TorchSide, torch_module, forward) -> None:
     """Fill ``side.records`` and ``side.calls``: every torch submodule's first call, on the side's inputs."""
     tensors, t_kwargs = torch_tensors(side.inputs, side.kwargs)
-    side.calls, side.trace = {}, TorchTrace()
+    side.calls, side.trace = {}, (trace := TorchTrace())
     with _torch_eval_untouched(torch_module):
         side.records = capture_torch(
-            torch_module, lambda: run_forward(forward, torch_module, tensors, t_kwargs), side.calls, side.trace
+            torch_module,
+            lambda: run_forward(forward, torch_module, tensors, t_kwargs),
+            side.calls,
+            lambda: tracing(torch_module, trace),
         )
