@@ -82,6 +82,7 @@ def pair_modules(
     recorded = {} if recorded is None else recorded
     groups: ParameterGroups = {}
     candidates: dict[str, list[str]] = {}
+    applying: dict[str, str] = {}  # torch modules that apply more than any flax holder of their parameters
     if flax.plan is None:
         flax_paths = flax.mirrored_paths()
     else:
