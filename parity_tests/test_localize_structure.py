@@ -163,3 +163,109 @@ def test_a_failing_comparison_where_no_pair_fits_says_so_without_naming_xla(monk
     assert "planted" in note and "skipped" in note
     assert "XLA" not in str(report) and "compiled" not in note
     assert "isolated: no module could be run alone" in str(report), str(report)
+
+
+# --- a decoder layer that takes a float causal mask beside activations ----------------------------------------------
+
+D, T = 8, 5
+
+
+class TorchSelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x, mask):  # mask: additive, 0 where a position is seen, -1e9 where not
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / D**0.5 + mask  # (B, T, T)
+        return self.o(torch.softmax(scores, -1) @ self.v(x))
+
+
+class TorchDecoderLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.self_attn, self.cross = torch.nn.LayerNorm(D), TorchSelfAttention(), torch.nn.Linear(D, D)
+
+    def forward(self, x, memory, mask):
+        x = x + self.self_attn(self.norm(x), mask)
+        return x + self.cross(memory)
+
+
+class TorchSeq2Seq(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.enc, self.enc_norm = torch.nn.Linear(D, D), torch.nn.Linear(D, D), torch.nn.LayerNorm(D)
+        self.dec = TorchDecoderLayer()
+
+    def forward(self, src, tgt):
+        memory = self.enc_norm(self.enc(src))
+        mask = torch.full((T, T), -1e9, dtype=src.dtype).triu(1)
+        return self.dec(self.embed(tgt), memory, mask)
+
+
+class SelfAttention(nnx.Module):
+    def __init__(self, dense):
+        self.q, self.k, self.v, self.o = (nnx.Linear(D, D, **dense) for _ in range(4))
+
+    def __call__(self, x, mask):  # mask: 1.0 where a position is seen, 0.0 where not (not torch's encoding)
+        scores = jnp.where(mask > 0, self.q(x) @ jnp.swapaxes(self.k(x), -1, -2) / D**0.5, -1e9)
+        return self.o(jax.nn.softmax(scores, -1) @ self.v(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, dense):
+        self.norm = nnx.LayerNorm(D, epsilon=1e-5, **dense)
+        self.self_attn, self.cross = SelfAttention(dense), nnx.Linear(D, D, **dense)
+
+    def __call__(self, x, memory, mask):
+        x = x + self.self_attn(self.norm(x), mask)
+        return x + self.cross(memory)
+
+
+class Seq2Seq(nnx.Module):
+    def __init__(self, dtype, enc_eps=1e-5):
+        dense = dict(param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(0))
+        self.embed, self.enc = nnx.Linear(D, D, **dense), nnx.Linear(D, D, **dense)
+        self.enc_norm = nnx.LayerNorm(D, epsilon=enc_eps, **dense)
+        self.dec = DecoderLayer(dense)
+
+    def __call__(self, src, tgt):
+        memory = self.enc_norm(self.enc(src))
+        mask = jnp.tril(jnp.ones((T, T), src.dtype))
+        return self.dec(self.embed(tgt), memory, mask)
+
+
+_LINEARS = r"(embed|enc|dec\.cross|dec\.self_attn\.[qkvo])"
+SEQ_KEY_MAP = KeyMap(
+    [
+        (_LINEARS + r"\.weight", r"\1.kernel", "o i -> i o"),
+        (_LINEARS + r"\.bias", r"\1.bias", None),
+        (r"(enc_norm|dec\.norm)\.weight", r"\1.scale", None),
+        (r"(enc_norm|dec\.norm)\.bias", r"\1.bias", None),
+    ]
+)
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def upstream(request):
+    """The port's encoder norm eps planted (0.1 for 1e-5): the decoder layer's memory differs upstream of it."""
+    dtype = request.param
+    rng = np.random.default_rng(4)
+    src, tgt = (rng.standard_normal((BATCH, T, D)).astype(dtype) for _ in range(2))
+    torch.manual_seed(1)
+    model = TorchSeq2Seq().to(getattr(torch, dtype)).eval()
+    with jax.enable_x64(dtype == "float64"):
+        return compare_modules(model, Seq2Seq(dtype, enc_eps=1e-1), (src, tgt), weights=SEQ_KEY_MAP, dtype=dtype)
+
+
+def test_a_float_mask_beside_activations_keeps_the_ports_value_and_the_decoder_agrees_alone(upstream):
+    """The port's mask is built from constants (it does not move when the port's inputs and parameters do): isolation
+    keeps it, instead of putting torch's differently encoded mask in its place; the decoder layer and its attention
+    agree alone, only the planted encoder norm is named, and the isolated line names the kept mask."""
+    report = upstream
+    assert not report.passed and report.first_divergence is not None, str(report)
+    assert (report.first_divergence.module, report.first_divergence.flax_module) == ("enc_norm", "enc_norm")
+    assert (report.isolation.culprits, report.isolation.flax_culprits) == (["enc_norm"], ["enc_norm"]), str(report)
+    by_name = {r.name: r for r in report.isolation.results}
+    assert by_name["dec"].passed and by_name["dec.self_attn"].passed, str(report)
+    assert report.isolation.kept["dec"] == ["mask"] and report.isolation.kept["dec.self_attn"] == ["mask"]
+    assert "dec: `mask`" in str(report) and "dec.self_attn: `mask`" in str(report), str(report)

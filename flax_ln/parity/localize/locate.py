@@ -28,7 +28,7 @@ from flax_ln.parity.records.pairing import (
     pairs_by_parameters,
     projection_layouts,
 )
-from flax_ln.parity.records.replay import Replayed
+from flax_ln.parity.records.replay import Replayed, constant_arguments, nudged
 from flax_ln.parity.records.torch_trace import TorchTrace
 from flax_ln.parity.report.data import FirstDivergence, Isolation, ParityReport, TensorResult
 from flax_ln.parity.report.text import commonest
@@ -495,6 +495,12 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     )
     if not ok:
         return
+    ok, again = phase.run(
+        "telling the port's activations from its constants",
+        lambda: flax.record_nudged(lambda m: run_forward(call.forward[1], m, nudged(args), kwargs)),
+    )
+    if ok and again:
+        pairs.constants = constant_arguments(flax.recorded_calls(), again)
     flax_records = {t: recorded[f] for t, f in pairs.flax_paths.items() if f in recorded}
     unrecorded = {p: why for p, why in flax.unrecorded().items() if p not in recorded}
     ok, found = phase.run(

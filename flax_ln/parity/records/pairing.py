@@ -67,6 +67,7 @@ class Pairs:
     decided_outputs: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # outputs, by flow
     code_layouts: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)  # torch's own code's
     fed_by: dict[str, str] = dataclasses.field(default_factory=dict)  # torch path -> the pair its input came from
+    constants: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # flax call -> arguments not activations
 
     def assign(self, torch_path: str, flax_path: str, handle: Any, type_layout: Permute | None) -> None:
         """Pair ``torch_path`` with the flax module ``handle`` at ``flax_path`` instead (a layout decided for the
