@@ -269,3 +269,56 @@ def test_a_float_mask_beside_activations_keeps_the_ports_value_and_the_decoder_a
     assert by_name["dec"].passed and by_name["dec.self_attn"].passed, str(report)
     assert report.isolation.kept["dec"] == ["mask"] and report.isolation.kept["dec.self_attn"] == ["mask"]
     assert "dec: `mask`" in str(report) and "dec.self_attn: `mask`" in str(report), str(report)
+
+
+# --- a record holds a pytree of arrays --------------------------------------------------------------------------------
+
+
+class TorchInner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(D, D), torch.nn.LayerNorm(D)
+
+    def forward(self, parts):  # a dict of activations
+        return self.norm(self.lin(parts["a"]) + parts["b"])
+
+
+class TorchOuter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = TorchInner(), torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.out(self.inner({"a": x, "b": 2 * x}))
+
+
+class Inner(nnx.Module):
+    def __init__(self, dense, eps):
+        self.lin, self.norm = nnx.Linear(D, D, **dense), nnx.LayerNorm(D, epsilon=eps, **dense)
+
+    def __call__(self, parts):
+        return self.norm(self.lin(parts["a"]) + parts["b"])
+
+
+class Outer(nnx.Module):
+    def __init__(self, dtype, eps=1e-5):
+        dense = dict(param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(0))
+        self.inner, self.out = Inner(dense, eps), nnx.Linear(D, D, **dense)
+
+    def __call__(self, x):
+        return self.out(self.inner({"a": x, "b": 2 * x}))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_child_called_with_a_dict_of_arrays_is_isolated(dtype):
+    """A mirrored child whose call takes a dict of activations is run alone on torch's (a record holds a pytree of
+    arrays); only the planted norm inside it is named, neither the child nor its parent."""
+    x = np.random.default_rng(5).standard_normal((BATCH, T, D)).astype(dtype)
+    torch.manual_seed(2)
+    with jax.enable_x64(dtype == "float64"):
+        report = compare_modules(TorchOuter().to(getattr(torch, dtype)).eval(), Outer(dtype, 1e-1), (x,), dtype=dtype)
+    assert not report.passed
+    assert report.isolation.culprits == ["inner.norm"], str(report)
+    ran = {r.name: r for r in report.isolation.results}
+    assert "inner" in ran and "inner" not in report.isolation.skipped, str(report)
+    assert report.first_divergence.module == "inner.norm", str(report)

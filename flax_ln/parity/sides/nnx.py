@@ -338,6 +338,11 @@ def _in_rule_layout(module, value):
         return jnp.asarray(rules.flax_activation(module, value) if is_float(value) else value)
     if isinstance(value, (tuple, list)):
         return type(value)(_in_rule_layout(module, v) for v in value)
+    if isinstance(value, dict):
+        return type(value)({k: _in_rule_layout(module, v) for k, v in value.items()})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a record's dataclass of arrays
+        fields = {f.name: _in_rule_layout(module, getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
     return value
 
 
