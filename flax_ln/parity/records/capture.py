@@ -43,12 +43,12 @@ def plain_value(value: Any) -> Any:
         return next((v for v in items if isinstance(v, Unsupported)), type(value)(items))
     if isinstance(value, dict) or _data_fields(value):  # a pytree of arrays: its leaves as data, its type kept
         fields = value if isinstance(value, dict) else _data_fields(value)
-        items = {k: plain_value(v) for k, v in fields.items()}
-        bad = next((v for v in items.values() if isinstance(v, Unsupported)), None)
+        held = {k: plain_value(v) for k, v in fields.items()}
+        bad = next((v for v in held.values() if isinstance(v, Unsupported)), None)
         if bad is not None:
             return bad
         try:
-            return type(value)(items) if isinstance(value, dict) else dataclasses.replace(value, **items)
+            return type(value)(held) if isinstance(value, dict) else dataclasses.replace(value, **held)
         except Exception:  # noqa: BLE001 - a container that cannot be rebuilt from its items: not data here
             return Unsupported(type(value).__name__)
     return Unsupported(type(value).__name__)
