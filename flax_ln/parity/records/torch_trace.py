@@ -99,39 +99,46 @@ def tracing(model, trace: TorchTrace) -> Iterator[Callable[[str, Any], None]]:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             name = getattr(func, "__name__", "")
-            if name in ("__get__", "size", "dim"):
-                return out
-            ins, outs = _tensors((args, kwargs)), _tensors(out)
-            if not outs:
-                return out
-            held = [o for x in ins if (o := owner_of(x)) is not None]
-            activations = [x for x in ins if owner_of(x) is None]
-            if held and not activations:
-                for o in outs:
-                    derived.put(o, held[0])
-            elif held:
-                for o in outs:
-                    marks.put(o, (held[-1], []))
-            else:
-                found = next((m for x in ins if (m := marks.get(x)) is not None), None)
-                if found is not None:
-                    after = found[1] if name in PASSING_OPS else [*found[1], name]
-                    for o in outs:
-                        marks.put(o, (found[0], after))
-            if name not in LAYOUT_OPS:
-                source = next(((x, p) for x in ins if (p := streams.get(x)) is not None), None)
-                if source is not None:
-                    for o in outs:
-                        if tuple(o.shape) == tuple(source[0].shape) and streams.get(o) is None:
-                            streams.put(o, source[1])
-            if name in LAYOUT_OPS and args and isinstance(out, torch.Tensor):
-                node = nodes.get(args[0])
-                if node is not None:
-                    _follow(node, func, args, kwargs, out)
+            if name not in ("__get__", "size", "dim"):
+                try:
+                    note(func, name, args, kwargs, out)
+                except Exception:  # noqa: BLE001 - the trace is a reading aid: it never changes torch's run
+                    pass
             return out
+
+    def note(func, name: str, args, kwargs, out) -> None:
+        """What the op ``func`` (called ``name``) tells of the tensors it made (``out``)."""
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        if not outs:
+            return
+        held = [o for x in ins if (o := owner_of(x)) is not None]
+        activations = [x for x in ins if owner_of(x) is None]
+        if held and not activations:
+            for o in outs:
+                derived.put(o, held[0])
+        elif held:
+            for o in outs:
+                marks.put(o, (held[-1], []))
+        else:
+            found = next((m for x in ins if (m := marks.get(x)) is not None), None)
+            if found is not None:
+                after = found[1] if name in PASSING_OPS else [*found[1], name]
+                for o in outs:
+                    marks.put(o, (found[0], after))
+        if name not in LAYOUT_OPS:
+            source = next(((x, p) for x in ins if (p := streams.get(x)) is not None), None)
+            if source is not None:
+                for o in outs:
+                    if tuple(o.shape) == tuple(source[0].shape) and streams.get(o) is None:
+                        streams.put(o, source[1])
+        elif args and isinstance(out, torch.Tensor) and (node := nodes.get(args[0])) is not None:
+            _follow(node, func, args, kwargs, out)
 
     def _follow(node, func, args, kwargs, out) -> None:
         path, index = node
+        if index is None:  # made only when torch's code moves the output: most outputs are never moved
+            size = args[0].numel()
+            index = torch.arange(size, dtype=torch.int64 if size >= 2**31 else torch.int32).reshape(args[0].shape)
         try:  # inside the mode's own handler: the index map's op is not watched
             moved = func(index, *args[1:], **kwargs)
         except Exception:  # noqa: BLE001 - an op the index map cannot take (a dtype view) ends the chain
@@ -144,15 +151,19 @@ def tracing(model, trace: TorchTrace) -> Iterator[Callable[[str, Any], None]]:
         nodes.put(out, (path, moved))
 
     def hook(path: str, output, inputs=()) -> None:
+        try:
+            returned(path, output, inputs)
+        except Exception:  # noqa: BLE001 - the trace is a reading aid: it never costs the recording
+            pass
+
+    def returned(path: str, output, inputs) -> None:
         given = [x for x in _tensors(inputs) if x.is_floating_point()]
         if given and (source := streams.get(given[0])) is not None and source != path:
             trace.fed_by[path] = source
         floats = [x for x in _tensors(output) if x.is_floating_point()]
         if not floats:
             return
-        size = floats[0].numel()
-        index = torch.arange(size, dtype=torch.int64 if size >= 2**31 else torch.int32).reshape(floats[0].shape)
-        nodes.put(floats[0], (path, index))
+        nodes.put(floats[0], (path, None))
         streams.put(floats[0], path)
         found = marks.get(floats[0])
         if found is not None and found[1] and held_by.get(path) == {found[0]}:
