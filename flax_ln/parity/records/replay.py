@@ -63,7 +63,7 @@ class PortCall:
 
 class Replayed(list):
     """A module's floating outputs when run alone, with ``kept``: the floating arguments that kept the port's own
-    value (neither provenance nor correspondence found torch's)."""
+    value (not activations, or neither provenance nor correspondence found torch's)."""
 
     def __init__(self, outputs: Sequence[np.ndarray], kept: Sequence[str] = ()):
         super().__init__(outputs)
