@@ -289,10 +289,10 @@ def test_attention_with_a_cache_mask_and_rngs_is_isolated_through_the_ports_own_
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_heads_loaded_in_the_wrong_order_are_named_in_the_attention(dtype):
     """Layer 0's q kernel loaded as (h n) instead of (n h): q's (B, T, n, h) output is compared with torch's
-    (B, T, n*h) through the layout of its own key-map rule, under which it agrees; the heads part where the
-    attention's code splits them, between its projections."""
+    (B, T, n*h) in the layout torch's own code gives it (``.view(b, t, HEADS, HEAD)``), not the key map's, which is
+    the bug: the q projection is named, not the attention's code after it."""
     report = lm_parity(dtype, key_map=lm_key_map(q_heads="h n"))
-    named(report, "layers.0.attn", "layers.0.attn", between=("layers.0.attn.v_proj", "layers.0.attn.o_proj"))
+    named(report, "layers.0.attn.q_proj", "layers.0.attn.q")
     assert "layers.0.attn.q_proj" not in report.module_skipped
 
 

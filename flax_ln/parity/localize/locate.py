@@ -28,8 +28,10 @@ from flax_ln.parity.records.pairing import (
     pairs_by_parameters,
     projection_layouts,
 )
-from flax_ln.parity.records.replay import Replayed
+from flax_ln.parity.records.replay import Replayed, constant_arguments, nudged
+from flax_ln.parity.records.torch_trace import TorchTrace
 from flax_ln.parity.report.data import FirstDivergence, Isolation, ParityReport, TensorResult
+from flax_ln.parity.report.text import commonest
 from flax_ln.parity.sides.flax import FlaxSide
 from flax_ln.parity.sides.torch import TorchSide
 
@@ -42,6 +44,7 @@ def pair_modules(
     recorded: Records | None = None,
     torch_records: Records | None = None,
     tolerance: Tolerance | None = None,
+    torch_trace: TorchTrace | None = None,
 ) -> Pairs:
     """Each flax submodule under the torch path of its twin (the roots under :data:`WHOLE_MODEL`).
 
@@ -62,6 +65,13 @@ def pair_modules(
     layouts come from the key map (:func:`~flax_ln.parity.records.pairing.projection_layouts`: fused heads) and the
     module's type (channels-last convolutions), see :class:`~flax_ln.parity.records.pairing.Pairs`.
 
+    With torch's op trace (``torch_trace``, :class:`~flax_ln.parity.records.torch_trace.TorchTrace`): a pair means
+    the same output, so a torch module that applies more after its parameterised operation (an activation inside a
+    ``BatchNormAct2d``, a scale inside an embedding's forward) pairs only with a flax module that wraps another
+    holding the same parameters (the flax code around it can do the same), never with the bare innermost one; with
+    none such it is unpaired (:func:`_pairs_that_apply_as_much`). Torch's own code's layouts of each output
+    (``torch_trace.layouts``) go to the pairs (``Pairs.code_layouts``).
+
     ``modules``: ``{torch_path: flax_path | (flax_path, layout) | None}`` adds a pair
     (a parameter-free module), gives a pair's activation layout (an einops pattern or a
     permutation triple, torch -> flax), or removes a pair (``None``; with a key map the torch
@@ -72,6 +82,7 @@ def pair_modules(
     recorded = {} if recorded is None else recorded
     groups: ParameterGroups = {}
     candidates: dict[str, list[str]] = {}
+    applying: dict[str, str] = {}  # torch modules that apply more than any flax holder of their parameters
     if flax.plan is None:
         flax_paths = flax.mirrored_paths()
     else:
@@ -80,11 +91,16 @@ def pair_modules(
         methods = flax.method_calls()  # a tied head's attend is a candidate wherever its embedding is
         for found in candidates.values():
             found += [name for name, owner in methods.items() if owner in found and name not in found]
+        applying = _pairs_that_apply_as_much(candidates, torch_trace, modules)
         flax_paths = {t: found[0] for t, found in candidates.items()}
     by_flax_path = flax.module_paths(groups, recorded)
     pairs = complete_pairs(
         flax_paths, by_flax_path, modules, flax.orders, flax.plan is not None, flax.paths_named, flax.type_layout
     )
+    for torch_path, reason in applying.items():
+        pairs.unpair(torch_path, reason)
+    if torch_trace is not None:
+        pairs.code_layouts, pairs.fed_by = dict(torch_trace.layouts), dict(torch_trace.fed_by)
     if flax.plan is not None:
         for torch_path in pairs.modules:
             if layouts := projection_layouts(flax.plan, torch_path):
@@ -95,6 +111,32 @@ def pair_modules(
         _choose_by_outputs(pairs, open_choices, by_flax_path, flax, torch_records, recorded, tolerance)
         _unpair_detours(pairs, torch_records, recorded, tolerance, given)
     return pairs
+
+
+def _pairs_that_apply_as_much(
+    candidates: dict[str, list[str]], trace: TorchTrace | None, modules: Mapping[str, Any] | None
+) -> dict[str, str]:
+    """Drop, from the candidates of each torch module that applies operations after its parameterised one (torch's
+    op trace), the innermost flax holders of its parameters (a bare module wrapped by another candidate); a torch
+    module left with none is taken out of ``candidates`` and comes back with the reason. ``modules=`` pairs stay."""
+    unpaired: dict[str, str] = {}
+    if trace is None:
+        return unpaired
+    for torch_path, after in trace.after.items():
+        found = candidates.get(torch_path)
+        if not found or torch_path in (modules or {}) or torch_path == WHOLE_MODEL:
+            continue
+        wrappers = [f for f in found if any(_inside(g, f) for g in found if g != f)]
+        if wrappers:
+            candidates[torch_path] = wrappers
+            continue
+        del candidates[torch_path]
+        ops = ", ".join(dict.fromkeys(after))
+        unpaired[torch_path] = (
+            f"{NO_OUTPUT}: torch's module applies {ops} after its parameterised operation (its op trace), and the "
+            f"flax module holding its parameters ({', '.join(found)}) wraps no other holding them"
+        )
+    return unpaired
 
 
 def _within_tolerance(r: TensorResult) -> bool:
@@ -248,11 +290,15 @@ def first_divergence(
     """
     errors, compared = [], {}
     sources: dict[bytes, tuple[str, np.ndarray, np.ndarray]] = {}  # where each earlier pair's outputs went
+    firsts: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}  # each earlier pair's first outputs
     for path, t_record in torch_records.items():
         if path not in flax_records or path not in pairs.modules:
             continue
         f_outs = flax_records[path][1]
-        pairs.decide(path, flax_records[path][0], t_record[0], sources)
+        pairs.decide(path, flax_records[path][0], t_record[0], sources, fed=firsts.get(pairs.fed_by.get(path, "")))
+        pairs.decide(path, f_outs, t_record[1], sources, which="output")
+        if f_outs and t_record[1]:
+            firsts[path] = (path, np.asarray(f_outs[0]), t_record[1][0])
         for f, t in zip(f_outs, t_record[1]):
             if pairs.known_permutation(path, f, np.shape(t)) is not None:
                 sources[fingerprint(t)] = (path, np.asarray(f), t)
@@ -444,10 +490,17 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
             recorded=recorded,
             torch_records=torch_records,
             tolerance=tolerance,
+            torch_trace=side.trace,
         ),
     )
     if not ok:
         return
+    ok, again = phase.run(
+        "telling the port's activations from its constants",
+        lambda: flax.record_nudged(lambda m: run_forward(call.forward[1], m, nudged(args), kwargs)),
+    )
+    if ok and again:
+        pairs.constants = constant_arguments(flax.recorded_calls(), again)
     flax_records = {t: recorded[f] for t, f in pairs.flax_paths.items() if f in recorded}
     unrecorded = {p: why for p, why in flax.unrecorded().items() if p not in recorded}
     ok, found = phase.run(
@@ -464,7 +517,13 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     report.module_pairs = {t: pairs.flax_paths.get(t) for t in torch_records}
     report.module_skipped = {**pairs.unpaired, **pairs.skipped}
     failed_outputs = [r.name for r in report.results if r.kind == "output" and not r.passed]
-    if ok and failed_outputs and report.first_divergence is None:
+    if ok and failed_outputs and not report.module_errors:
+        why = commonest(report.module_skipped)
+        phase.notes.append(
+            f"no paired module could be compared in the eager localisation run ({len(report.module_skipped)} "
+            f"pairs skipped or unpaired{why}), so nothing says where {', '.join(failed_outputs[:3])} differ"
+        )
+    elif ok and failed_outputs and report.first_divergence is None:
         phase.notes.append(
             f"the eager localisation run does not reproduce the failure of {', '.join(failed_outputs[:3])}: every "
             "recorded module output agrees there, so the difference arises only in the compiled (jit) run "

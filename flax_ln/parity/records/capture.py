@@ -8,6 +8,8 @@ Each kind of flax side records its own submodules (``FlaxSide.record``): an NNX 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +30,8 @@ class Unsupported(str):
 
 def plain_value(value: Any) -> Any:
     """A call argument as data: a NumPy array for a tensor, the value itself for None/bool/int/float/str
-    (and tuples/lists of those), else :class:`Unsupported` naming its type."""
+    (and tuples, lists, dicts and dataclasses of those: a pytree of arrays, its type kept), else
+    :class:`Unsupported` naming its type."""
     if hasattr(value, "detach"):  # a torch.Tensor
         return as_numpy(value).copy()
     if isinstance(value, (np.ndarray, jax.Array)):
@@ -38,7 +41,24 @@ def plain_value(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         items = [plain_value(v) for v in value]
         return next((v for v in items if isinstance(v, Unsupported)), type(value)(items))
+    if isinstance(value, dict) or _data_fields(value):  # a pytree of arrays: its leaves as data, its type kept
+        fields = value if isinstance(value, dict) else _data_fields(value)
+        held = {k: plain_value(v) for k, v in fields.items()}
+        bad = next((v for v in held.values() if isinstance(v, Unsupported)), None)
+        if bad is not None:
+            return bad
+        try:
+            return type(value)(held) if isinstance(value, dict) else dataclasses.replace(value, **held)
+        except Exception:  # noqa: BLE001 - a container that cannot be rebuilt from its items: not data here
+            return Unsupported(type(value).__name__)
     return Unsupported(type(value).__name__)
+
+
+def _data_fields(value: Any) -> dict[str, Any]:
+    """The fields of a dataclass instance that its constructor takes (``{}`` for anything else)."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return {}
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
 
 
 def floating_leaves(tree: Any) -> list[np.ndarray]:
@@ -46,8 +66,9 @@ def floating_leaves(tree: Any) -> list[np.ndarray]:
     (a record must not change when the model later modifies a tensor in place); tracers are skipped."""
     if isinstance(tree, (tuple, list)):
         return [leaf for item in tree for leaf in floating_leaves(item)]
-    if isinstance(tree, dict):
-        return [leaf for item in tree.values() for leaf in floating_leaves(item)]
+    if isinstance(tree, dict) or _data_fields(tree):
+        items = tree if isinstance(tree, dict) else _data_fields(tree)
+        return [leaf for item in items.values() for leaf in floating_leaves(item)]
     if isinstance(tree, jax.core.Tracer):
         return []  # inside a jit/scan trace: no values to record
     if hasattr(tree, "detach"):  # a torch.Tensor: copied now, so that a later in-place op cannot change the record
@@ -57,15 +78,24 @@ def floating_leaves(tree: Any) -> list[np.ndarray]:
     return []
 
 
-def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None) -> Records:
+def capture_torch(
+    model,
+    call: Callable[[], Any],
+    calls: Calls | None = None,
+    watch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> Records:
     """Run ``call`` with forward hooks on every submodule of the torch ``model``: path -> (inputs, outputs).
 
     Dict order is execution order (a module is recorded when its forward returns). A module's inputs are its
     positional floating arrays, or, when it was given none, its keyword arguments' (in call order). With
     ``calls``, each module's first call is also stored there whole (every positional and
-    keyword argument, by :func:`plain_value`), so the module can be called again on it.
+    keyword argument, by :func:`plain_value`), so the module can be called again on it. With ``watch``
+    (:func:`~flax_ln.parity.records.torch_trace.tracing` bound to a model and its trace), torch's own code around
+    each module is read too: the hook it yields is told of each module's first output.
     """
     import torch
+
+    watched = watch() if watch is not None else contextlib.nullcontext(None)
 
     records: Records = {}
     handles = []
@@ -75,11 +105,13 @@ def capture_torch(model, call: Callable[[], Any], calls: Calls | None = None) ->
             if name not in records and calls is not None:
                 calls[name] = ([plain_value(a) for a in args], {k: plain_value(v) for k, v in kwargs.items()})
             inputs = floating_leaves(args) or floating_leaves(kwargs)  # transformers passes hidden_states by name
+            if name not in records and seen is not None:
+                seen(name, output, (args, kwargs))
             records.setdefault(name, (inputs, floating_leaves(output)))
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), watched as seen:
             call()
     finally:
         for handle in handles:

@@ -43,12 +43,15 @@ class Pairs:
     each module holds (through a key map's plan), not by mirrored paths, so a pair's flax path may differ from its
     torch path; ``unpaired``: torch path -> why a module that holds parameters has no flax twin.
 
-    How a flax activation is put into torch's layout, first rule that applies: the pair's own layout
-    (``modules=``); the flax module type's (``type_layouts``: channels-last convolutions); the one the key map's
-    einops layout of the pair's projection weight says (``derived``: ``"(n h) d -> d n h"`` makes the output's
-    ``(n h)`` flax's ``n h``); for mirrored pairs, none; else the axis permutation from one shape to the other:
-    the only one, or, where several fit (square images), the one under which the pair's inputs agree
-    (``decided``, see :meth:`decide`), else the inputs' own axis order.
+    How a flax activation is put into torch's layout, first rule that applies (structure only: no value decides a
+    layout): the pair's own layout (``modules=``); for an output of another shape than torch's, the layout torch's
+    own code puts it in downstream (``code_layouts``, from its op trace: ``q_proj(x).view(B, T, n, h)`` makes the
+    output's ``n*h`` flax's ``n, h``; it wins over the key map, which may be the bug); the one the key map's einops
+    layout of the pair's projection weight says (``derived``: ``"(n h) d -> d n h"``); the flax module type's
+    (``type_layouts``: channels-last convolutions); for mirrored pairs, none; else the axis permutation from one
+    shape to the other: the only one, or, where several fit (square images), the one provenance gives (``decided``
+    for inputs, ``decided_outputs`` for outputs, see :meth:`decide`), else the inputs' own axis order; where
+    structure leaves several, the pair is skipped with that said (``skipped``).
     """
 
     modules: dict[str, Any]
@@ -59,31 +62,74 @@ class Pairs:
     orders: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # the inputs' torch -> flax axis orders
     type_layouts: dict[str, Permute] = dataclasses.field(default_factory=dict)
     derived: dict[str, dict[str, ArrayLayout]] = dataclasses.field(default_factory=dict)  # "input"/"output"
-    decided: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # flax -> torch, by values
+    decided: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # inputs, flax -> torch, by flow
     unpaired: dict[str, str] = dataclasses.field(default_factory=dict)
+    decided_outputs: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # outputs, by flow
+    code_layouts: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)  # torch's own code's
+    fed_by: dict[str, str] = dataclasses.field(default_factory=dict)  # torch path -> the pair its input came from
+    constants: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # flax call -> arguments not activations
 
     def assign(self, torch_path: str, flax_path: str, handle: Any, type_layout: Permute | None) -> None:
         """Pair ``torch_path`` with the flax module ``handle`` at ``flax_path`` instead (a layout decided for the
         previous pair is forgotten)."""
         self.modules[torch_path], self.flax_paths[torch_path] = handle, flax_path
         self.decided.pop(torch_path, None)
+        self.decided_outputs.pop(torch_path, None)
         self.type_layouts.pop(torch_path, None)
         if type_layout is not None:
             self.type_layouts[torch_path] = type_layout
 
     def unpair(self, torch_path: str, reason: str) -> None:
         """Take ``torch_path`` out of the pairs, ``reason`` kept in ``unpaired``."""
-        for table in (self.modules, self.flax_paths, self.type_layouts, self.decided, self.derived):
+        for table in (
+            self.modules,
+            self.flax_paths,
+            self.type_layouts,
+            self.decided,
+            self.derived,
+            self.decided_outputs,
+        ):
             table.pop(torch_path, None)
         self.unpaired[torch_path] = reason
 
     def _layout(self, path: str, which: str) -> ArrayLayout | None:
         return self.layouts.get(path) or self.derived.get(path, {}).get(which)
 
+    def _decided(self, path: str, which: str) -> tuple[int, ...] | None:
+        if which == "output" and path in self.decided_outputs:
+            return self.decided_outputs[path]
+        return self.decided.get(path)
+
+    def code_layout(self, path: str, flax_shape, torch_shape) -> np.ndarray | str | None:
+        """The index map (flax's shape, into torch's flattened output) of the one layout torch's own code puts the
+        pair's output in downstream with flax's shape, when flax's shape is not torch's; the reason when there are
+        several; ``None`` when torch's code says nothing about it (or the pair's layout is given)."""
+        flax_shape, torch_shape = tuple(flax_shape), tuple(torch_shape)
+        if path in self.layouts or not self.by_parameters or flax_shape == torch_shape:
+            return None
+        found: list[np.ndarray] = []
+        for index in self.code_layouts.get(path, ()):
+            if index.shape == flax_shape and not any(np.array_equal(index, f) for f in found):
+                found.append(index)
+        if len(found) > 1:
+            return (
+                f"torch's own code puts its output {torch_shape} in {len(found)} different layouts of flax's "
+                f"{flax_shape}, and structure does not decide which flax's is; give the pair's layout in "
+                "modules={torch_path: (flax_path, 'einops pattern')}"
+            )
+        return found[0] if found else None
+
     def to_torch(self, path: str, array, torch_shape, which: str = "output") -> np.ndarray | str:
         """A flax activation (an ``"input"`` or ``"output"``) of the pair at ``path`` in torch's layout, or why it
         cannot be put there."""
         array, layout = np.asarray(array), self._layout(path, which)
+        code = self.code_layout(path, array.shape, torch_shape) if which == "output" else None
+        if isinstance(code, str):
+            return code
+        if code is not None:
+            out = np.empty(int(np.prod(torch_shape)), array.dtype)
+            out[code.ravel()] = array.ravel()
+            return out.reshape(tuple(torch_shape))
         try:
             if layout is not None:
                 return np.asarray(layout.to_torch(array, tuple(torch_shape)))
@@ -94,12 +140,18 @@ class Pairs:
         if not self.by_parameters:
             return array
         inverse = [tuple(int(i) for i in np.argsort(o)) for o in self.orders]  # flax -> torch
-        perm = _permutation(array.shape, torch_shape, self.decided.get(path), inverse)
+        perm = _permutation(array.shape, torch_shape, self._decided(path, which), inverse)
         return perm if isinstance(perm, str) else np.transpose(array, perm)
 
     def to_flax(self, path: str, array: np.ndarray, flax_shape, which: str = "input") -> np.ndarray | str:
         """A torch activation of the pair at ``path`` in the flax module's layout, or why it cannot be put there."""
         layout = self._layout(path, which)
+        if which == "output" and flax_shape is not None:
+            code = self.code_layout(path, flax_shape, np.shape(array))
+            if isinstance(code, str):
+                return code
+            if code is not None:
+                return np.asarray(array).ravel()[code]
         try:
             if layout is not None:
                 return np.asarray(layout.to_flax(array, tuple(flax_shape)))
@@ -109,24 +161,34 @@ class Pairs:
             return array.transpose(self.type_layouts[path].to_flax(array.ndim))
         if flax_shape is None or not self.by_parameters:
             return array
-        decided = self.decided.get(path)
+        decided = self._decided(path, which)
         inverse = None if decided is None else tuple(int(i) for i in np.argsort(decided))
         perm = _permutation(array.shape, flax_shape, inverse, self.orders)
         return perm if isinstance(perm, str) else np.transpose(array, perm)
 
     def known_permutation(self, path: str, flax_output, torch_shape) -> tuple[int, ...] | None:
-        """The flax -> torch axis permutation of the pair's output where it is known without comparing values: the
-        module type's, none for mirrored pairs, the one decided, or the only one the shapes allow."""
+        """The flax -> torch axis permutation of the pair's output where it is known without comparing values: torch's
+        own code's (when it only moves axes), the module type's, none for mirrored pairs, the one decided by
+        provenance, or the only one the shapes allow."""
+        shape = tuple(np.shape(flax_output))
+        code = self.code_layout(path, shape, torch_shape)
+        if isinstance(code, str):
+            return None
+        if code is not None:
+            index = np.arange(code.size).reshape(tuple(torch_shape))
+            moves = [q for q in _candidates(tuple(torch_shape), shape) if np.array_equal(index.transpose(q), code)]
+            return tuple(int(i) for i in np.argsort(moves[0])) if moves else None
         if self._layout(path, "output") is not None:
             return None
-        ndim = np.ndim(flax_output)
+        ndim = len(shape)
         if path in self.type_layouts:
             return tuple(int(i) for i in self.type_layouts[path].to_torch(ndim))
         if not self.by_parameters:
             return tuple(range(ndim))
-        found = _candidates(np.shape(flax_output), tuple(torch_shape))
-        if self.decided.get(path) in found:
-            return self.decided[path]
+        found = _candidates(shape, tuple(torch_shape))
+        decided = self._decided(path, "output")
+        if decided in found:
+            return decided
         return found[0] if len(found) == 1 else None
 
     def decide(
@@ -135,31 +197,34 @@ class Pairs:
         flax_inputs: Sequence[np.ndarray],
         torch_inputs: Sequence[np.ndarray],
         sources: Mapping[bytes, tuple[str, np.ndarray, np.ndarray]] | None = None,
+        which: str = "input",
+        fed: tuple[str, np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """Where several axis permutations take the pair's flax input onto torch's shape, keep the right one.
-
-        First by where the input comes from (``sources``: the torch output fingerprint (:func:`fingerprint`) of
-        each earlier pair -> that pair's path, flax output and torch output): when torch's input is exactly an axis
-        permutation of an earlier pair's torch output, flax's input exactly one of that pair's flax output, and that
-        pair's own layout is known, the three compose into this pair's layout, whatever the values' errors. Else by
-        values: the permutation under which the two inputs agree, its error at least ten times below every other's
-        (inputs are meant to be the same values, up to the first divergence; the outputs, which are judged, never
-        decide)."""
-        if not self.by_parameters or self._layout(path, "input") is not None or path in self.type_layouts:
+        """Where several axis permutations take the pair's flax ``which`` (its inputs, or its outputs) onto torch's
+        shape, keep the one provenance gives: when torch's array is exactly an axis permutation of an earlier
+        pair's torch output (``sources``: the torch output fingerprint (:func:`fingerprint`) of each earlier pair ->
+        that pair's path, flax output and torch output; a child's, for a parent's output), flax's exactly one of
+        that pair's flax output, and that pair's own layout is known, the three compose into this pair's layout,
+        whatever the values' errors. Else, with ``fed`` (the path, flax output and torch output of the earlier pair
+        whose output torch's code made this array from without moving an axis: torch's op trace), that pair's
+        layout where both shapes are its output's. No value decides: where structure does not, nothing is kept."""
+        table = self.decided if which == "input" else self.decided_outputs
+        if not self.by_parameters or self._layout(path, which) is not None or path in self.type_layouts:
             return
         for f, t in zip(flax_inputs, torch_inputs):
             found = _candidates(np.shape(f), np.shape(t))
             if len(found) < 2:
                 continue
             source = None if sources is None else sources.get(fingerprint(t))
-            if source is not None:
+            if source is not None and source[0] != path:
                 flowed = self._by_flow(source, f, t)
                 if flowed in found:
-                    self.decided[path] = flowed
-                    return
-            errors = sorted((_rel_error(np.transpose(f, p), t), p) for p in found)
-            if errors[0][0] < 0.5 and errors[0][0] * 10 < errors[1][0]:
-                self.decided[path] = errors[0][1]
+                    table[path] = flowed
+            elif fed is not None and np.shape(f) == np.shape(fed[1]) and np.shape(t) == np.shape(fed[2]):
+                # made from that output without moving an axis: its layout
+                kept = self.known_permutation(fed[0], fed[1], np.shape(fed[2]))
+                if kept in found:
+                    table[path] = kept
             return
 
     def _by_flow(self, source: tuple[str, np.ndarray, np.ndarray], f: np.ndarray, t: np.ndarray):
@@ -184,11 +249,6 @@ def exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...]
     found = _candidates(np.shape(source), np.shape(target))
     exact = [p for p in found if np.array_equal(np.transpose(source, p), target)]
     return exact[0] if len(exact) == 1 else None
-
-
-def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
-    scale = float(np.linalg.norm(b.astype(np.float64)))
-    return float(np.linalg.norm(a.astype(np.float64) - b)) / (scale or 1.0)
 
 
 def projection_layouts(plan: KeyPlan, torch_path: str) -> dict[str, ArrayLayout]:

@@ -5,6 +5,10 @@ torch.
 
 The rule for a recorded port call's arguments, leaf by leaf (containers opened):
 
+- a floating array that is not an activation (its values do not depend on the port's floating inputs or parameters:
+  a mask or a position table built from constants or integer inputs, an empty cache; told by
+  :func:`constant_arguments` from a second run with those nudged) keeps the port's own value, named in
+  :attr:`Replayed.kept`;
 - a floating array that is exactly the port output of a pair recorded before the call began (or an axis
   permutation or reshape of it) takes that pair's torch output, put into the port's layout (*provenance*: a
   cross-attention's keys and values take torch's encoder output, whatever name or slot they come in);
@@ -23,7 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -59,7 +63,7 @@ class PortCall:
 
 class Replayed(list):
     """A module's floating outputs when run alone, with ``kept``: the floating arguments that kept the port's own
-    value (neither provenance nor correspondence found torch's)."""
+    value (not activations, or neither provenance nor correspondence found torch's)."""
 
     def __init__(self, outputs: Sequence[np.ndarray], kept: Sequence[str] = ()):
         super().__init__(outputs)
@@ -173,19 +177,23 @@ def replay_arguments(
     call: PortCall,
     torch_inputs: Sequence[tuple[str, np.ndarray]],
     sources: Sources | None,
+    constants: Collection[str] = (),
 ) -> Replay | str:
     """The port's recorded ``call`` of the module paired at torch ``path`` with its floating arrays replaced by
-    torch's values (see the module docstring for the rule; ``torch_inputs`` from :func:`torch_floats`); each
+    torch's values (see the module docstring for the rule; ``torch_inputs`` from :func:`torch_floats`;
+    ``constants``: the names of the call's floating arguments that are not activations, kept); each
     replaced value keeps the port's dtype unless that is narrower than torch's (a port's cast to bfloat16 before
     the call is its caller's code). Or why the call cannot isolate the module: torch recorded floating inputs the
     port's call has no floating argument for, or none of the call's floating arguments could take torch's."""
     leaves, names, treedef = named_leaves(call.args, call.kwargs, call.positional)
-    floats = [i for i, leaf in enumerate(leaves) if _is_floating_array(leaf)]
+    floating = [i for i, leaf in enumerate(leaves) if _is_floating_array(leaf)]
+    constant = [names[i] for i in floating if names[i] in constants]
+    floats = [i for i in floating if names[i] not in constants]
     if not floats:
-        if torch_inputs:
+        if torch_inputs and not constant:
             return "the flax call has no floating argument to put torch's inputs in"
-        return Replay(list(call.args), dict(call.kwargs), [])
-    out, kept, explained, pending = list(leaves), [], set(), []
+        return Replay(list(call.args), dict(call.kwargs), constant)
+    out, kept, explained, pending = list(leaves), list(constant), set(), []
     for i in floats:
         for source in sources.before(call.start, leaves[i]) if sources is not None else ():
             moved = _from_source(pairs, source, leaves[i])
@@ -209,7 +217,7 @@ def replay_arguments(
             why = why or fit
         else:
             kept.append(names[i])
-    if len(kept) == len(floats):
+    if len(kept) == len(floats) + len(constant):
         if not torch_inputs:
             return "torch's call recorded no floating input to put in the flax call's place"
         return f"input 0: {why}" if why else "no floating argument of the flax call takes torch's inputs"
@@ -235,9 +243,47 @@ def replays(
 
     def prepare(path: str, call: PortCall) -> Replay | str:
         inputs = torch_floats((torch_calls or {}).get(path), torch_records.get(path, ([], []))[0])
-        return replay_arguments(pairs, path, call, inputs, None if path == WHOLE_MODEL else sources)
+        constants = pairs.constants.get(pairs.flax_paths.get(path, ""), set())
+        return replay_arguments(pairs, path, call, inputs, None if path == WHOLE_MODEL else sources, constants)
 
     return prepare
+
+
+def nudged(tree: Any) -> Any:
+    """``tree`` with every floating array leaf moved by about 1.6% of its size plus 1.6% (no value stays), the rest
+    as it is: the second run of :func:`constant_arguments`."""
+
+    def move(x):
+        if _is_floating_array(x):
+            return x * (1 + 2**-6) + 2**-6
+        return x
+
+    return jax.tree.map(move, tree)
+
+
+def constant_arguments(calls: Mapping[str, PortCall], again: Mapping[str, PortCall]) -> dict[str, set[str]]:
+    """By call name, the floating arguments of each recorded port call (``calls``) whose values are the same, bit for
+    bit, in ``again``: the same calls recorded in a second run with the port's floating inputs and parameters
+    :func:`nudged`. Those do not depend on them (a mask built from ids, a table from constants, an empty cache):
+    they are not activations, and isolation keeps the port's own value. Decided from the computation; the values
+    under test decide nothing (both runs are the port's)."""
+    found: dict[str, set[str]] = {}
+    for name, call in calls.items():
+        other = again.get(name)
+        if other is None or other.method != call.method:
+            continue
+        leaves, names, _ = named_leaves(call.args, call.kwargs, call.positional)
+        others, other_names, _ = named_leaves(other.args, other.kwargs, other.positional)
+        if names != other_names:
+            continue
+        same = {
+            n
+            for n, a, b in zip(names, leaves, others)
+            if _is_floating_array(a) and np.shape(a) == np.shape(b) and np.array_equal(np.asarray(a), np.asarray(b))
+        }
+        if same:
+            found[name] = same
+    return found
 
 
 # ---- rematerialisation, transparent while recording

@@ -83,8 +83,10 @@ class Isolation:
     none of whose submodules fails: the modules whose own computation differs (torch paths);
     ``flax_culprits`` the dotted paths of their flax twins, in the same order; ``own_code``: the culprits
     that have paired children, each of which agrees alone: the difference is in the module's own code
-    between them; ``kept``: the floating arguments of a module's call that kept the port's own value (neither
-    an earlier pair's output nor torch's input stood for them: a mask built from ids, a table); ``unrecorded``:
+    between them; ``kept``: the floating arguments of each module's call (every module run alone, agreeing or not)
+    that kept the port's own value: those that are not activations (a mask or table built from constants or
+    integer inputs, an empty cache), and those neither an earlier pair's output nor torch's input stood for;
+    ``unrecorded``:
     the flax modules that ran but were not recorded (inside a scan or vmap), each with the reason: a culprit
     holding one is not in ``own_code`` (the difference may be in them).
     """

@@ -150,7 +150,7 @@ def _badges(path: str, marks: _Marks) -> str:
     if fd is not None and path == fd.get("seen_at") and path != fd["module"]:
         out.append('<span class="badge seen">first seen here</span>')
     if path in marks.culprits:
-        own = " (its own code: its paired children agree alone)" if path in marks.own_code else ""
+        own = " (its own code: its paired children run alone agree)" if path in marks.own_code else ""
         out.append(f'<span class="badge culprit">isolated culprit{e(own)}</span>')
     return "".join(out)
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flax_ln.parity.core.policy import TensorResult
+from flax_ln.parity.records.capture import WHOLE_MODEL
 
 # The kinds of section, in the order a report yields them (each at most once, "train step" once
 # per step), and the data each holds:
@@ -316,22 +317,49 @@ def _isolation(d: Mapping[str, Any]) -> list[str]:
             f"; not recorded: {_few(unrecorded)} (traced inside a scan, vmap or checkpoint; the reasons are in "
             "isolation.unrecorded)"
         )
+    kept = d.get("kept", {})
+    kept_line = (
+        "; kept the port's own arguments: "
+        + "; ".join(f"{m}: " + ", ".join(f"`{k}`" for k in names) for m, names in kept.items())
+        if kept
+        else ""
+    )
+    if not d["results"]:
+        why = commonest(d["skipped"])
+        return [f"isolated: no module could be run alone ({len(d['skipped'])} skipped{why}){skipped}"]
     if not d["culprits"]:
+        every = "every module agrees" if not d["skipped"] else "every module run alone agrees"
         return [
-            f"isolated: every module agrees on torch's inputs ({len(d['results'])} run alone, "
-            f"{len(d['skipped'])} skipped){skipped}"
+            f"isolated: {every} on torch's inputs ({len(d['results'])} run alone, "
+            f"{len(d['skipped'])} not){skipped}{kept_line}"
         ]
     by_name = {r.name: r for r in d["results"]}
     own = set(d.get("own_code", ()))
-    kept = d.get("kept", {})
+    ran = [r.name for r in d["results"]]
+
+    def children(m: str) -> int:
+        return sum(1 for p in ran if p != m and (m == WHOLE_MODEL or p.startswith(m + ".")))
+
     named = ", ".join(
         f"{m} (own output rel {fmt(by_name[m].relative_error)}"
-        + ("; in its own code: its paired children agree alone" if m in own else "")
-        + ("; kept the port's own " + ", ".join(f"`{k}`" for k in kept[m]) if kept.get(m) else "")
+        + (f"; in its own code: its {children(m)} paired children run alone agree" if m in own else "")
         + ")"
         for m in d["culprits"]
     )
-    return [f"isolated: {named}{skipped}"]
+    return [f"isolated: {named}{skipped}{kept_line}"]
+
+
+def commonest(skipped: Mapping[str, str], n: int = 3) -> str:
+    """``; commonest reasons: ... (k)`` of a ``{module: reason}`` table (reasons cut at their first colon)."""
+    counts: dict[str, int] = {}
+    for why in skipped.values():
+        label, _, rest = why.partition(": ")
+        if rest and label.split(" ")[0] in ("input", "output"):  # "output 0: shapes ...": the reason after it
+            why = rest
+        head = why.split(":")[0][:100]
+        counts[head] = counts.get(head, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:n]
+    return "; commonest reasons: " + "; ".join(f"{why} ({k})" for why, k in top) if top else ""
 
 
 def _islands(d: Mapping[str, Any]) -> list[str]:

@@ -51,6 +51,7 @@ from flax_ln.parity.core.policy import parameter_dtype
 from flax_ln.parity.islands.island import Island, float32_rounded
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import Pairs, ParameterGroups
+from flax_ln.parity.records.replay import PortCall
 from flax_ln.parity.sides.torch import TorchSide
 
 
@@ -516,6 +517,17 @@ class FlaxSide(abc.ABC):
         outputs) recorded by dotted flax path (:data:`~flax_ln.parity.records.capture.WHOLE_MODEL` for the root), in
         execution order."""
         raise NotImplementedError(f"{type(self).__name__} has no module tree")
+
+    def recorded_calls(self) -> Mapping[str, PortCall]:
+        """After :meth:`record`: each recorded submodule call whole, by call name (``{}`` where the kind keeps none)."""
+        return {}
+
+    def record_nudged(self, forward_of: Callable[[Any], Any]) -> Mapping[str, PortCall]:
+        """The submodule calls of one more eager forward, ``forward_of(model)``, of a copy whose floating parameters
+        are :func:`~flax_ln.parity.records.replay.nudged` (the caller nudges the inputs), by call name: what tells a
+        call's activations from its constants (:func:`~flax_ln.parity.records.replay.constant_arguments`). ``{}``
+        where the kind cannot (every floating argument is then taken for an activation)."""
+        return {}
 
     def unrecorded(self) -> dict[str, str]:
         """After :meth:`record`: the flax paths of the modules that ran but were not recorded (called only inside a

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -21,7 +21,15 @@ from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import path_step
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
 from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
-from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
+from flax_ln.parity.records.replay import (
+    TRACED,
+    PortCall,
+    Replayed,
+    call_names,
+    nudged,
+    replays,
+    transparent_remat,
+)
 from flax_ln.parity.sides.flax import Linen, Parts, Run
 from flax_ln.parity.sides.tree import TreeSide
 
@@ -169,6 +177,17 @@ class LinenSide(TreeSide):
         """And each recorded scope path's module class (for :meth:`type_layout`)."""
         self.module_types, self.port_calls, self.traced = {}, {}, {}
         return capture_linen(forward, self.module_types, self.port_calls, self.traced)
+
+    def recorded_calls(self) -> Mapping[str, PortCall]:
+        return self.port_calls
+
+    def record_nudged(self, forward_of: Callable[[Any], Any]) -> Mapping[str, PortCall]:
+        """Over a copy of the ``params`` collection, nudged."""
+        parts = self.parts()
+        run = parts.build(nudged(parts.params), parts.rest)
+        calls: dict[str, PortCall] = {}
+        capture_linen(lambda: forward_of(run), None, calls)
+        return calls
 
     def method_calls(self) -> dict[str, str]:
         """Each recorded call through a module's second method -> the module's scope path."""

@@ -45,7 +45,15 @@ from flax_ln.parity.islands.jax import name_modules_of
 from flax_ln.parity.islands.jax_internals import forget_traces
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
 from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
-from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
+from flax_ln.parity.records.replay import (
+    TRACED,
+    PortCall,
+    Replayed,
+    call_names,
+    nudged,
+    replays,
+    transparent_remat,
+)
 from flax_ln.parity.sides.flax import (
     FlaxSide,
     Parts,
@@ -330,6 +338,11 @@ def _in_rule_layout(module, value):
         return jnp.asarray(rules.flax_activation(module, value) if is_float(value) else value)
     if isinstance(value, (tuple, list)):
         return type(value)(_in_rule_layout(module, v) for v in value)
+    if isinstance(value, dict):
+        return type(value)({k: _in_rule_layout(module, v) for k, v in value.items()})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a record's dataclass of arrays
+        fields = {f.name: _in_rule_layout(module, getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
     return value
 
 
@@ -442,6 +455,17 @@ class NNXSide(FlaxSide):
 
     def unrecorded(self) -> dict[str, str]:
         return dict(self.traced)
+
+    def recorded_calls(self) -> Mapping[str, PortCall]:
+        return self.own_calls
+
+    def record_nudged(self, forward_of: Callable[[Any], Any]) -> Mapping[str, PortCall]:
+        """On a copy of the model with its ``nnx.Param`` values nudged (the model is not changed)."""
+        graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)  # type: ignore[misc]  # a variadic tuple
+        model = name_modules_of(nnx.merge(graphdef, nudged(params), rest))
+        calls: dict[str, PortCall] = {}
+        capture_nnx(model, lambda: forward_of(model), calls)
+        return calls
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
         """Every callable submodule (``nnx.iter_modules``; an ``nnx.List`` is a container), by attribute path."""

@@ -26,6 +26,7 @@ from flax_ln.parity.core.policy import HALF_PRECISION, TOLERANCES, parameter_dty
 from flax_ln.parity.core.spill import to_file
 from flax_ln.parity.islands.torch import lift_float32, torch_in_float64
 from flax_ln.parity.records.capture import Calls, Records, capture_torch
+from flax_ln.parity.records.torch_trace import TorchTrace, tracing
 
 
 def _torch():
@@ -280,7 +281,7 @@ class TorchSide:
     ``expected`` holds, by report name, what flax must reproduce (outputs, then ``loss``,
     gradients, or output tangents) and ``kinds`` their kinds; ``truth`` the same from a
     float64 run (``attribute``); ``records``/``calls`` every submodule's first call (for
-    the first divergence and isolated mode), captured on demand.
+    the first divergence and isolated mode), captured on demand, with ``trace``: torch's own code around them.
     """
 
     name: str
@@ -298,6 +299,7 @@ class TorchSide:
     truth: dict[str, np.ndarray] | None = None
     records: Records | None = None
     calls: Calls | None = None
+    trace: TorchTrace | None = None  # torch's own code around each recorded module (its op trace), when recorded
     float64_zero: list[str] | None = None  # gradients float64 shows are zero (a reference file's; None: unknown)
     frozen: list[str] = dataclasses.field(default_factory=list)  # parameters without requires_grad: no gradient
     dropped_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # output leaves not compared: type
@@ -464,8 +466,11 @@ def _state_dict(torch_module, share: bool = False) -> dict[str, np.ndarray]:
 def record_torch_side(side: TorchSide, torch_module, forward) -> None:
     """Fill ``side.records`` and ``side.calls``: every torch submodule's first call, on the side's inputs."""
     tensors, t_kwargs = torch_tensors(side.inputs, side.kwargs)
-    side.calls = {}
+    side.calls, side.trace = {}, (trace := TorchTrace())
     with _torch_eval_untouched(torch_module):
         side.records = capture_torch(
-            torch_module, lambda: run_forward(forward, torch_module, tensors, t_kwargs), side.calls
+            torch_module,
+            lambda: run_forward(forward, torch_module, tensors, t_kwargs),
+            side.calls,
+            lambda: tracing(torch_module, trace),
         )
