@@ -35,7 +35,7 @@ from flax_ln.parity.islands.lifting import Found, check_island_mode, flax_lifted
 from flax_ln.parity.localize.locate import check_torch_paths, localize
 from flax_ln.parity.report.data import ParityReport, environment
 from flax_ln.parity.sides.flax import FlaxSide, Function, Linen
-from flax_ln.parity.sides.kinds import flax_side_kind
+from flax_ln.parity.sides.kinds import built_by_flax_factory, check_factories, flax_side_kind
 from flax_ln.parity.sides.shared import as_shared, one_variable_for_distinct_parameters, zero_shared
 from flax_ln.parity.sides.split import as_split
 from flax_ln.parity.sides.torch import (
@@ -360,6 +360,7 @@ def compare_modules(
     kind.check(flax_module, weights, mesh)
     check_island_mode(islands)
     check_torch_paths(torch_module, modules)
+    check_factories(torch_factory=torch_factory, flax_factory=flax_factory)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     comparison = Comparison(
@@ -434,16 +435,11 @@ class Comparison:
     def flax_side_for(self, dtype: str) -> Any:
         """The flax side a run in ``dtype`` loads: the caller's, or, in a float64 run that lifts, the one
         ``flax_factory`` builds now (call inside :func:`~flax_ln.parity.islands.lifting.flax_lifted`), so that
-        constants it makes at construction are float64 (listed as lifted); of the caller's kind."""
+        constants it makes at construction are float64 (listed as lifted); the caller's model built again
+        (:func:`~flax_ln.parity.sides.kinds.built_by_flax_factory`)."""
         if self.flax_factory is None or dtype != "float64" or self.islands != "lift":
             return self.flax_module
-        built = self.flax_factory()
-        if flax_side_kind(built) is not self.kind:
-            raise TypeError(
-                f"flax_factory built a {type(built).__name__}, but the flax side is a "
-                f"{type(self.flax_module).__name__}: the factory must build the same kind of flax side"
-            )
-        return built
+        return built_by_flax_factory(self.flax_factory, self.flax_module)
 
     @property
     def phases(self) -> int:
@@ -539,10 +535,14 @@ class Comparison:
 
             phase("flax load, compile and run")
             with flax_lifted(dtype, self.islands, found):
+                if self.flax_factory is not None:
+                    stage[0] = "building the flax side with flax_factory="
+                flax_module = self.flax_side_for(dtype)
+                stage[0] = stages["flax load, compile and run"]
                 report, flax, zero_found = load_and_judge(
                     self.kind,
                     side,
-                    self.flax_side_for(dtype),
+                    flax_module,
                     call,
                     flax_inputs,
                     tolerances,

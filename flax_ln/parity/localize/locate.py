@@ -86,6 +86,9 @@ def pair_modules(
         flax_paths, by_flax_path, modules, flax.orders, flax.plan is not None, flax.paths_named, flax.type_layout
     )
     if flax.plan is not None:
+        pairs.holders = frozenset(
+            {WHOLE_MODEL, *(".".join(key.split(".")[:i]) for key in torch_keys for i in range(1, key.count(".") + 1))}
+        )
         for torch_path in pairs.modules:
             if layouts := projection_layouts(flax.plan, torch_path):
                 pairs.derived[torch_path] = layouts

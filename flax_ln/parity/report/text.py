@@ -136,10 +136,18 @@ def status(r: TensorResult) -> str:
     return "MISMATCH" if r.problem else "NONFINITE" if r.nonfinite else "FAIL"
 
 
+def _cut(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters: a longer one keeps its start and its end, ``...`` between."""
+    if len(name) <= width:
+        return name
+    head = (width - 3) // 2
+    return name[:head] + "..." + name[len(name) - (width - 3 - head) :]
+
+
 def _row(r: TensorResult) -> str:
     at = "" if r.max_error_index is None else str(r.max_error_index).replace(" ", "")
     return (
-        f"{r.name[:44]:<44} {r.kind:<11} {str(r.shape).replace(' ', '')[:16]:<16} {fmt(r.max_abs_error):>9} "
+        f"{_cut(r.name, 44):<44} {r.kind:<11} {str(r.shape).replace(' ', '')[:16]:<16} {fmt(r.max_abs_error):>9} "
         f"{at[:14]:<14} {fmt(r.relative_error):>9} {r.tolerance.rtol:>8.0e}  {status(r)}"
         + "".join(f"  [{note}]" for note in (r.problem, r.nonfinite) if note)
     )
@@ -152,7 +160,10 @@ def _title(d: Mapping[str, Any]) -> list[str]:
 def _tensors(d: Mapping[str, Any]) -> list[str]:
     lines = [_row(r) for r in d["rows"]]
     if d["hidden"]:
-        lines.append(f"... {d['hidden']} more tensors, all shown with --json")
+        lines.append(
+            f"... {d['hidden']} more tensors: every one in report.results (report.to_json(); on the command line, "
+            "--json)"
+        )
     if any(r.passed_by == "zero" for r in d["rows"]):
         lines.append(
             "(zero in float64): float64 shows the exact gradient is 0, so only rounding noise differs; "
