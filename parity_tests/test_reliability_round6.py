@@ -411,3 +411,62 @@ def test_the_key_slab_of_a_split_bias_passes_as_zero_in_every_mode(dtype):
     report = compare_modules(_attention(), SplitAttention(), x, weights=MHA_MAP, forward=MHA_FORWARD, dtype=dtype)
     assert all(r.passed for r in report.results), str(report)
     assert report["in_proj_bias[16:32]"].passed_by == "zero", report["in_proj_bias[16:32]"]
+
+
+# ---- 5. admitted is not compared: dropped parameters judged by their float64 gradient
+
+
+class TorchWithHead(torch.nn.Module):
+    """A Linear and a head the forward does not use (fair-esm's contact head, for a port that leaves it out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class FlaxLinear(nnx.Module):
+    def __init__(self, use_bias=True):
+        self.lin = nnx.Linear(WIDTH, WIDTH, use_bias=use_bias, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def _load_without_head(state):
+    port = FlaxLinear()
+    port.lin.kernel[...] = jnp.asarray(state["lin.weight"].T)
+    port.lin.bias[...] = jnp.asarray(state["lin.bias"])
+    return port
+
+
+@pytest.mark.parametrize("how", ["ignore rule", "allow_dropped"])
+def test_a_dropped_parameter_whose_float64_gradient_is_zero_is_listed_not_compared(how):
+    torch.manual_seed(0)
+    model = TorchWithHead()
+    if how == "ignore rule":
+        weights = KeyMap([*LINEAR_RULES, (r"head\..*", None, None)])
+    else:
+        weights = KeyMap.discover(_load_without_head, model, allow_dropped=[r"head\..*"])
+    report = compare_modules(model, FlaxLinear(), _x(), weights=weights)
+    assert report.passed, str(report)
+    assert report.dropped_parameters == ["head.weight", "head.bias"], report.dropped_parameters
+    assert not [r for r in report.results if r.name.startswith("head.")], [r.name for r in report.results]
+    assert "dropped parameters" in str(report) and report.to_json()["dropped_parameters"] == report.dropped_parameters
+
+
+@pytest.mark.parametrize("dtype", [None, "float32", "float64"])
+def test_a_dropped_parameter_torch_uses_still_fails_naming_it(dtype):
+    torch.manual_seed(0)
+    weights = KeyMap([LINEAR_RULES[0], (r"lin\.bias", None, None)])  # the port leaves out a bias torch adds
+    with torch.no_grad():
+        model = TorchGelu()
+        model.act = torch.nn.Identity()
+    report = compare_modules(model, FlaxLinear(use_bias=False), _x(), weights=weights, dtype=dtype)
+    assert not report.passed, str(report)
+    assert "lin.bias" not in report.dropped_parameters
+    bias = report["lin.bias"]
+    assert not bias.passed and "dropped by the key map" in bias.problem, bias

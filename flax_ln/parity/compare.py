@@ -20,7 +20,7 @@ from flax_ln.parity.core.policy import Tolerance, numerics, parameter_dtype, tol
 from flax_ln.parity.core.progress import Progress
 from flax_ln.parity.core.spill import should_spill
 from flax_ln.parity.islands.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
-from flax_ln.parity.judge import add_lm_metrics, attribute_errors, judge
+from flax_ln.parity.judge import DROPPED_BUT_USED, add_lm_metrics, attribute_errors, judge, without_dropped
 from flax_ln.parity.localize.locate import check_torch_paths, localize
 from flax_ln.parity.report.data import ParityReport, environment
 from flax_ln.parity.sides.flax import FlaxSide, Function, Linen
@@ -73,7 +73,13 @@ def load_and_judge(
         side, zero_evidence = as_split(side, flax.plan, zero_evidence, float64_gradients)
     values = flax.values(side, call, mesh)
     judging()
+    side, dropped = without_dropped(side, flax.plan, zero_evidence)
     report, actual, zero = judge(side, values, tolerances, zero_evidence, want_zero)
+    report.results = [
+        r if r.name not in dropped else dataclasses.replace(r, problem=DROPPED_BUT_USED) for r in report.results
+    ]
+    report.dropped_parameters = [k for k, used in dropped.items() if not used]
+    zero |= set(report.dropped_parameters)
     report.results += one_variable
     report.ties = flax.ties()
     report.shared = shared

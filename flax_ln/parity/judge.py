@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flax_ln.convert import KeyPlan
 from flax_ln.parity.core.call import merge_dropped
 from flax_ln.parity.core.policy import (
     HALF_PRECISION,
@@ -26,6 +27,10 @@ from flax_ln.parity.report.data import ParityReport
 from flax_ln.parity.sides.flax import FlaxSide
 from flax_ln.parity.sides.torch import TorchSide
 
+DROPPED_BUT_USED = (
+    "dropped by the key map, but float64 shows its gradient is not zero: the output depends on it, so the port "
+    "must hold it"
+)
 TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
     "output": "output",
     "loss": "output",
@@ -130,3 +135,30 @@ def attribute_errors(
             torch_vs_float64=relative_error(side.expected[r.name], truth),
             flax_vs_float64=relative_error(actual[r.name], truth),
         )
+
+
+def without_dropped(
+    side: TorchSide, plan: KeyPlan | None, zero_evidence: Callable[[], set[str]]
+) -> tuple[TorchSide, dict[str, bool]]:
+    """``side`` without the gradients of the trainable torch parameters that the key map drops (an ignore rule
+    ``(regex, None, None)``, or ``allow_dropped=`` of :meth:`~flax_ln.convert.KeyMap.discover`) and that float64
+    shows are zero: the output does not depend on them, so nothing of them is compared; and each dropped parameter
+    -> whether its gradient is not zero (``True``: it stays, and fails as missing on the flax side: a port that
+    leaves out a parameter torch uses does not pass). float64's word: in a float64 run, torch's own gradients;
+    else ``zero_evidence()``, asked only when some parameter is dropped."""
+    ignored = plan.ignored if plan is not None else ()
+    dropped = [k for k in ignored if side.kinds.get(k) == "param grad"]
+    if not dropped:
+        return side, {}
+    if side.dtype == "float64":
+        zero = zero_gradient_names({k: side.expected[k] for k in side.param_names if side.kinds.get(k) == "param grad"})
+    else:
+        zero = zero_evidence()
+    gone = {k for k in dropped if k in zero}
+    side = dataclasses.replace(
+        side,
+        expected={k: v for k, v in side.expected.items() if k not in gone},
+        kinds={k: v for k, v in side.kinds.items() if k not in gone},
+        param_names=[k for k in side.param_names if k not in gone],
+    )
+    return side, {k: k not in gone for k in dropped}

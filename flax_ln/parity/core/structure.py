@@ -93,8 +93,9 @@ def model_difference(given: Any, built: Any) -> str | None:
     values (a closure built again is the same function); ``functools.partial`` by function and arguments; bound
     methods by function; other objects (torch, NNX, Linen and Equinox modules, their variables, configs) by their
     attributes, recursively. Arrays are compared by shape only and dtypes not at all: only dtypes may differ. A
-    private attribute (``_name``) that is ``None`` in the factory's model while the given one holds a value is a
-    cache a call filled (a rotary table's length), not configuration, and is passed over."""
+    private attribute (``_name``) that one model has and the other lacks, or that is ``None`` in the factory's
+    model while the given one holds a value, is bookkeeping or a cache a call filled (a rotary table's length),
+    not configuration, and is passed over."""
     return _difference(given, built, "", set(), 0)
 
 
@@ -155,16 +156,19 @@ def _mapping_difference(a: dict, b: dict, where: str, deeper, attributes: bool =
     def named(k: Any) -> str:
         return (f"{where}.{k}" if where else str(k)) if attributes or isinstance(k, str) else f"{where}[{k!r}]"
 
+    def private(k: Any) -> bool:
+        return attributes and isinstance(k, str) and k.startswith("_")
+
     for k in a:
         if k not in b:
-            if attributes and isinstance(k, str) and k.startswith("_") and a[k] is None:
-                continue
+            if private(k):
+                continue  # bookkeeping a call or a loader added (a cache, an initialised flag)
             return f"{named(k)}: in the given model only"
-        if attributes and isinstance(k, str) and k.startswith("_") and b[k] is None and a[k] is not None:
+        if private(k) and b[k] is None and a[k] is not None:
             continue  # a cache the given model's calls filled
         if d := deeper(a[k], b[k], named(k)):
             return d
-    extra = [k for k in b if k not in a and not (attributes and str(k).startswith("_") and b[k] is None)]
+    extra = [k for k in b if k not in a and not private(k)]
     return f"{named(extra[0])}: in the factory's model only" if extra else None
 
 

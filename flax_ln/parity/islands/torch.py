@@ -358,7 +358,7 @@ def _float32_rounded(rebuilt, given) -> bool:
     return bool(torch.all((rebuilt - given).abs() <= 4 * eps * given.abs()))
 
 
-def build_lifted(factory: Callable[[], Any], like) -> tuple[Any, list[Island]]:
+def build_lifted(factory: Callable[[], Any], like, *, same_model: bool = True) -> tuple[Any, list[Island]]:
     """A float64 copy of ``like``, built by ``factory()`` under lifting, holding ``like``'s state; and its islands.
 
     ``factory()`` runs under :func:`lift_float32` with the default dtype float64 (restored after,
@@ -378,7 +378,8 @@ def build_lifted(factory: Callable[[], Any], like) -> tuple[Any, list[Island]]:
 
     Raises ``ValueError`` naming the keys when ``like``'s state does not load (missing, unexpected
     or mis-shaped keys) or a loaded parameter or persistent buffer then differs from ``like``'s
-    (a load hook or a tie that changes it), or when the model built is not ``like`` built again: another module
+    (a load hook or a tie that changes it), or (``same_model``: a factory the caller gave) when the model built is
+    not ``like`` built again: another module
     tree, class or attribute that is not an array (:func:`~flax_ln.parity.core.structure.model_difference`; only
     dtypes may differ); the copy would not compute ``like``'s function. ``TypeError`` when ``factory()`` returns no
     torch module. A factory that returns ``like`` itself (or a part of it) is given a deep copy: ``like`` is never
@@ -410,7 +411,7 @@ def build_lifted(factory: Callable[[], Any], like) -> tuple[Any, list[Island]]:
     differ = [k for k, v in built.state_dict().items() if not torch.equal(v, state[k])]
     if differ:
         raise ValueError(f"the model built by the factory holds other values than the given model's: {differ}")
-    difference = model_difference(like, built)
+    difference = model_difference(like, built) if same_model else None
     if difference is not None:
         raise ValueError(
             f"torch_factory builds another model than torch_module ({difference}): the float64 check must run the "

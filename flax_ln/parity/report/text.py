@@ -33,6 +33,7 @@ from flax_ln.parity.core.policy import TensorResult
 #   "nothing compared":    no data
 #   "no gradients":        frozen (how many parameters are frozen)
 #   "frozen":              names (the frozen torch parameters)
+#   "dropped parameters":  names (trainable torch parameters the key map drops, their float64 gradient zero)
 #   "dropped outputs":     outputs (output leaf -> its type)
 #   "first divergence":    module, flax_module, by_parameters, inputs, outputs (TensorResult s, at seen_at),
 #                          between, flax_between (the paired children around a gap in module's own code), seen_at,
@@ -66,6 +67,7 @@ KINDS = (
     "nothing compared",
     "no gradients",
     "frozen",
+    "dropped parameters",
     "dropped outputs",
     "first divergence",
     "no first divergence",
@@ -275,6 +277,15 @@ def _frozen(d: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _dropped_parameters(d: Mapping[str, Any]) -> list[str]:
+    names = d["names"]
+    return [
+        f"dropped parameters: {len(names)} trainable torch parameters the key map drops, not compared: float64 "
+        f"shows their gradient is zero (the output does not depend on them): {', '.join(names[:4])}"
+        + (", ..." if len(names) > 4 else "")
+    ]
+
+
 def _first_divergence(d: Mapping[str, Any]) -> list[str]:
     out = max(d["outputs"], key=lambda r: r.excess)
     ins = ", ".join(f"{r.name} rel {r.relative_error:.2e}" for r in d["inputs"]) or "none compared"
@@ -380,6 +391,7 @@ _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "nothing compared": lambda d: ["nothing compared: no tensor in this report, which is not a pass"],
     "no gradients": _no_gradients,
     "frozen": _frozen,
+    "dropped parameters": _dropped_parameters,
     "dropped outputs": lambda d: [
         "dropped outputs (not arrays or numbers, not compared): "
         + ", ".join(f"{k} ({v})" for k, v in d["outputs"].items())
