@@ -192,6 +192,35 @@ def test_a_table_cached_in_a_plain_attribute_is_as_it_was_after_the_float64_chec
         assert model._table is table  # the caller's own table object, untouched
 
 
+class TableHelper:
+    """A plain Python object (not a module) that caches its table on first use, held by a torch module."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def table(self, n, dtype):
+        if n not in self.cache:
+            self.cache[n] = torch.cos(torch.arange(n, dtype=dtype) / 3)
+        return self.cache[n]
+
+
+class TorchWithHelper(TorchCached):
+    def __init__(self):
+        super().__init__()
+        self.helper = TableHelper()
+
+    def forward(self, x):
+        return self.lin(x) * self.helper.table(x.shape[-1], x.dtype)
+
+
+def test_a_table_cached_by_a_plain_object_the_module_holds_is_as_it_was():
+    torch.manual_seed(0)
+    model = TorchWithHelper()
+    report = compare_modules(model, FlaxCached(), _x(), weights=LINEAR_MAP)
+    assert report.passed, str(report)
+    assert [t.dtype for t in model.helper.cache.values()] == [torch.float32]
+
+
 # ---- 4. torch_factory=lambda: model
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from flax_ln.parity.core.structure import model_difference
+from flax_ln.parity.islands.held import plain_attributes
 from flax_ln.parity.islands.island import Island, float32_rounded
 from flax_ln.parity.records.capture import WHOLE_MODEL
 
@@ -537,7 +538,7 @@ def torch_in_float64(module) -> Iterator[None]:
     held as attributes.)"""
     parameters = [(p, p.data, p.grad) for p in module.parameters()]
     buffers = [(m._buffers, name, b) for m in module.modules() for name, b in m._buffers.items()]
-    attributes = [_PlainAttributes(m) for m in module.modules()]
+    attributes = plain_attributes(module)
     for p, _, _ in parameters:
         p.grad = None
     module.double()
@@ -550,34 +551,3 @@ def torch_in_float64(module) -> Iterator[None]:
             store[name] = buffer
         for held in attributes:
             held.restore()
-
-
-class _PlainAttributes:
-    """A torch module's plain attributes (all but torch's own bookkeeping: a cache a call fills, its length, a
-    tensor kept on ``self``) as they are now, to :meth:`restore` them: each to its own object, lists, dicts and sets
-    to their items, and an attribute added since removed. A float64 run that fills a cache in the input's dtype
-    (a rotary cos/sin table made on the first call) leaves no float64 table behind."""
-
-    def __init__(self, module):
-        self.module = module
-        self.held = {k: v for k, v in vars(module).items() if k not in _torch_bookkeeping()}
-        self.items = {k: copy.copy(v) for k, v in self.held.items() if type(v) in (list, dict, set)}
-
-    def restore(self) -> None:
-        now = vars(self.module)
-        for k in [k for k in now if k not in self.held and k not in _torch_bookkeeping()]:
-            del now[k]
-        now.update(self.held)
-        for k, items in self.items.items():
-            container = self.held[k]
-            container.clear()
-            if isinstance(container, list):
-                container.extend(items)
-            else:
-                container.update(items)
-
-
-@functools.cache
-def _torch_bookkeeping() -> frozenset[str]:
-    """The attributes every ``torch.nn.Module`` has (parameters, buffers, submodules, hooks, modes): not plain."""
-    return frozenset(vars(_torch().nn.Module()))
