@@ -224,12 +224,14 @@ def test_a_table_cached_by_a_plain_object_the_module_holds_is_as_it_was():
 # ---- 4. torch_factory=lambda: model
 
 
-def test_a_torch_factory_returning_the_callers_module_works_on_a_copy():
+@pytest.mark.parametrize("converted", [False, True])
+def test_a_torch_factory_returning_the_callers_module_works_on_a_copy(converted):
     torch.manual_seed(0)
     model = TorchGelu()
     tensors = {k: (v, v.dtype) for k, v in model.named_parameters()}
     values = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    report = compare_modules(model, FlaxGelu(False, nnx.Rngs(0)), _x(), weights=LINEAR_MAP, torch_factory=lambda: model)
+    factory = model.double if converted else lambda: model  # model.double() converts it in place and returns it
+    report = compare_modules(model, FlaxGelu(False, nnx.Rngs(0)), _x(), weights=LINEAR_MAP, torch_factory=factory)
     assert {k: (v, v.dtype) for k, v in model.named_parameters()} == tensors
     assert all(torch.equal(model.state_dict()[k], v) for k, v in values.items())
     without = compare_modules(model, FlaxGelu(False, nnx.Rngs(0)), _x(), weights=LINEAR_MAP)

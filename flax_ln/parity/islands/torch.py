@@ -394,11 +394,10 @@ def build_lifted(factory: Callable[[], Any], like, *, same_model: bool = True) -
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        with lift_float32():
-            built = factory()
+        with lift_float32(), kept_as_it_is(like):  # a factory that returns like, even converted, leaves it as it is
+            built = _own_model(factory(), like)
     finally:
         torch.set_default_dtype(previous)
-    built = _own_model(built, like)
     built = built.double()
     first = next(itertools.chain(like.parameters(), like.buffers()), None)
     if first is not None:
@@ -532,16 +531,23 @@ def rounded_buffers(module, weights_keys: set[str]) -> list[Island]:
 
 @contextlib.contextmanager
 def torch_in_float64(module) -> Iterator[None]:
-    """``module`` in float64 for this scope, then exactly as it was: each parameter gets its own tensor back
-    (``.data``, whatever its dtype: float64 buffers beside float32 weights, complex parameters), each buffer its
-    own object, each ``.grad`` its own. (A deep copy is not always possible: torch refuses to copy non-leaf tensors
-    held as attributes.)"""
+    """``module`` in float64 for this scope, then exactly as it was (:func:`kept_as_it_is`). (A deep copy is not
+    always possible: torch refuses to copy non-leaf tensors held as attributes.)"""
+    with kept_as_it_is(module):
+        for p in module.parameters():
+            p.grad = None
+        module.double()
+        yield
+
+
+@contextlib.contextmanager
+def kept_as_it_is(module) -> Iterator[None]:
+    """``module`` exactly as it is now after this scope, whatever the scope does to it: each parameter gets its own
+    tensor back (``.data``, whatever its dtype: float64 buffers beside float32 weights, complex parameters), each
+    buffer its own object, each ``.grad`` its own, and every plain attribute (:func:`plain_attributes`) its own."""
     parameters = [(p, p.data, p.grad) for p in module.parameters()]
     buffers = [(m._buffers, name, b) for m in module.modules() for name, b in m._buffers.items()]
     attributes = plain_attributes(module)
-    for p, _, _ in parameters:
-        p.grad = None
-    module.double()
     try:
         yield
     finally:
