@@ -96,12 +96,34 @@ def model_difference(given: Any, built: Any) -> str | None:
     private attribute (``_name``) that one model has and the other lacks, or that is ``None`` in the factory's
     model while the given one holds a value, is bookkeeping or a cache a call filled (a rotary table's length),
     not configuration, and is passed over."""
-    return _difference(given, built, "", set(), 0)
+    return _difference(given, built, "", _Walk(), 0)
 
 
-def _difference(a: Any, b: Any, where: str, seen: set[tuple[int, int]], depth: int) -> str | None:
+class _Walk:
+    """What a comparison has seen: the pairs compared (each once: cycles end), and which object of one model stands
+    for which of the other (an array or an object with attributes), so that one shared in one model (a tied
+    weight, a submodule used twice) and two apart in the other is a difference."""
+
+    def __init__(self) -> None:
+        self.pairs: set[tuple[int, int]] = set()
+        self.twins: tuple[dict[int, str], dict[int, str]] = ({}, {})  # id -> where first met, in each model
+        self.partner: tuple[dict[int, int], dict[int, int]] = ({}, {})
+
+    def sharing(self, a: Any, b: Any, at: str) -> str | None:
+        """Where ``a`` (given) and ``b`` (built) are not shared alike, in words; ``None`` when they are."""
+        for side, (x, y) in enumerate(((a, b), (b, a))):
+            partner = self.partner[side].setdefault(id(x), id(y))
+            if partner != id(y):
+                first = self.twins[side][id(x)]
+                model = ("the given model", "the factory's")[side]
+                return f"{at}: one object in {model} (also at {first}), two in the other"
+            self.twins[side].setdefault(id(x), at)
+        return None
+
+
+def _difference(a: Any, b: Any, where: str, seen: _Walk, depth: int) -> str | None:
     at = where or "(the model itself)"
-    if a is b or depth > _MAX_DEPTH or (_is_dtype(a) and _is_dtype(b)):
+    if depth > _MAX_DEPTH or (_is_dtype(a) and _is_dtype(b)):
         return None
     if _is_array(a) or _is_array(b):
         if not (_is_array(a) and _is_array(b)):
@@ -109,15 +131,17 @@ def _difference(a: Any, b: Any, where: str, seen: set[tuple[int, int]], depth: i
         shapes = tuple(a.shape), tuple(b.shape)
         if shapes[0] != shapes[1]:
             return f"{at}: shape {shapes[0]} in the given model, {shapes[1]} in the factory's"
+        return seen.sharing(a, b, at)
+    if a is b:
         return None
     if type(a) is not type(b):
         return f"{at}: {_describe(a)} in the given model, {_describe(b)} in the factory's"
     if isinstance(a, _PLAIN):
         same = a == b or (isinstance(a, float) and a != a and b != b)  # NaN is NaN here
         return None if same else f"{at}: {_describe(a)} in the given model, {_describe(b)} in the factory's"
-    if (id(a), id(b)) in seen:
+    if (id(a), id(b)) in seen.pairs:
         return None
-    seen.add((id(a), id(b)))
+    seen.pairs.add((id(a), id(b)))
     deeper = functools.partial(_deeper, seen=seen, depth=depth + 1)
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
@@ -139,6 +163,8 @@ def _difference(a: Any, b: Any, where: str, seen: set[tuple[int, int]], depth: i
         except ValueError:  # an empty cell
             return None
     held_a, held_b = _attributes(a), _attributes(b)
+    if held_a is not None and held_b is not None and (shared := seen.sharing(a, b, at)):
+        return shared
     if held_a is None or held_b is None:
         try:
             same = bool(a == b)
@@ -148,7 +174,7 @@ def _difference(a: Any, b: Any, where: str, seen: set[tuple[int, int]], depth: i
     return _mapping_difference(held_a, held_b, where, deeper, attributes=True)
 
 
-def _deeper(a: Any, b: Any, where: str, *, seen: set[tuple[int, int]], depth: int) -> str | None:
+def _deeper(a: Any, b: Any, where: str, *, seen: _Walk, depth: int) -> str | None:
     return _difference(a, b, where, seen, depth)
 
 
