@@ -501,3 +501,41 @@ def test_a_dropped_parameter_torch_uses_still_fails_naming_it(dtype):
     assert "lin.bias" not in report.dropped_parameters
     bias = report["lin.bias"]
     assert not bias.passed and "dropped by the key map" in bias.problem, bias
+
+
+class TorchTied(torch.nn.Module):
+    def __init__(self, tie=True):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, 10, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+
+def _scaled_by(factor):
+    def scale(y):
+        return y * factor
+
+    return scale
+
+
+class NNXWithClosure(nnx.Module):
+    def __init__(self, factor=0.5, approximate=False):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+        self.scale = _scaled_by(factor)  # a closure, built again by each build
+        self.act = functools.partial(jax.nn.gelu, approximate=approximate)
+
+
+def test_what_a_factory_must_rebuild_and_what_may_differ():
+    """The structure check alone (no comparison): closures built again and dtypes may differ; configuration,
+    functions and sharing may not."""
+    from flax_ln.parity.core.structure import model_difference
+
+    assert model_difference(TorchTied(), TorchTied()) is None
+    assert model_difference(TorchTied(), TorchTied().double()) is None  # only dtypes differ
+    assert "head.weight" in model_difference(TorchTied(), TorchTied(tie=False))  # a tie is structure
+    assert model_difference(NNXWithClosure(), NNXWithClosure()) is None  # the closure built again
+    with jax.enable_x64(True):
+        assert model_difference(NNXWithClosure(), NNXWithClosure()) is None  # its arrays in float64
+    assert "factor" in model_difference(NNXWithClosure(), NNXWithClosure(factor=2.0))  # a closed-over value
+    assert "act" in model_difference(NNXWithClosure(), NNXWithClosure(approximate=True))
