@@ -231,12 +231,17 @@ def compare_modules(
         at construction, like rotary ``inv_freq``, are float64), loaded with the caller's
         weights and checked equal to them. A transformers model (with a ``config``) is
         rebuilt as ``type(m)(m.config)`` without it; any other module without it has its
-        float32-rounded float64 buffers listed in ``report.islands`` (not lifted).
+        float32-rounded float64 buffers listed in ``report.islands`` (not lifted). It must build
+        ``torch_module`` again (module tree, classes, attributes that are not arrays, ties; only dtypes
+        may differ), else the float64 check's error names it; one that returns ``torch_module`` itself
+        is given a copy. Not callable: ``TypeError`` before any work.
       flax_factory: a zero-argument callable that builds the flax side afresh (an NNX module, or a ``Linen`` or
         ``Function`` of the same kind as ``flax_module``): with ``islands="lift"`` the float64 run builds it with
         lifting active and x64 on, so that float32 constants the port makes at construction (``jnp.array(d **
         -0.5, jnp.float32)``, an ``nnx.data`` table) are float64 (listed as lifted), then fills its variables
-        with the weights as usual. Without it such constants are listed in ``report.islands`` as not lifted.
+        with the weights as usual. Without it such constants are listed in ``report.islands`` as not lifted. It
+        must build ``flax_module`` again (structure and static configuration; a ``Function``'s code and parameter
+        structure; only dtypes may differ), else the float64 check's error names it.
       quiet: no progress bar. Without it, a comparison that runs longer than two seconds shows a bar of its
         phases on a terminal (:class:`~flax_ln.parity.core.progress.Progress`; never when ``sys.stderr`` is not a
         terminal, or with the environment variable ``FLAX_LN_PROGRESS=0``).
@@ -246,7 +251,9 @@ def compare_modules(
     an axis of size 0 is a ``ValueError``: nothing compared is not a pass. A gradient
     passes as zero (``passed_by="zero"``) only where float64 shows it is zero in the
     mathematics (:func:`zero_gradient_names`: from the float64 comparison, else a float64
-    run of the torch side); any other gradient is held to the relative tolerance.
+    run of the torch side; slab by slab for a torch tensor split across variables); any other gradient is held
+    to the relative tolerance. A trainable torch parameter the key map drops whose float64 gradient is zero is
+    listed in ``report.dropped_parameters`` and not compared; one whose gradient is not zero fails.
 
     Returns:
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
