@@ -9,7 +9,7 @@ contradict:
 
 - known format, dtype (``float32``/``float64`` only: the tolerance follows from it), forward,
   mode, builder, spec keys and tensor kinds;
-- every tensor a name in the metadata points at exists, with the dtype and shape its role
+- every tensor a name in the metadata points at exists, is named once in the file, with the dtype and shape its role
   needs (weights, outputs and gradients in the file's dtype, the float64 truth in float64 and
   of the expected shapes, no zero-element input or expected tensor, a leading batch axis of
   ``settings.batch``);
@@ -112,8 +112,11 @@ def _positive_int(value: Any, field: str, limit: int) -> int:
 # packed trees (see reference._pack)
 
 
-def _check_packed(node: Any, field: str, tensors: Mapping[str, np.ndarray]) -> None:
-    """``node`` is a well-formed packed tree whose tensor names all exist in ``tensors``."""
+def _check_packed(node: Any, field: str, tensors: Mapping[str, np.ndarray], seen: dict[str, str]) -> None:
+    """``node`` is a well-formed packed tree whose tensor names all exist in ``tensors``, each named once in the
+    file: ``seen`` (tensor name -> the field that names it) is filled as the file is walked. ``--save-reference``
+    stores every entry in a tensor of its own; two entries that name one tensor would read as one torch tensor (a
+    tie), so that an entry added to a file could pass as an alias of another."""
     _require(
         isinstance(node, dict) and len(node) == 1 and next(iter(node)) in ENTRY_KINDS,
         field,
@@ -122,6 +125,14 @@ def _check_packed(node: Any, field: str, tensors: Mapping[str, np.ndarray]) -> N
     ((kind, body),) = node.items()
     if kind == "tensor":
         _require(isinstance(body, str) and body in tensors, field, f"names the tensor {body!r}, which the file lacks")
+        _require(
+            body not in seen,
+            field,
+            f"names the tensor {body!r}, which {seen.get(body)} names too: --save-reference stores every entry in a "
+            "tensor of its own (a tie included), so this entry was added to the file; write it again with "
+            "--save-reference",
+        )
+        seen[body] = field
     elif kind == "dict":
         _require(isinstance(body, list), field, f"a dict entry holds a list of [key, value] pairs, got {body!r:.80}")
         for i, pair in enumerate(body):
@@ -130,11 +141,11 @@ def _check_packed(node: Any, field: str, tensors: Mapping[str, np.ndarray]) -> N
                 f"{field}[{i}]",
                 f"expected a [key, value] pair with a string key, got {str(pair)[:80]}",
             )
-            _check_packed(pair[1], f"{field}.{pair[0]}", tensors)
+            _check_packed(pair[1], f"{field}.{pair[0]}", tensors, seen)
     elif kind in ("list", "tuple"):
         _require(isinstance(body, list), field, f"a {kind} entry holds a list, got {_type_name(body)}")
         for i, item in enumerate(body):
-            _check_packed(item, f"{field}[{i}]", tensors)
+            _check_packed(item, f"{field}[{i}]", tensors, seen)
     elif kind == "unsupported":
         _require(isinstance(body, str), field, f"an unsupported entry holds a string, got {_type_name(body)}")
     else:
@@ -459,6 +470,7 @@ def validate(data: Any, tensors: Mapping[str, np.ndarray], *, forwards, build, f
         "models",
         f"expected a non-empty list of models, got {str(models)[:80]}: a file that checks nothing is no reference",
     )
+    seen: dict[str, str] = {}  # every tensor name -> the field that names it: each is named once
     for index, entry in enumerate(models):
         field = f"models[{index}]"
         entry = _mapping(entry, field)
@@ -482,7 +494,7 @@ def validate(data: Any, tensors: Mapping[str, np.ndarray], *, forwards, build, f
         _require(not missing, f"{field}.side", f"lacks {sorted(missing)}")
         _require(not extra, f"{field}.side", f"has unknown fields {sorted(extra)}")
         for name, node in packed.items():
-            _check_packed(node, f"{field}.side.{name}", tensors)
+            _check_packed(node, f"{field}.side.{name}", tensors, seen)
         side = _check_side(
             {name: _plain(node, tensors) for name, node in packed.items()}, f"{field}.side", dtype, batch
         )

@@ -9,147 +9,34 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
 
 from flax_ln.convert import KeyMap, KeyPlan
 from flax_ln.convert.keymap_syntax import describe_value
-from flax_ln.parity.core.call import Call, as_inputs, cast_floats, merge_dropped
+from flax_ln.parity.core.call import Call, as_inputs, cast_floats
 from flax_ln.parity.core.failure import describe_failure, note_failure
-from flax_ln.parity.core.policy import (
-    HALF_PRECISION,
-    Tolerance,
-    compare_tensors,
-    lm_metrics,
-    numerics,
-    parameter_dtype,
-    relative_error,
-    tolerances_for,
-    whole_norm,
-    zero_gradient_names,
-)
+from flax_ln.parity.core.policy import Tolerance, numerics, parameter_dtype, tolerances_for, zero_gradient_names
 from flax_ln.parity.core.progress import Progress
 from flax_ln.parity.core.spill import should_spill
 from flax_ln.parity.islands.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
+from flax_ln.parity.judge import DROPPED_BUT_USED, add_lm_metrics, attribute_errors, judge, without_dropped
 from flax_ln.parity.localize.locate import check_torch_paths, localize
 from flax_ln.parity.report.data import ParityReport, environment
 from flax_ln.parity.sides.flax import FlaxSide, Function, Linen
-from flax_ln.parity.sides.kinds import flax_side_kind
+from flax_ln.parity.sides.kinds import built_by_flax_factory, check_factories, flax_side_kind
 from flax_ln.parity.sides.shared import as_shared, one_variable_for_distinct_parameters, zero_shared
 from flax_ln.parity.sides.split import as_split
 from flax_ln.parity.sides.torch import (
     MODES,
     TorchSide,
-    float64_zero_gradients,
+    float64_gradients,
     record_torch_side,
     resolve_dtype,
     run_torch_side,
     with_tangents,
 )
 from flax_ln.pytest_plugin import page_path
-
-_TOLERANCE_OF = {  # a tangent is a derivative: the gradients' rounding budget
-    "output": "output",
-    "loss": "output",
-    "input grad": "grad",
-    "param grad": "grad",
-    "tangent": "grad",
-}
-
-
-def _judge(
-    side: TorchSide,
-    values: tuple[dict[str, np.ndarray], dict[str, str], Any],
-    tolerances: Mapping[str, Tolerance],
-    zero_evidence: Callable[[], set[str]],
-    want_zero: bool = False,
-) -> tuple[ParityReport, dict[str, np.ndarray], set[str]]:
-    """Every tensor of ``side.expected`` against the flax side's ``values`` (:meth:`FlaxSide.values`): the report,
-    not yet localised, the flax side's values, and the gradients float64 shows are zero in the mathematics (when
-    some gradient needed them, or, in float64, ``want_zero``; else the empty set).
-
-    A gradient passes as zero only on float64's word: in a float64 comparison both sides' gradients (islands
-    lifted) say so; otherwise ``zero_evidence()`` does. Either is asked only when some gradient needs it, and so
-    is the whole gradient's norm: a comparison that passes reads each gradient once."""
-    dtype = side.dtype
-    actual, dropped, sharding = values
-    exact = dtype not in HALF_PRECISION  # half precision: flax outputs may be in the compute dtype
-    param_grads = [k for k in side.param_names if side.kinds.get(k) == "param grad"]
-    norm = functools.cache(lambda: whole_norm(side.expected[k] for k in param_grads))
-    both_in_float64 = dtype == "float64" and all(k in actual for k in param_grads)
-    zero: set[str] | None = None
-
-    def zero_now() -> set[str]:  # float64's word, asked for once
-        nonlocal zero
-        if zero is None:
-            zero = (
-                zero_gradient_names({k: side.expected[k] for k in param_grads}, {k: actual[k] for k in param_grads})
-                if both_in_float64
-                else zero_evidence()
-            )
-        return zero
-
-    results = []
-    for k, v in side.expected.items():
-        kind = side.kinds[k]
-        # gradients come back in the parameter dtype; outputs and tangents in the compute dtype, which is
-        # torch's except in half precision; a loss is a scalar of either
-        in_compute_dtype = kind in ("output", "tangent")
-        check_dtype = (
-            str(v.dtype)
-            if np.issubdtype(v.dtype, np.inexact) and kind != "loss" and (exact or not in_compute_dtype)
-            else None
-        )
-        judged = functools.partial(
-            compare_tensors, k, kind, actual.get(k), v, tolerances[_TOLERANCE_OF[kind]], dtype=check_dtype
-        )
-        result = judged()
-        if kind == "param grad" and not result.passed and judged(gradient_norm=norm(), zero_in_float64=True).passed:
-            result = judged(gradient_norm=norm(), zero_in_float64=k in zero_now())
-        results.append(result)
-    if want_zero and both_in_float64:
-        zero_now()
-    if "grads" in tolerances and param_grads and all(k in actual for k in param_grads):
-        flat_flax, flat_torch = (np.concatenate([np.ravel(g[k]) for k in param_grads]) for g in (actual, side.expected))
-        results.append(compare_tensors("all parameter gradients", "grads", flat_flax, flat_torch, tolerances["grads"]))
-    report = ParityReport(side.name, dtype, results, mode=side.mode, sharding=sharding)
-    report.frozen = list(side.frozen)
-    report.dropped_outputs = merge_dropped(side.dropped_outputs, dropped)
-    return report, actual, set() if zero is None else zero
-
-
-def _lm_metrics(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], lm_logits: str) -> None:
-    if lm_logits not in side.expected or actual.get(lm_logits) is None:
-        raise ValueError(
-            f"lm_logits={lm_logits!r} names no output; outputs: "
-            f"{[k for k, kind in side.kinds.items() if kind == 'output']}"
-        )
-    report.lm_metrics = lm_metrics(actual[lm_logits], side.expected[lm_logits], lm_logits)
-
-
-def _attribute(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], flax: FlaxSide, call) -> None:
-    """Each tensor's error against float64 truth (torch's float64 run), on both sides; and how far the
-    flax float64 twin is from that truth (float64 rounding if the two compute the same math)."""
-    assert side.truth is not None
-    with jax.enable_x64(True):
-        twin_values = flax.float64_values(side, call)
-    twin_errors = {k: relative_error(twin_values[k], t) for k, t in side.truth.items() if k in twin_values}
-    worst = max(twin_errors, key=lambda k: twin_errors[k], default=None)
-    report.attribution = {
-        "truth": "torch float64",
-        "flax_float64_worst": worst,
-        "flax_float64_rel": twin_errors.get(worst, 0.0) if worst is not None else 0.0,
-    }
-    for i, r in enumerate(report.results):
-        truth = side.truth.get(r.name)
-        if truth is None or r.problem:
-            continue
-        report.results[i] = dataclasses.replace(
-            r,
-            torch_vs_float64=relative_error(side.expected[r.name], truth),
-            flax_vs_float64=relative_error(actual[r.name], truth),
-        )
 
 
 def load_and_judge(
@@ -167,11 +54,14 @@ def load_and_judge(
     rerun: Callable[[dict[str, np.ndarray]], TorchSide] | None = None,
     want_zero: bool = False,
     judging: Callable[[], None] = lambda: None,
+    float64_gradients: Callable[[], Mapping[str, np.ndarray]] | None = None,
 ):
     """Load the flax side of ``kind`` with ``side``'s weights (through ``weights``, a key map, when given), run
     and compare it, add the ties, LM metrics and attribution. ``rerun``: the torch side again with other tangents
     (:func:`~flax_ln.parity.sides.torch.with_tangents`), for :func:`~flax_ln.parity.sides.shared.as_shared`;
-    ``judging()`` is called when the flax side has run, before its values are compared (a progress phase)."""
+    ``judging()`` is called when the flax side has run, before its values are compared (a progress phase);
+    ``float64_gradients()``: torch's float64 parameter gradients, for float64's word on zero slab by slab
+    (:func:`~flax_ln.parity.sides.split.as_split`)."""
     flax = kind.load(flax_module, side, flax_inputs, weights, plan)
     shared = {} if flax.plan is None else flax.plan.shared()
     one_variable = one_variable_for_distinct_parameters(side, shared, tolerances["grad"])
@@ -180,19 +70,25 @@ def load_and_judge(
         evidence = zero_evidence
         zero_evidence = lambda: zero_shared(evidence(), shared)  # noqa: E731
     if flax.plan is not None:  # a torch tensor split across several variables: its gradient slab by slab
-        side, zero_evidence = as_split(side, flax.plan, zero_evidence)
+        side, zero_evidence = as_split(side, flax.plan, zero_evidence, float64_gradients)
     values = flax.values(side, call, mesh)
     judging()
-    report, actual, zero = _judge(side, values, tolerances, zero_evidence, want_zero)
+    side, dropped = without_dropped(side, flax.plan, zero_evidence)
+    report, actual, zero = judge(side, values, tolerances, zero_evidence, want_zero)
+    report.results = [
+        r if r.name not in dropped else dataclasses.replace(r, problem=DROPPED_BUT_USED) for r in report.results
+    ]
+    report.dropped_parameters = [k for k, used in dropped.items() if not used]
+    zero |= set(report.dropped_parameters)
     report.results += one_variable
     report.ties = flax.ties()
     report.shared = shared
     report.constants = {} if flax.plan is None else {p: describe_value(v) for p, v in flax.plan.constants.items()}
     report.environment = environment()  # inside the comparison's numerics settings
     if lm_logits is not None:
-        _lm_metrics(report, side, actual, lm_logits)
+        add_lm_metrics(report, side, actual, lm_logits)
     if side.truth is not None:
-        _attribute(report, side, actual, flax, call)
+        attribute_errors(report, side, actual, flax, call)
     return report, flax, zero
 
 
@@ -335,12 +231,17 @@ def compare_modules(
         at construction, like rotary ``inv_freq``, are float64), loaded with the caller's
         weights and checked equal to them. A transformers model (with a ``config``) is
         rebuilt as ``type(m)(m.config)`` without it; any other module without it has its
-        float32-rounded float64 buffers listed in ``report.islands`` (not lifted).
+        float32-rounded float64 buffers listed in ``report.islands`` (not lifted). It must build
+        ``torch_module`` again (module tree, classes, attributes that are not arrays, ties; only dtypes
+        may differ), else the float64 check's error names it; one that returns ``torch_module`` itself
+        is given a copy. Not callable: ``TypeError`` before any work.
       flax_factory: a zero-argument callable that builds the flax side afresh (an NNX module, or a ``Linen`` or
         ``Function`` of the same kind as ``flax_module``): with ``islands="lift"`` the float64 run builds it with
         lifting active and x64 on, so that float32 constants the port makes at construction (``jnp.array(d **
         -0.5, jnp.float32)``, an ``nnx.data`` table) are float64 (listed as lifted), then fills its variables
-        with the weights as usual. Without it such constants are listed in ``report.islands`` as not lifted.
+        with the weights as usual. Without it such constants are listed in ``report.islands`` as not lifted. It
+        must build ``flax_module`` again (structure and static configuration; a ``Function``'s code and parameter
+        structure; only dtypes may differ), else the float64 check's error names it.
       quiet: no progress bar. Without it, a comparison that runs longer than two seconds shows a bar of its
         phases on a terminal (:class:`~flax_ln.parity.core.progress.Progress`; never when ``sys.stderr`` is not a
         terminal, or with the environment variable ``FLAX_LN_PROGRESS=0``).
@@ -350,7 +251,9 @@ def compare_modules(
     an axis of size 0 is a ``ValueError``: nothing compared is not a pass. A gradient
     passes as zero (``passed_by="zero"``) only where float64 shows it is zero in the
     mathematics (:func:`zero_gradient_names`: from the float64 comparison, else a float64
-    run of the torch side); any other gradient is held to the relative tolerance.
+    run of the torch side; slab by slab for a torch tensor split across variables); any other gradient is held
+    to the relative tolerance. A trainable torch parameter the key map drops whose float64 gradient is zero is
+    listed in ``report.dropped_parameters`` and not compared; one whose gradient is not zero fails.
 
     Returns:
       a :class:`ParityReport`: ``.passed``, ``.results`` (``report[name]``), ``.first_divergence``.
@@ -360,6 +263,7 @@ def compare_modules(
     kind.check(flax_module, weights, mesh)
     check_island_mode(islands)
     check_torch_paths(torch_module, modules)
+    check_factories(torch_factory=torch_factory, flax_factory=flax_factory)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     comparison = Comparison(
@@ -434,16 +338,11 @@ class Comparison:
     def flax_side_for(self, dtype: str) -> Any:
         """The flax side a run in ``dtype`` loads: the caller's, or, in a float64 run that lifts, the one
         ``flax_factory`` builds now (call inside :func:`~flax_ln.parity.islands.lifting.flax_lifted`), so that
-        constants it makes at construction are float64 (listed as lifted); of the caller's kind."""
+        constants it makes at construction are float64 (listed as lifted); the caller's model built again
+        (:func:`~flax_ln.parity.sides.kinds.built_by_flax_factory`)."""
         if self.flax_factory is None or dtype != "float64" or self.islands != "lift":
             return self.flax_module
-        built = self.flax_factory()
-        if flax_side_kind(built) is not self.kind:
-            raise TypeError(
-                f"flax_factory built a {type(built).__name__}, but the flax side is a "
-                f"{type(self.flax_module).__name__}: the factory must build the same kind of flax side"
-            )
-        return built
+        return built_by_flax_factory(self.flax_factory, self.flax_module)
 
     @property
     def phases(self) -> int:
@@ -537,23 +436,29 @@ class Comparison:
                 with torch_lifted(model, dtype, self.islands, found):
                     return with_tangents(side, model, call, tangents)
 
+            float64_grads = functools.cache(lambda: float64_gradients(side, model, call))  # float64's word on zero
             phase("flax load, compile and run")
             with flax_lifted(dtype, self.islands, found):
+                if self.flax_factory is not None:
+                    stage[0] = "building the flax side with flax_factory="
+                flax_module = self.flax_side_for(dtype)
+                stage[0] = stages["flax load, compile and run"]
                 report, flax, zero_found = load_and_judge(
                     self.kind,
                     side,
-                    self.flax_side_for(dtype),
+                    flax_module,
                     call,
                     flax_inputs,
                     tolerances,
                     self.lm_logits,
                     self.mesh,
                     self.weights,
-                    (lambda: zero) if zero is not None else (lambda: set(float64_zero_gradients(side, model, call))),
+                    (lambda: zero) if zero is not None else (lambda: zero_gradient_names(float64_grads())),
                     plan,
                     rerun,
                     want_zero,
                     lambda: phase("comparison"),
+                    None if zero is not None else float64_grads,
                 )
             if dtype == "float64":
                 found.add(flax.rounded_tables())

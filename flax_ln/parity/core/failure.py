@@ -4,6 +4,8 @@ for a report (``report.float64_check.error``). Imports neither torch nor JAX."""
 
 from __future__ import annotations
 
+# JAX's note on a traceback it filtered: about the traceback a report does not show, so left out of its line
+_INTERNAL_FRAMES = "removed its internal frames"
 MESSAGE_CHARS = 600  # a report's line holds the start of a long message (a jaxpr, a shape dump)
 
 
@@ -18,9 +20,10 @@ def note_failure(err: BaseException, where: str) -> None:
 
 
 def describe_failure(err: BaseException) -> str:
-    """``"TypeError: <message> (<notes>)"``: the exception's type, the start of its message and its notes."""
+    """``"TypeError: <message> (<notes>)"``: the exception's type, the start of its message and its notes (but JAX's
+    note that it removed its internal frames from the traceback, which a report does not show)."""
     message = " ".join(str(err).split())
     if len(message) > MESSAGE_CHARS:
         message = message[:MESSAGE_CHARS] + " ..."
-    notes = "; ".join(getattr(err, "__notes__", None) or [])
+    notes = "; ".join(note for note in getattr(err, "__notes__", None) or [] if _INTERNAL_FRAMES not in note)
     return f"{type(err).__name__}: {message}" + (f" ({notes})" if notes else "")

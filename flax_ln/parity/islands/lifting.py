@@ -57,9 +57,10 @@ def torch_model_for(
     if dtype != "float64":
         yield torch_module
         return
+    given = factory is not None  # the caller's factory must build the caller's model; the default rebuilds it
     factory = (factory or torch_islands.default_factory(torch_module)) if islands == "lift" else None
     if factory is not None:
-        model, built = torch_islands.build_lifted(factory, torch_module)
+        model, built = torch_islands.build_lifted(factory, torch_module, same_model=given)
         found.add(built)
         yield model
         return

@@ -27,6 +27,8 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from flax_ln.parity.core.structure import model_difference
+from flax_ln.parity.islands.held import plain_attributes
 from flax_ln.parity.islands.island import Island, float32_rounded
 from flax_ln.parity.records.capture import WHOLE_MODEL
 
@@ -357,7 +359,7 @@ def _float32_rounded(rebuilt, given) -> bool:
     return bool(torch.all((rebuilt - given).abs() <= 4 * eps * given.abs()))
 
 
-def build_lifted(factory: Callable[[], Any], like) -> tuple[Any, list[Island]]:
+def build_lifted(factory: Callable[[], Any], like, *, same_model: bool = True) -> tuple[Any, list[Island]]:
     """A float64 copy of ``like``, built by ``factory()`` under lifting, holding ``like``'s state; and its islands.
 
     ``factory()`` runs under :func:`lift_float32` with the default dtype float64 (restored after,
@@ -377,14 +379,23 @@ def build_lifted(factory: Callable[[], Any], like) -> tuple[Any, list[Island]]:
 
     Raises ``ValueError`` naming the keys when ``like``'s state does not load (missing, unexpected
     or mis-shaped keys) or a loaded parameter or persistent buffer then differs from ``like``'s
-    (a load hook or a tie that changes it): the copy would not compute ``like``'s function.
+    (a load hook or a tie that changes it), or (``same_model``: a factory the caller gave) when the model built is
+    not ``like`` built again: another module
+    tree, class or attribute that is not an array (:func:`~flax_ln.parity.core.structure.model_difference`; only
+    dtypes may differ); the copy would not compute ``like``'s function. ``TypeError`` when ``factory()`` returns no
+    torch module. A factory that returns ``like`` itself (or a part of it) is given a deep copy: ``like`` is never
+    converted.
+
+    Persistent buffers (in the state dict) computed at construction, whose float64 value float32 cannot hold: where
+    ``like``'s is the rebuilt one rounded to float32, the rebuilt one is kept, listed as ``"buffer NAME (in the
+    state dict) rebuilt in float64"`` (lifted); else ``like``'s is loaded, listed with ``lifted=False``.
     """
     torch = _torch()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        with lift_float32():
-            built = factory()
+        with lift_float32(), kept_as_it_is(like):  # a factory that returns like, even converted, leaves it as it is
+            built = _own_model(factory(), like)
     finally:
         torch.set_default_dtype(previous)
     built = built.double()
@@ -392,6 +403,7 @@ def build_lifted(factory: Callable[[], Any], like) -> tuple[Any, list[Island]]:
     if first is not None:
         built = built.to(first.device)
     state = {k: v.detach().double() if v.is_floating_point() else v for k, v in like.state_dict().items()}
+    islands = _persistent_buffers(built, state)
     try:
         built.load_state_dict(state, strict=True)
     except RuntimeError as error:
@@ -399,6 +411,13 @@ def build_lifted(factory: Callable[[], Any], like) -> tuple[Any, list[Island]]:
     differ = [k for k, v in built.state_dict().items() if not torch.equal(v, state[k])]
     if differ:
         raise ValueError(f"the model built by the factory holds other values than the given model's: {differ}")
+    difference = model_difference(like, built) if same_model else None
+    if difference is not None:
+        raise ValueError(
+            f"torch_factory builds another model than torch_module ({difference}): the float64 check must run the "
+            "model compared in float32, so the factory must build it with the same module tree, classes and "
+            "attributes (only dtypes may differ)"
+        )
     like_modules = dict(like.named_modules())
     for name, module in built.named_modules():
         if name in like_modules:
@@ -406,7 +425,58 @@ def build_lifted(factory: Callable[[], Any], like) -> tuple[Any, list[Island]]:
     like_parameters = dict(like.named_parameters())
     for name, parameter in built.named_parameters():
         parameter.requires_grad_(like_parameters[name].requires_grad)
-    return built, _rebuilt_buffers(built, like, persistent=set(state))
+    return built, islands + _rebuilt_buffers(built, like, persistent=set(state))
+
+
+def _own_model(built, like):
+    """``built``, what ``torch_factory()`` returned, checked to be a torch module (else ``TypeError``); a copy where
+    it holds any module, parameter or buffer of ``like`` (``lambda: model``: the float64 copy must not be made of
+    the caller's own tensors)."""
+    torch = _torch()
+    if not isinstance(built, torch.nn.Module):
+        raise TypeError(
+            f"torch_factory returned {'None' if built is None else 'a ' + type(built).__name__}, not a "
+            "torch.nn.Module: it must build the torch module afresh (a zero-argument callable such as "
+            "lambda: MyModel(config))"
+        )
+    held = {id(t) for t in itertools.chain(like.modules(), like.parameters(), like.buffers())}
+    if any(id(t) in held for t in itertools.chain(built.modules(), built.parameters(), built.buffers())):
+        try:
+            return copy.deepcopy(built)
+        except Exception as error:  # noqa: BLE001 - whatever deepcopy raises, the factory is what to fix
+            raise ValueError(
+                f"torch_factory returned torch_module itself (or a part of it), which cannot be copied "
+                f"({type(error).__name__}: {error}); make it build a new module, or leave torch_factory out"
+            ) from error
+    return built
+
+
+def _persistent_buffers(built, state: dict[str, Any]) -> list[Island]:
+    """The float64 ``built``'s persistent floating buffers computed at construction (values float32 cannot hold)
+    against the caller's state dict ``state`` (cast to float64): where the state's value is the rebuilt one rounded
+    to float32, the rebuilt one replaces it in ``state`` (it is loaded then) and is listed as lifted; else the
+    state's is kept, listed as not lifted."""
+    torch = _torch()
+    islands = []
+    parameters = {name for name, _ in built.named_parameters()}
+    for name, mine in built.named_buffers():
+        given = state.get(name)
+        if name in parameters or given is None or not mine.is_floating_point() or _same_values(mine, given):
+            continue
+        if bool(torch.equal(mine, mine.float().to(mine.dtype))):  # float32 holds it: data, not a float64 computation
+            continue
+        owner, leaf = _owner_and_leaf(name)
+        if _float32_rounded(mine, given):
+            state[name] = mine.detach().clone()
+            what = f"buffer {leaf} (in the state dict) rebuilt in float64: the state dict holds it rounded to float32"
+            islands.append(Island("torch", owner, what, lifted=True))
+        else:
+            what = (
+                f"buffer {leaf} (in the state dict) kept from the given model: the rebuilt one rounded to float32 is "
+                "not its value"
+            )
+            islands.append(Island("torch", owner, what, lifted=False))
+    return islands
 
 
 def _rebuilt_buffers(built, like, persistent: set[str]) -> list[Island]:
@@ -461,15 +531,23 @@ def rounded_buffers(module, weights_keys: set[str]) -> list[Island]:
 
 @contextlib.contextmanager
 def torch_in_float64(module) -> Iterator[None]:
-    """``module`` in float64 for this scope, then exactly as it was: each parameter gets its own tensor back
-    (``.data``, whatever its dtype: float64 buffers beside float32 weights, complex parameters), each buffer its
-    own object, each ``.grad`` its own. (A deep copy is not always possible: torch refuses to copy non-leaf tensors
-    held as attributes.)"""
+    """``module`` in float64 for this scope, then exactly as it was (:func:`kept_as_it_is`). (A deep copy is not
+    always possible: torch refuses to copy non-leaf tensors held as attributes.)"""
+    with kept_as_it_is(module):
+        for p in module.parameters():
+            p.grad = None
+        module.double()
+        yield
+
+
+@contextlib.contextmanager
+def kept_as_it_is(module) -> Iterator[None]:
+    """``module`` exactly as it is now after this scope, whatever the scope does to it: each parameter gets its own
+    tensor back (``.data``, whatever its dtype: float64 buffers beside float32 weights, complex parameters), each
+    buffer its own object, each ``.grad`` its own, and every plain attribute (:func:`plain_attributes`) its own."""
     parameters = [(p, p.data, p.grad) for p in module.parameters()]
     buffers = [(m._buffers, name, b) for m in module.modules() for name, b in m._buffers.items()]
-    for p, _, _ in parameters:
-        p.grad = None
-    module.double()
+    attributes = plain_attributes(module)
     try:
         yield
     finally:
@@ -477,3 +555,5 @@ def torch_in_float64(module) -> Iterator[None]:
             p.data, p.grad = data, grad
         for store, name, buffer in buffers:
             store[name] = buffer
+        for held in attributes:
+            held.restore()

@@ -102,6 +102,9 @@ def pair_modules(
     if torch_trace is not None:
         pairs.code_layouts, pairs.fed_by = dict(torch_trace.layouts), dict(torch_trace.fed_by)
     if flax.plan is not None:
+        pairs.holders = frozenset(
+            {WHOLE_MODEL, *(".".join(key.split(".")[:i]) for key in torch_keys for i in range(1, key.count(".") + 1))}
+        )
         for torch_path in pairs.modules:
             if layouts := projection_layouts(flax.plan, torch_path):
                 pairs.derived[torch_path] = layouts

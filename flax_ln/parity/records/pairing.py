@@ -21,6 +21,10 @@ from flax_ln.convert.layouts import ArrayLayout, Permute, parse_layout
 from flax_ln.parity.records.capture import WHOLE_MODEL
 
 NO_HOLDER = "no flax module holds its parameters"  # why a torch module has no pair, when pairs go by parameters
+NO_PARAMETERS = (  # why a torch module without parameters (ReLU, a pool) has no pair, when pairs go by parameters
+    "it holds no parameters, and pairs are found by the parameters each module holds: pair it with "
+    "modules={torch path: flax path}"
+)
 NO_OUTPUT = "no flax module's output is its output"  # the start of the reason when a pair's values do not flow on
 
 
@@ -41,7 +45,8 @@ class Pairs:
     torch path -> the pair's own activation layout (torch -> flax), from ``modules=``; ``skipped``: torch path ->
     why a pair's activations could not be compared; ``by_parameters``: the pairs were found by the parameters
     each module holds (through a key map's plan), not by mirrored paths, so a pair's flax path may differ from its
-    torch path; ``unpaired``: torch path -> why a module that holds parameters has no flax twin.
+    torch path; ``unpaired``: torch path -> why a module that holds parameters has no flax twin; ``holders``: the
+    torch paths whose modules hold state-dict keys (:meth:`why_unpaired` tells the others apart).
 
     How a flax activation is put into torch's layout, first rule that applies (structure only: no value decides a
     layout): the pair's own layout (``modules=``); for an output of another shape than torch's, the layout torch's
@@ -68,6 +73,16 @@ class Pairs:
     code_layouts: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)  # torch's own code's
     fed_by: dict[str, str] = dataclasses.field(default_factory=dict)  # torch path -> the pair its input came from
     constants: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # flax call -> arguments not activations
+    holders: frozenset[str] | None = None  # the torch paths holding some state-dict key (None: not known)
+
+    def why_unpaired(self, torch_path: str) -> str:
+        """Why ``torch_path`` has no flax twin: its reason in ``unpaired``, else, when pairs go by parameters,
+        :data:`NO_PARAMETERS` for a module that holds none and :data:`NO_HOLDER` for one that does."""
+        if torch_path in self.unpaired:
+            return self.unpaired[torch_path]
+        if not self.by_parameters:
+            return "no flax twin at this path"
+        return NO_PARAMETERS if self.holders is not None and torch_path not in self.holders else NO_HOLDER
 
     def assign(self, torch_path: str, flax_path: str, handle: Any, type_layout: Permute | None) -> None:
         """Pair ``torch_path`` with the flax module ``handle`` at ``flax_path`` instead (a layout decided for the

@@ -152,6 +152,9 @@ class ParityReport:
     stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, when it was upcast to ``dtype``
     sharding: dict[str, Any] | None = None  # on a mesh: its axes and each flax parameter's PartitionSpec
     frozen: list[str] = dataclasses.field(default_factory=list)  # torch parameters without requires_grad
+    # trainable torch parameters the key map drops (an ignore rule, allow_dropped=) whose float64 gradient is zero:
+    # the output does not depend on them, so they are not compared
+    dropped_parameters: list[str] = dataclasses.field(default_factory=list)
     dropped_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # output leaves not compared: types
     ties: dict[str, Tie] = dataclasses.field(default_factory=dict)  # torch keys holding one tensor -> flax copies
     shared: dict[str, Tie] = dataclasses.field(default_factory=dict)  # distinct torch tensors filling one variable
@@ -238,6 +241,7 @@ class ParityReport:
             "stored_dtype": self.stored_dtype,
             "sharding": self.sharding,
             "frozen": self.frozen,
+            "dropped_parameters": self.dropped_parameters,
             "dropped_outputs": self.dropped_outputs,
             "ties": {name: tie.to_json() for name, tie in self.ties.items()},
             "shared": {name: tie.to_json() for name, tie in self.shared.items()},
@@ -348,6 +352,8 @@ class ParityReport:
             sections.append(Section("no gradients", {"frozen": len(self.frozen)}))
         elif self.frozen:
             sections.append(Section("frozen", {"names": self.frozen}))
+        if self.dropped_parameters:
+            sections.append(Section("dropped parameters", {"names": self.dropped_parameters}))
         if self.dropped_outputs:
             sections.append(Section("dropped outputs", {"outputs": self.dropped_outputs}))
         if self.first_divergence is not None:
@@ -509,6 +515,7 @@ def report_from_dict(d: dict[str, Any]) -> ParityReport:
         stored_dtype=d.get("stored_dtype"),
         sharding=d.get("sharding"),
         frozen=d.get("frozen", []),
+        dropped_parameters=d.get("dropped_parameters", []),
         dropped_outputs=d.get("dropped_outputs", {}),
         ties={k: tie(t) for k, t in d.get("ties", {}).items()},
         shared={k: tie(t) for k, t in d.get("shared", {}).items()},

@@ -40,6 +40,7 @@ OPTIONAL_REPORT_FIELDS: dict[str, Any] = {
     "stored_dtype": TEXT_OR_NONE,
     "sharding": (dict, type(None)),
     "frozen": list,
+    "dropped_parameters": list,
     "dropped_outputs": dict,
     "ties": dict,
     "shared": dict,

@@ -34,6 +34,7 @@ from flax_ln.parity.records.capture import WHOLE_MODEL
 #   "nothing compared":    no data
 #   "no gradients":        frozen (how many parameters are frozen)
 #   "frozen":              names (the frozen torch parameters)
+#   "dropped parameters":  names (trainable torch parameters the key map drops, their float64 gradient zero)
 #   "dropped outputs":     outputs (output leaf -> its type)
 #   "first divergence":    module, flax_module, by_parameters, inputs, outputs (TensorResult s, at seen_at),
 #                          between, flax_between (the paired children around a gap in module's own code), seen_at,
@@ -67,6 +68,7 @@ KINDS = (
     "nothing compared",
     "no gradients",
     "frozen",
+    "dropped parameters",
     "dropped outputs",
     "first divergence",
     "no first divergence",
@@ -137,10 +139,18 @@ def status(r: TensorResult) -> str:
     return "MISMATCH" if r.problem else "NONFINITE" if r.nonfinite else "FAIL"
 
 
+def _cut(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters: a longer one keeps its start and its end, ``...`` between."""
+    if len(name) <= width:
+        return name
+    head = (width - 3) // 2
+    return name[:head] + "..." + name[len(name) - (width - 3 - head) :]
+
+
 def _row(r: TensorResult) -> str:
     at = "" if r.max_error_index is None else str(r.max_error_index).replace(" ", "")
     return (
-        f"{r.name[:44]:<44} {r.kind:<11} {str(r.shape).replace(' ', '')[:16]:<16} {fmt(r.max_abs_error):>9} "
+        f"{_cut(r.name, 44):<44} {r.kind:<11} {str(r.shape).replace(' ', '')[:16]:<16} {fmt(r.max_abs_error):>9} "
         f"{at[:14]:<14} {fmt(r.relative_error):>9} {r.tolerance.rtol:>8.0e}  {status(r)}"
         + "".join(f"  [{note}]" for note in (r.problem, r.nonfinite) if note)
     )
@@ -153,7 +163,10 @@ def _title(d: Mapping[str, Any]) -> list[str]:
 def _tensors(d: Mapping[str, Any]) -> list[str]:
     lines = [_row(r) for r in d["rows"]]
     if d["hidden"]:
-        lines.append(f"... {d['hidden']} more tensors, all shown with --json")
+        lines.append(
+            f"... {d['hidden']} more tensors: every one in report.results (report.to_json(); on the command line, "
+            "--json)"
+        )
     if any(r.passed_by == "zero" for r in d["rows"]):
         lines.append(
             "(zero in float64): float64 shows the exact gradient is 0, so only rounding noise differs; "
@@ -262,6 +275,15 @@ def _frozen(d: Mapping[str, Any]) -> list[str]:
     return [
         f"frozen: {len(names)} parameters (requires_grad=False) loaded and compared through the "
         f"outputs, not as gradients: {', '.join(names[:4])}" + (", ..." if len(names) > 4 else "")
+    ]
+
+
+def _dropped_parameters(d: Mapping[str, Any]) -> list[str]:
+    names = d["names"]
+    return [
+        f"dropped parameters: {len(names)} trainable torch parameters the key map drops, not compared: float64 "
+        f"shows their gradient is zero (the output does not depend on them): {', '.join(names[:4])}"
+        + (", ..." if len(names) > 4 else "")
     ]
 
 
@@ -400,6 +422,7 @@ _TEXT: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "nothing compared": lambda d: ["nothing compared: no tensor in this report, which is not a pass"],
     "no gradients": _no_gradients,
     "frozen": _frozen,
+    "dropped parameters": _dropped_parameters,
     "dropped outputs": lambda d: [
         "dropped outputs (not arrays or numbers, not compared): "
         + ", ".join(f"{k} ({v})" for k, v in d["outputs"].items())

@@ -20,7 +20,7 @@ import numpy as np
 from flax_ln.convert import KeyMap, PytreeTree
 from flax_ln.convert.trees import EquinoxTree, is_equinox_module
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
-from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
+from flax_ln.parity.records.pairing import Pairs, ParameterGroups
 from flax_ln.parity.sides.flax import Parts, Run
 from flax_ln.parity.sides.tree import TreeSide
 
@@ -168,7 +168,7 @@ class EquinoxSide(TreeSide):
         for path in torch_records:
             module = pairs.modules.get(path)
             if module is None:
-                yield path, pairs.unpaired.get(path, NO_HOLDER)
+                yield path, pairs.why_unpaired(path)
                 continue
             flax_path = pairs.flax_paths[path]
             own = flax_records.get(path)

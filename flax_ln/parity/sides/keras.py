@@ -22,7 +22,7 @@ import jax
 from flax_ln.convert import KeyMap, PytreeTree
 from flax_ln.convert.trees import KerasTree, is_keras_layer
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
-from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
+from flax_ln.parity.records.pairing import Pairs, ParameterGroups
 from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, replays
 from flax_ln.parity.sides.flax import Parts, Run, require_differentiable
 from flax_ln.parity.sides.tree import TreeSide
@@ -369,7 +369,7 @@ class KerasSide(TreeSide):
         for path in torch_records:
             layer = pairs.modules.get(path)
             if layer is None:
-                yield path, pairs.unpaired.get(path, NO_HOLDER)
+                yield path, pairs.why_unpaired(path)
                 continue
             flax_path = pairs.flax_paths[path]
             own = self.port_calls.get(flax_path)

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from flax_ln.parity.core.failure import note_failure
+from flax_ln.parity.core.structure import model_difference
 from flax_ln.parity.sides.equinox import EquinoxSide
 from flax_ln.parity.sides.flax import FlaxSide
 from flax_ln.parity.sides.function import FunctionSide
@@ -29,3 +32,40 @@ def flax_side_kind(flax_module: Any) -> type[FlaxSide]:
             "and apply(params, *inputs) calling it"
         )
     return kind
+
+
+def check_factories(**factories: Any) -> None:
+    """``TypeError`` (before any work) for a factory argument (``torch_factory=``, ``flax_factory=``) that is given
+    and cannot be called."""
+    for argument, factory in factories.items():
+        if factory is not None and not callable(factory):
+            raise TypeError(
+                f"{argument} must be a zero-argument callable that builds the model afresh (lambda: MyModel(config)), "
+                f"got a {type(factory).__name__}: {factory!r:.60}"
+            )
+
+
+def built_by_flax_factory(factory: Callable[[], Any], flax_module: Any) -> Any:
+    """What ``factory()`` builds, checked to be ``flax_module`` built again: of its kind (else ``TypeError``), with
+    its structure and static configuration, only dtypes may differ
+    (:func:`~flax_ln.parity.core.structure.model_difference`: an NNX module's graph, a Linen module's fields, a
+    ``Function``'s code and parameter structure; else ``ValueError`` naming what differs).
+    An exception the factory raises carries a note naming it."""
+    try:
+        built = factory()
+    except Exception as err:
+        note_failure(err, "raised inside flax_factory(), which builds the flax side of the float64 check")
+        raise
+    if flax_side_kind(built) is not flax_side_kind(flax_module):
+        raise TypeError(
+            f"flax_factory built a {type(built).__name__}, but the flax side is a "
+            f"{type(flax_module).__name__}: the factory must build the same kind of flax side"
+        )
+    difference = model_difference(flax_module, built)
+    if difference is not None:
+        raise ValueError(
+            f"flax_factory builds another model than flax_module ({difference}): the float64 check must run the "
+            "port compared in float32, so the factory must build it with the same structure and static "
+            "configuration (only dtypes may differ)"
+        )
+    return built

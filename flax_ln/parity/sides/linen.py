@@ -20,7 +20,7 @@ from flax_ln.convert import LinenTree, PytreeTree, rules
 from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import path_step
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
-from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
+from flax_ln.parity.records.pairing import Pairs, ParameterGroups
 from flax_ln.parity.records.replay import (
     TRACED,
     PortCall,
@@ -289,7 +289,7 @@ class LinenSide(TreeSide):
                 yield torch_path, outputs.get(torch_path, why)
         for torch_path in torch_records:
             if torch_path not in pairs.modules:
-                yield torch_path, pairs.unpaired.get(torch_path, NO_HOLDER)
+                yield torch_path, pairs.why_unpaired(torch_path)
 
 
 def _module_path(name: str, method: str) -> str:

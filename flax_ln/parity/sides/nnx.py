@@ -44,7 +44,7 @@ from flax_ln.parity.islands.island import Island
 from flax_ln.parity.islands.jax import name_modules_of
 from flax_ln.parity.islands.jax_internals import forget_traces
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
-from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
+from flax_ln.parity.records.pairing import Pairs, ParameterGroups
 from flax_ln.parity.records.replay import (
     TRACED,
     PortCall,
@@ -530,7 +530,7 @@ class NNXSide(FlaxSide):
             t_outs = torch_records.get(path, ([], []))[1]
             unsupported = [v for v in [*args, *kwargs.values()] if isinstance(v, Unsupported)]
             if module is None:
-                yield path, pairs.unpaired.get(path, NO_HOLDER if pairs.by_parameters else "no flax twin at this path")
+                yield path, pairs.why_unpaired(path)
                 continue
             method, kept = "__call__", []
             if pairs.by_parameters:

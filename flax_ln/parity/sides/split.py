@@ -10,16 +10,23 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from flax_ln.convert import KeyPlan
+from flax_ln.parity.core.policy import zero_gradient_names
 from flax_ln.parity.sides.torch import TorchSide
 
 
 def as_split(
-    side: TorchSide, plan: KeyPlan, zero_evidence: Callable[[], set[str]]
+    side: TorchSide,
+    plan: KeyPlan,
+    zero_evidence: Callable[[], set[str]],
+    float64_gradients: Callable[[], Mapping[str, np.ndarray]] | None = None,
 ) -> tuple[TorchSide, Callable[[], set[str]]]:
     """``side`` with each split key's parameter gradient (and float64 truth) cut into its slabs, each named
     ``key[slab]`` as :meth:`~flax_ln.convert.KeyPlan.torch_gradients` names the flax side's; and
-    ``zero_evidence`` (gradients float64 shows are zero) with the slabs of a zero gradient zero too. Outputs,
-    tangents and other gradients are unchanged."""
+    ``zero_evidence`` (gradients float64 shows are zero) with the slabs of a zero gradient zero too, and, given
+    ``float64_gradients`` (torch's float64 parameter gradients by torch name, asked only when the evidence is),
+    each slab float64 shows is zero on its own (the key slab of ``in_proj_bias``, whose gradient is zero in the
+    mathematics while q's and v's are not): float64's word slab by slab. Outputs, tangents and other gradients are
+    unchanged."""
     split = plan.split()
     cut_keys = [k for k in split if side.kinds.get(k) == "param grad"]
     if not cut_keys:
@@ -47,8 +54,13 @@ def as_split(
         truth=None if side.truth is None else cut(side.truth),
     )
 
+    slabs = {n for k in cut_keys for n in names[k]}
+
     def zero() -> set[str]:
         whole = zero_evidence()
-        return whole | {n for k in cut_keys if k in whole for n in names[k]}
+        found = whole | {n for k in cut_keys if k in whole for n in names[k]}
+        if float64_gradients is not None:
+            found |= slabs & zero_gradient_names(cut(float64_gradients()))
+        return found
 
     return side, zero

@@ -425,18 +425,23 @@ def with_tangents(side: TorchSide, torch_module, call: Call, tangents: Mapping[s
     )
 
 
-def float64_zero_gradients(side: TorchSide, torch_module, call: Call) -> list[str]:
-    """The parameter gradients float64 shows are zero in the mathematics
-    (:func:`~flax_ln.parity.zero_gradient_names`), from ``side.truth`` when it holds them, else from one
-    float64 run of the torch side (the same cotangents, float32 islands lifted); none in ``"jvp"`` mode,
+def float64_gradients(side: TorchSide, torch_module, call: Call) -> dict[str, np.ndarray]:
+    """The torch side's parameter gradients in float64, by torch name: from ``side.truth`` when it holds them, else
+    from one float64 run of the torch side (the same cotangents, float32 islands lifted); none in ``"jvp"`` mode,
     which has no gradients."""
     if side.mode != "grad":
-        return []
+        return {}
     truth = side.truth
     if truth is None:  # float32 islands lifted: a float32 softmax would leave ~1e-8 noise where the math has zero
         with torch_in_float64(torch_module), lift_float32(torch_module):
             truth = torch_results(torch_module, call, "grad", side.cotangents, {}, double=True)[0]
-    return sorted(zero_gradient_names({k: truth[k] for k in side.param_names if k in truth}))
+    return {k: truth[k] for k in side.param_names if k in truth}
+
+
+def float64_zero_gradients(side: TorchSide, torch_module, call: Call) -> list[str]:
+    """The parameter gradients float64 shows are zero in the mathematics
+    (:func:`~flax_ln.parity.zero_gradient_names` of :func:`float64_gradients`)."""
+    return sorted(zero_gradient_names(float64_gradients(side, torch_module, call)))
 
 
 def read_only_view(tensor) -> np.ndarray:
