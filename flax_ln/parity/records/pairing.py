@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -95,6 +96,8 @@ class Pairs:
             return array
         inverse = [tuple(int(i) for i in np.argsort(o)) for o in self.orders]  # flax -> torch
         perm = _permutation(array.shape, torch_shape, self.decided.get(path), inverse)
+        if isinstance(perm, str) and regrouped(array.shape, torch_shape):
+            return array.reshape(tuple(torch_shape))  # the batch axes merged, split, added or dropped
         return perm if isinstance(perm, str) else np.transpose(array, perm)
 
     def to_flax(self, path: str, array: np.ndarray, flax_shape, which: str = "input") -> np.ndarray | str:
@@ -112,6 +115,8 @@ class Pairs:
         decided = self.decided.get(path)
         inverse = None if decided is None else tuple(int(i) for i in np.argsort(decided))
         perm = _permutation(array.shape, flax_shape, inverse, self.orders)
+        if isinstance(perm, str) and regrouped(array.shape, flax_shape):
+            return array.reshape(tuple(flax_shape))  # the batch axes merged, split, added or dropped
         return perm if isinstance(perm, str) else np.transpose(array, perm)
 
     def known_permutation(self, path: str, flax_output, torch_shape) -> tuple[int, ...] | None:
@@ -184,6 +189,22 @@ def exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...]
     found = _candidates(np.shape(source), np.shape(target))
     exact = [p for p in found if np.array_equal(np.transpose(source, p), target)]
     return exact[0] if len(exact) == 1 else None
+
+
+def regrouped(source: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether an array of shape ``source`` holds the values of one of shape ``target`` with its leading (batch) axes
+    merged or split (``(b t) d`` and ``b t d``) or unit axes added or dropped (a single example against a batch of
+    one): the shapes differ, and, unit axes aside, they end alike after leading parts of equal size."""
+    if tuple(source) == tuple(target):
+        return False
+    s, t = [n for n in source if n != 1], [n for n in target if n != 1]
+    if s == t:
+        return True
+    common = 0
+    while common < min(len(s), len(t)) and s[len(s) - 1 - common] == t[len(t) - 1 - common]:
+        common += 1
+    lead_s, lead_t = s[: len(s) - common], t[: len(t) - common]
+    return common > 0 and bool(lead_s) and bool(lead_t) and math.prod(lead_s) == math.prod(lead_t)
 
 
 def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
