@@ -179,3 +179,108 @@ def test_the_same_transformer_on_a_single_example_gives_the_same_answer(transfor
     _check_named_norm(transformer_reports[1])
     ran = {r.name for r in transformer_reports[1].isolation.results}
     assert {"blocks.1.attn", "blocks.1.norm2"} <= ran, str(transformer_reports[1])
+
+
+# --- stacks of layers scanned over stacked arrays ---------------------------------------------------------------------
+
+LAYERS = 4
+
+
+class TorchLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class TorchStack(torch.nn.Module):
+    """Four layers; layer 2's norm eps is planted (0.5), so only layer 2 differs from a faithful port."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.inp, self.head = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+        self.layers = torch.nn.ModuleList(TorchLayer() for _ in range(LAYERS))
+        randomized(self, dtype)
+        self.layers[2].norm.eps = 0.5
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _stacked_map(norm_scale: str, fc_weight: str, fc_layout) -> KeyMap:
+    return KeyMap(
+        [
+            (r"(inp|head)\.weight", rf"\1.{fc_weight}", fc_layout),
+            (r"(inp|head)\.bias", r"\1.bias", None),
+            (r"layers\.(\d+)\.norm\.weight", rf"layers.norm.{norm_scale}[\1]", None),
+            (r"layers\.(\d+)\.norm\.bias", r"layers.norm.bias[\1]", None),
+            (r"layers\.(\d+)\.fc\.weight", rf"layers.fc.{fc_weight}[\1]", fc_layout),
+            (r"layers\.(\d+)\.fc\.bias", r"layers.fc.bias[\1]", None),
+        ]
+    )
+
+
+class EqxLayer(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+
+    def __init__(self, key, dtype):
+        self.norm, self.fc = eqx.nn.LayerNorm(WIDTH, dtype=dtype), _linear(key, dtype)
+
+    def __call__(self, x):  # (T, E)
+        return x + jnp.tanh(jax.vmap(self.fc)(jax.vmap(self.norm)(x)))
+
+
+class EqxScanned(eqx.Module):
+    """Its layers built by ``eqx.filter_vmap`` (arrays stacked on a leading layer axis) and run by
+    ``jax.lax.scan`` over them, as published Equinox ports do."""
+
+    inp: eqx.nn.Linear
+    layers: EqxLayer
+    head: eqx.nn.Linear
+
+    def __init__(self, dtype):
+        keys = jax.random.split(jax.random.key(0), LAYERS + 2)
+        self.inp, self.head = _linear(keys[0], dtype), _linear(keys[1], dtype)
+        self.layers = eqx.filter_vmap(lambda k: EqxLayer(k, dtype))(keys[2:])
+
+    def __call__(self, x):  # (T, E)
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def step(x, arrays):
+            return eqx.combine(arrays, static)(x), None
+
+        x, _ = jax.lax.scan(step, jax.vmap(self.inp)(x), dynamic)
+        return jax.vmap(self.head)(x)
+
+
+def _check_layer_two(report, flax_norm: str, flax_layer: str):
+    assert not report.passed
+    fd = report.first_divergence
+    assert fd is not None and fd.module == "layers.2.norm" and fd.flax_module == flax_norm, str(report)
+    assert report.isolation.culprits == ["layers.2.norm"], str(report)
+    assert report.isolation.flax_culprits == [flax_norm], str(report)
+    assert report.module_pairs["layers.2"] == flax_layer, report.module_pairs
+    ran = {r.name for r in report.isolation.results}
+    assert {f"layers.{k}.{m}" for k in range(LAYERS) for m in ("norm", "fc")} <= ran, str(report)
+    assert flax_norm in str(report), str(report)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_equinox_stack_scanned_with_lax_scan_is_localised_per_layer(dtype):
+    x = np.random.default_rng(4).standard_normal((BATCH, SEQ, WIDTH)).astype(dtype)
+    with jax.enable_x64(dtype == "float64"):
+        report = compare_modules(
+            TorchStack(dtype),
+            EqxScanned(getattr(jnp, dtype)),
+            (x,),
+            weights=_stacked_map("weight", "weight", None),
+            dtype=dtype,
+            forward=(None, _per_example),
+        )
+    _check_layer_two(report, "layers[2].norm", "layers[2]")

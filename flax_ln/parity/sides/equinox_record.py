@@ -103,11 +103,11 @@ class EquinoxRecording:
     def name(self, path: str, inner: Any) -> tuple[str, bool]:
         """The recorded name of a call of the submodule at ``path`` (``layers[3].attn`` inside iteration 3 of
         ``layers``), and whether it is a scanned layer's iteration (then its scope is entered)."""
-        named = path
+        named, inside = path, False
         for base, scoped in self.scopes:
             if named == base or named.startswith(base + "."):
-                named = scoped + named[len(base) :]
-        layer = self._layer(path, inner)
+                named, inside = scoped + named[len(base) :], True
+        layer = None if inside else self._layer(path, inner)  # a scanned layer's parts are sliced with it
         if layer is None:
             return named, False
         named = f"{named}[{layer}]"
