@@ -11,7 +11,8 @@ import dataclasses
 import hashlib
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -233,6 +234,27 @@ def projection_layouts(plan: KeyPlan, torch_path: str) -> dict[str, ArrayLayout]
             found[which] = ArrayLayout(pattern=f"... {torch_axes} -> ... {flax_axes}")
         break
     return found
+
+
+def layer_of(name: str) -> tuple[str, list[int]]:
+    """A recorded module name without its layer indices (``layers[3].attn`` -> ``layers.attn``: the module of the
+    scanned stack that holds every layer's arrays), and the indices (``[3]``)."""
+    return re.sub(r"\[\d+\]", "", name), [int(k) for k in re.findall(r"\[(\d+)\]", name)]
+
+
+def layer_groups(filled: set[str], recorded: Iterable[str]) -> ParameterGroups:
+    """The parameter groups of the recorded layers of scanned stacks: ``layers[3].attn`` holds layer 3 of each
+    ``filled`` variable under ``layers.attn`` (the key map's stacked rules name it ``layers.attn.kernel[3]``), so
+    torch's ``layers.3.attn`` pairs with it. ``recorded``: the recorded module names; one index each."""
+    groups: ParameterGroups = {}
+    for name in recorded:
+        base, layers = layer_of(name)
+        if len(layers) != 1:
+            continue
+        own = frozenset(f"{n}[{layers[0]}]" for n in filled if "[" not in n and n.startswith(base + "."))
+        if own:
+            groups.setdefault(own, []).append((name,))
+    return groups
 
 
 def filled_variables(plan: KeyPlan) -> set[str]:

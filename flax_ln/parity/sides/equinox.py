@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -18,7 +17,7 @@ import numpy as np
 from flax_ln.convert import KeyMap, PytreeTree
 from flax_ln.convert.trees import EquinoxTree, is_equinox_module
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
-from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
+from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups, layer_groups
 from flax_ln.parity.records.replay import PortCall, Replayed, replays
 from flax_ln.parity.sides.equinox_record import EquinoxRecording, call_again, instrumented, recording
 from flax_ln.parity.sides.flax import Parts, Run
@@ -161,14 +160,8 @@ class EquinoxSide(TreeSide):
             own = frozenset(n for n in filled if n.split("[")[0].startswith(prefix))
             if own:
                 out.setdefault(own, []).append(tuple(prefix[:-1].split(".")) if prefix else ())
-        for name in recorded:
-            base, layers = _layer_of(name)
-            if len(layers) != 1:
-                continue
-            prefix = base + "."
-            own = frozenset(f"{n}[{layers[0]}]" for n in filled if "[" not in n and n.startswith(prefix))
-            if own:
-                out.setdefault(own, []).append((name,))
+        for own, paths in layer_groups(filled, recorded).items():
+            out.setdefault(own, []).extend(paths)
         return out
 
     def run_alone(
@@ -204,11 +197,6 @@ class EquinoxSide(TreeSide):
                 yield path, Replayed(floating_leaves(out), prepared.kept)
             except Exception as err:  # noqa: BLE001 - any failure to call is reported as the reason
                 yield path, f"the flax call on torch's arguments raised {type(err).__name__}: {str(err)[:120]}"
-
-
-def _layer_of(name: str) -> tuple[str, list[str]]:
-    """A recorded name without its layer indices (``layers[3].attn`` -> ``layers.attn``), and the indices."""
-    return re.sub(r"\[\d+\]", "", name), re.findall(r"\[(\d+)\]", name)
 
 
 def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
