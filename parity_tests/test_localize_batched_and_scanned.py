@@ -4,16 +4,19 @@
 ``jax.lax.scan``, ``nnx.scan``, Linen ``nn.scan``), each localised per layer. Tiny ports, each with one planted
 mistake, named on both sides with nothing else blamed, in float32 and float64."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import linen, nnx
 
 eqx = pytest.importorskip("equinox", reason="equinox is an optional dependency (the test extra installs it)")
 
 from flax_ln.convert import KeyMap  # noqa: E402
-from flax_ln.parity import compare_modules  # noqa: E402
+from flax_ln.parity import Linen, compare_modules  # noqa: E402
 
 WIDTH, SEQ, BATCH, HEADS = 8, 5, 2, 2
 DTYPES = ["float32", "float64"]
@@ -282,5 +285,85 @@ def test_an_equinox_stack_scanned_with_lax_scan_is_localised_per_layer(dtype):
             weights=_stacked_map("weight", "weight", None),
             dtype=dtype,
             forward=(None, _per_example),
+        )
+    _check_layer_two(report, "layers[2].norm", "layers[2]")
+
+
+class NnxLayer(nnx.Module):
+    def __init__(self, dtype, *, rngs):
+        self.norm = nnx.LayerNorm(WIDTH, epsilon=1e-5, param_dtype=dtype, rngs=rngs)
+        self.fc = nnx.Linear(WIDTH, WIDTH, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.fc(self.norm(x)))
+
+
+class NnxScanned(nnx.Module):
+    """Its layers stacked by ``nnx.vmap`` and run by ``nnx.scan``."""
+
+    def __init__(self, dtype):
+        rngs = nnx.Rngs(0)
+        self.inp = nnx.Linear(WIDTH, WIDTH, param_dtype=dtype, rngs=rngs)
+        keys = jax.random.split(jax.random.key(1), LAYERS)
+        self.layers = nnx.vmap(lambda k: NnxLayer(dtype, rngs=nnx.Rngs(k)))(keys)
+        self.head = nnx.Linear(WIDTH, WIDTH, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def step(layer, x):
+            return layer(x)
+
+        return self.head(step(self.layers, self.inp(x)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_nnx_scan_stack_is_localised_per_layer(dtype):
+    x = np.random.default_rng(4).standard_normal((BATCH, SEQ, WIDTH)).astype(dtype)
+    with jax.enable_x64(dtype == "float64"):
+        report = compare_modules(
+            TorchStack(dtype),
+            NnxScanned(getattr(jnp, dtype)),
+            (x,),
+            weights=_stacked_map("scale", "kernel", "o i -> i o"),
+            dtype=dtype,
+        )
+    _check_layer_two(report, "layers[2].norm", "layers[2]")
+
+
+class LinenLayer(linen.Module):
+    dtype: Any
+
+    @linen.compact
+    def __call__(self, x, _):
+        norm = linen.LayerNorm(epsilon=1e-5, name="norm", param_dtype=self.dtype, dtype=self.dtype)
+        fc = linen.Dense(WIDTH, name="fc", param_dtype=self.dtype, dtype=self.dtype)
+        return x + jnp.tanh(fc(norm(x))), None
+
+
+class LinenScanned(linen.Module):
+    """Its layers run by ``nn.scan`` with their parameters stacked on a leading layer axis."""
+
+    dtype: Any
+
+    @linen.compact
+    def __call__(self, x):
+        x = linen.Dense(WIDTH, name="inp", param_dtype=self.dtype, dtype=self.dtype)(x)
+        scanned = linen.scan(LinenLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+        x, _ = scanned(self.dtype, name="layers")(x, None)
+        return linen.Dense(WIDTH, name="head", param_dtype=self.dtype, dtype=self.dtype)(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_linen_nn_scan_stack_is_localised_per_layer(dtype):
+    x = np.random.default_rng(4).standard_normal((BATCH, SEQ, WIDTH)).astype(dtype)
+    with jax.enable_x64(dtype == "float64"):
+        module = LinenScanned(getattr(jnp, dtype))
+        variables = jax.eval_shape(module.init, jax.random.key(0), jnp.asarray(x))
+        report = compare_modules(
+            TorchStack(dtype),
+            Linen(module, variables),
+            (x,),
+            weights=_stacked_map("scale", "kernel", "o i -> i o"),
+            dtype=dtype,
         )
     _check_layer_two(report, "layers[2].norm", "layers[2]")
