@@ -15,7 +15,6 @@ from flax import nnx
 
 from flax_ln.convert import KeyMap
 from flax_ln.parity import compare_modules
-from flax_ln.parity.records.capture import WHOLE_MODEL
 
 WIDTH, SEQ, BATCH = 8, 5, 2
 DTYPES = ["float32", "float64"]
