@@ -367,3 +367,26 @@ def test_a_linen_nn_scan_stack_is_localised_per_layer(dtype):
             dtype=dtype,
         )
     _check_layer_two(report, "layers[2].norm", "layers[2]")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_books_gpt_with_scan_layers_is_localised_per_layer_without_a_key_map(dtype):
+    """``GPT(scan_layers=True)`` compared through the converter's rules (no ``weights=``): its scanned blocks are
+    recorded per layer and paired with torch's ``transformer.h.{k}`` by the rules' stacked layers."""
+    import flax_ln
+    import torch_ref
+
+    config = flax_ln.GPTConfig(n_layer=LAYERS, n_head=2, n_embd=WIDTH, vocab_size=16, block_size=SEQ)
+    torch.manual_seed(0)
+    torch_model = randomized(torch_ref.GPT(config), dtype)
+    torch_model.transformer.h[2].ln_2.eps = 0.5
+    idx = np.random.default_rng(5).integers(0, 16, size=(BATCH, SEQ))
+    with jax.enable_x64(dtype == "float64"):
+        port = flax_ln.GPT(config, scan_layers=True, param_dtype=getattr(jnp, dtype), rngs=nnx.Rngs(0))
+        report = compare_modules(torch_model, port, (idx,), dtype=dtype, forward=lambda m, x: m(x)[0])
+    assert not report.passed
+    fd = report.first_divergence
+    assert (fd.module, fd.flax_module) == ("transformer.h.2.ln_2", "transformer.h[2].ln_2"), str(report)
+    assert report.isolation.culprits == ["transformer.h.2.ln_2"], str(report)
+    assert report.isolation.flax_culprits == ["transformer.h[2].ln_2"], str(report)
+    assert report.isolation.unrecorded == {}, str(report)

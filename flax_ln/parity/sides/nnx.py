@@ -44,7 +44,7 @@ from flax_ln.parity.islands.island import Island
 from flax_ln.parity.islands.jax import name_modules_of
 from flax_ln.parity.islands.jax_internals import forget_traces
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
-from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups, layer_groups
+from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups, layer_groups, layer_of
 from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
 from flax_ln.parity.sides.flax import (
     FlaxSide,
@@ -284,6 +284,11 @@ def capture_nnx(
     return {names[key]: record for key, record in kept.items()}
 
 
+def _module_name(name: str, method: str) -> str:
+    """The module path of a recorded call's name (``path`` or ``path.method``)."""
+    return name[: -len(method) - 1] if name.endswith("." + method) else name
+
+
 def _check_flax_params(model: nnx.Module, dtype: str) -> None:
     want = np.dtype(parameter_dtype(dtype))
     for path, node in nnx.iter_graph(model):
@@ -500,6 +505,11 @@ class NNXSide(FlaxSide):
         for p, _ in nnx.iter_modules(self.model):
             path = ".".join(map(str, p))
             flax_paths[torch_paths.get(path, path) or WHOLE_MODEL] = path or WHOLE_MODEL
+        for name in self.own_calls:  # the recorded layers of stacked blocks: torch's layer k
+            base, layers = layer_of(name)
+            torch_path = rules.torch_layer_path(self.model, base, layers[0]) if len(layers) == 1 else None
+            if torch_path is not None and name == _module_name(name, self.own_calls[name].method):
+                flax_paths[torch_path] = name
         return flax_paths
 
     def parameter_groups(self, filled: set[str], recorded: Records) -> ParameterGroups:
