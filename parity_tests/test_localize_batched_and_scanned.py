@@ -271,7 +271,8 @@ def _check_layer_two(report, flax_norm: str, flax_layer: str):
     assert report.module_pairs["layers.2"] == flax_layer, report.module_pairs
     ran = {r.name for r in report.isolation.results}
     assert {f"layers.{k}.{m}" for k in range(LAYERS) for m in ("norm", "fc")} <= ran, str(report)
-    assert flax_norm in str(report), str(report)
+    assert f"layers.2.norm <-> {flax_norm}" in str(report), str(report)
+    assert 'data-path="layers.2.norm"' in report.to_html() and f">{flax_norm}<" in report.to_html()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -390,3 +391,4 @@ def test_the_books_gpt_with_scan_layers_is_localised_per_layer_without_a_key_map
     assert report.isolation.culprits == ["transformer.h.2.ln_2"], str(report)
     assert report.isolation.flax_culprits == ["transformer.h[2].ln_2"], str(report)
     assert report.isolation.unrecorded == {}, str(report)
+    assert "transformer.h.2.ln_2 <-> transformer.h[2].ln_2" in str(report), str(report)

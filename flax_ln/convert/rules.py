@@ -359,7 +359,7 @@ def torch_layer_path(model: nnx.Module, flax_path: str, layer: int) -> str | Non
     path = next((p for p in modules if ".".join(map(str, p)) == flax_path), None)
     stacks = _stacks(modules)
     stack = None if path is None else next((s for s in stacks if path[: len(s)] == s), None)
-    return None if stack is None else _torch_prefix(path, modules, stack, layer)
+    return None if path is None or stack is None else _torch_prefix(path, modules, stack, layer)
 
 
 def _entries(model: nnx.Module) -> list[_Entry]:

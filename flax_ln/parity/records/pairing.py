@@ -242,6 +242,33 @@ def layer_of(name: str) -> tuple[str, list[int]]:
     return re.sub(r"\[\d+\]", "", name), [int(k) for k in re.findall(r"\[(\d+)\]", name)]
 
 
+class StackLayers:
+    """Which layer of a scanned stack each call of a stacked module holds, in one recording: a module holding
+    arrays stacked on a leading layer axis (``whole``) called on one slice of them (``parts``: a scan over layers,
+    run as a Python loop under ``jax.disable_jit()``) holds the layer whose values its arrays equal; where values
+    cannot tell (tracers, equal layers), the count of that module's layers seen so far."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def layer(self, path: str, whole: Sequence[Any], parts: Sequence[Any]) -> int | None:
+        """The layer of the stacked module at ``path`` that a call holding ``parts`` runs; ``None`` when ``parts``
+        are not one slice of ``whole`` (a plain call, or a module that is no stack)."""
+        depths = {np.shape(w)[0] if np.ndim(w) else -1 for w in whole}
+        if not whole or len(whole) != len(parts) or len(depths) != 1 or -1 in depths:
+            return None
+        if any(np.shape(p) != np.shape(w)[1:] for p, w in zip(parts, whole)):
+            return None
+        count = self.counts.get(path, 0)
+        self.counts[path] = count + 1
+        try:
+            values = [np.asarray(p) for p in parts]
+        except Exception:  # noqa: BLE001 - traced values cannot tell the layer: the count does
+            return count
+        found = [k for k in range(depths.pop()) if all(np.array_equal(v, w[k]) for v, w in zip(values, whole))]
+        return found[0] if len(found) == 1 else count
+
+
 def layer_groups(filled: set[str], recorded: Iterable[str]) -> ParameterGroups:
     """The parameter groups of the recorded layers of scanned stacks: ``layers[3].attn`` holds layer 3 of each
     ``filled`` variable under ``layers.attn`` (the key map's stacked rules name it ``layers.attn.kernel[3]``), so

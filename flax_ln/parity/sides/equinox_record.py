@@ -34,6 +34,7 @@ import numpy as np
 
 from flax_ln.convert.trees import is_equinox_module
 from flax_ln.parity.records.capture import WHOLE_MODEL, Records
+from flax_ln.parity.records.pairing import StackLayers
 from flax_ln.parity.records.replay import PortCall
 
 
@@ -97,7 +98,7 @@ class EquinoxRecording:
         self.stacked = stacked
         self.entries: dict[str, _Entry] = {}
         self.scopes: list[tuple[str, str]] = []  # the scanned iterations under way: (path, its name with [k])
-        self.iterations: dict[str, int] = {}  # calls on a slice seen, per path (the layer when values cannot tell)
+        self.layers = StackLayers()
         self.clock = itertools.count()
 
     def name(self, path: str, inner: Any) -> tuple[str, bool]:
@@ -116,22 +117,10 @@ class EquinoxRecording:
 
     def _layer(self, path: str, inner: Any) -> int | None:
         """The layer of a stacked submodule that ``inner`` (its copy in one iteration) holds: the slice its arrays
-        equal, else the count of its iterations so far; ``None`` when ``inner`` holds the whole stack."""
+        equal (:class:`~flax_ln.parity.records.pairing.StackLayers`); ``None`` when ``inner`` holds the whole stack."""
         whole = self.stacked.get(path)
         parts = [x for x in jax.tree_util.tree_leaves(inner) if isinstance(x, (jax.Array, np.ndarray))]
-        if not whole or len(whole) != len(parts):
-            return None
-        depth = {np.shape(w)[0] if np.ndim(w) else None for w in whole}
-        if len(depth) != 1 or None in depth:
-            return None
-        if any(np.shape(p) != np.shape(w)[1:] for p, w in zip(parts, whole)):
-            return None
-        count = self.iterations.get(path, 0)
-        self.iterations[path] = count + 1
-        if any(isinstance(p, jax.core.Tracer) for p in parts):
-            return count
-        found = [k for k in range(depth.pop()) if all(np.array_equal(p, w[k]) for p, w in zip(parts, whole))]
-        return found[0] if len(found) == 1 else count
+        return None if whole is None else self.layers.layer(path, whole, parts)
 
     def leave(self) -> None:
         """The end of a scanned layer's iteration."""
@@ -178,7 +167,7 @@ class EquinoxRecording:
             leaves = list(entry.leaves)
             for i, values in zip(entry.traced, columns):
                 value = _restack(values, sizes) if sizes else values[0]
-                leaves[i] = jax.random.wrap_key_data(value) if i in entry.keys else value
+                leaves[i] = jax.random.wrap_key_data(jnp.asarray(value)) if i in entry.keys else value
             args, kwargs = jax.tree_util.tree_unflatten(entry.treedef, leaves)
             entry.call.args, entry.call.kwargs = list(args), dict(kwargs)
             outputs = [_restack(list(xs), sizes) if sizes else xs[0] for xs in zip(*(e[1] for e in entry.elements))]

@@ -20,7 +20,7 @@ from flax_ln.convert import LinenTree, PytreeTree, rules
 from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import path_step
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
-from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups, layer_groups
+from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups, StackLayers, layer_groups
 from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
 from flax_ln.parity.sides.flax import Linen, Parts, Run
 from flax_ln.parity.sides.tree import TreeSide
@@ -55,7 +55,7 @@ class _Layers:
     def __init__(self, variables: Any):
         self.variables = variables
         self.scopes: list[tuple[str, str]] = []
-        self.counts: dict[str, int] = {}
+        self.layers = StackLayers()
 
     def name(self, module, traced: bool) -> tuple[str, bool]:
         """The name of ``module``'s call now, and whether it enters a layer (then :meth:`leave` after it)."""
@@ -76,22 +76,14 @@ class _Layers:
         self.scopes.pop()
 
     def _layer(self, path: str, module) -> int | None:
+        """The layer ``module``'s call holds, where its variables are one slice of those held at ``path``."""
         steps = () if path == WHOLE_MODEL else tuple(path.split("."))
         try:
-            held = {c: functools.reduce(lambda t, k: t[k], steps, tree) for c, tree in self.variables.items()}
             seen = dict(module.variables)
-        except (KeyError, TypeError, AttributeError):
+            held = {c: functools.reduce(lambda t, k: t[k], steps, self.variables[c]) for c in seen}
+        except (KeyError, TypeError, AttributeError):  # a collection the module made itself: no stack
             return None
-        whole, parts = jax.tree_util.tree_leaves(held), jax.tree_util.tree_leaves(seen)
-        depth = {np.shape(w)[0] if np.ndim(w) else None for w in whole}
-        if not whole or len(whole) != len(parts) or len(depth) != 1 or None in depth:
-            return None
-        if any(np.shape(p) != np.shape(w)[1:] for p, w in zip(parts, whole)):
-            return None
-        count = self.counts.get(path, 0)
-        self.counts[path] = count + 1
-        found = [k for k in range(depth.pop()) if all(np.array_equal(p, w[k]) for p, w in zip(parts, whole))]
-        return found[0] if len(found) == 1 else count
+        return self.layers.layer(path, jax.tree_util.tree_leaves(held), jax.tree_util.tree_leaves(seen))
 
 
 def capture_linen(

@@ -44,7 +44,7 @@ from flax_ln.parity.islands.island import Island
 from flax_ln.parity.islands.jax import name_modules_of
 from flax_ln.parity.islands.jax_internals import forget_traces
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
-from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups, layer_groups, layer_of
+from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups, StackLayers, layer_groups, layer_of
 from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
 from flax_ln.parity.sides.flax import (
     FlaxSide,
@@ -153,7 +153,7 @@ class _Copies:
             shape = _shape(m)
             self.by_shape[shape] = None if shape in self.by_shape else path
         self.kept: list[nnx.Module] = []  # the mapped copies, alive while recording: their ids stay theirs
-        self.iterations: dict[str, int] = {}  # the layers of each scanned stack seen so far
+        self.layers = StackLayers()  # the layers of each scanned stack seen so far
 
     def owner(self, obj: Any) -> tuple[int | None, bool]:
         """(id under which ``obj``'s path is known, or ``None``; whether it is a copy holding tracers)."""
@@ -181,16 +181,9 @@ class _Copies:
         for path, module in ((p, self.modules[i]) for i, p in self.paths.items()):
             if type(module) is not type(obj) or "[" in path or _shape(module) != _shape(obj):
                 continue
-            whole = _values(module)
-            depth = {np.shape(w)[0] if np.ndim(w) else None for w in whole}
-            if len(whole) != len(values) or len(depth) != 1 or None in depth:
-                continue
-            if any(np.shape(v) != np.shape(w)[1:] for v, w in zip(values, whole)):
-                continue
-            found = [k for k in range(depth.pop()) if all(np.array_equal(v, w[k]) for v, w in zip(values, whole))]
-            count = self.iterations.get(path, 0)
-            self.iterations[path] = count + 1
-            return f"{path}[{found[0] if len(found) == 1 else count}]"
+            layer = self.layers.layer(path, _values(module), values)
+            if layer is not None:
+                return f"{path}[{layer}]"
         return None
 
 
