@@ -250,6 +250,24 @@ class StackLayers:
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        self.scopes: list[tuple[str, str]] = []  # the layers under way: (the stack's path, the layer's name)
+
+    def name(self, path: str, layer: Callable[[], int | None]) -> tuple[str, bool]:
+        """The name of a call of the module at ``path``: inside a layer under way, the layer's name for the stack's
+        (``layers[3].attn``); else ``path[k]`` where ``layer()`` finds it is layer ``k`` of a stack (then that
+        layer is under way until :meth:`leave`; the second item says so), else ``path``."""
+        for base, scoped in self.scopes:
+            if path == base or path.startswith(base + "."):
+                return scoped + path[len(base) :], False  # a layer's parts are sliced with it
+        found = layer()
+        if found is None:
+            return path, False
+        self.scopes.append((path, f"{path}[{found}]"))
+        return self.scopes[-1][1], True
+
+    def leave(self) -> None:
+        """The end of the innermost layer under way."""
+        self.scopes.pop()
 
     def layer(self, path: str, whole: Sequence[Any], parts: Sequence[Any]) -> int | None:
         """The layer of the stacked module at ``path`` that a call holding ``parts`` runs; ``None`` when ``parts``

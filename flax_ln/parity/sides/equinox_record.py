@@ -74,16 +74,20 @@ class _Entry:
     elements: list[tuple[list[np.ndarray], list[np.ndarray]]] = dataclasses.field(default_factory=list)
     outputs: list[np.ndarray] | None = None
 
+    def batch_axes(self) -> list[int]:
+        """The sizes of the batch axes the stored values fill (innermost first): none outside ``vmap``, or where
+        the calls stored are not one per batch element."""
+        return self.sizes if self.sizes and math.prod(self.sizes) == len(self.elements) else []
+
     def store(self, traced: list[Any], outputs: list[Any]) -> None:
         self.elements.append(([np.array(x) for x in traced], [np.array(x) for x in outputs]))
 
 
 def _restack(arrays: list[np.ndarray], sizes: list[int]) -> np.ndarray:
     """One value per batch element (innermost axis slowest, as ``jax.debug.callback`` is called under nested
-    ``vmap``) as one array, its batch axes first, outermost first; the calls stacked as they came when their
-    number is not the product of ``sizes`` (a vmap whose axis no recorded value carries)."""
+    ``vmap``) as one array, its batch axes (``sizes``, innermost first) first, outermost first."""
     stacked = np.stack(arrays)  # (calls, *element)
-    if not sizes or len(arrays) != math.prod(sizes):
+    if not sizes:
         return stacked
     lead = len(sizes)
     shaped = stacked.reshape(*sizes, *stacked.shape[1:])  # (inner, ..., outer, *element)
@@ -97,23 +101,13 @@ class EquinoxRecording:
     def __init__(self, stacked: dict[str, list[Any]]):
         self.stacked = stacked
         self.entries: dict[str, _Entry] = {}
-        self.scopes: list[tuple[str, str]] = []  # the scanned iterations under way: (path, its name with [k])
         self.layers = StackLayers()
         self.clock = itertools.count()
 
     def name(self, path: str, inner: Any) -> tuple[str, bool]:
         """The recorded name of a call of the submodule at ``path`` (``layers[3].attn`` inside iteration 3 of
         ``layers``), and whether it is a scanned layer's iteration (then its scope is entered)."""
-        named, inside = path, False
-        for base, scoped in self.scopes:
-            if named == base or named.startswith(base + "."):
-                named, inside = scoped + named[len(base) :], True
-        layer = None if inside else self._layer(path, inner)  # a scanned layer's parts are sliced with it
-        if layer is None:
-            return named, False
-        named = f"{named}[{layer}]"
-        self.scopes.append((path, named))
-        return named, True
+        return self.layers.name(path, lambda: self._layer(path, inner))
 
     def _layer(self, path: str, inner: Any) -> int | None:
         """The layer of a stacked submodule that ``inner`` (its copy in one iteration) holds: the slice its arrays
@@ -124,7 +118,7 @@ class EquinoxRecording:
 
     def leave(self) -> None:
         """The end of a scanned layer's iteration."""
-        self.scopes.pop()
+        self.layers.leave()
 
     def begin(self, name: str, inner: Any, args: tuple, kwargs: dict) -> tuple[_Entry, list[Any]] | None:
         """Start recording the call ``name`` (its first only): its entry and the traced leaves to send."""
@@ -162,11 +156,11 @@ class EquinoxRecording:
         for name, entry in sorted(self.entries.items(), key=lambda item: item[1].call.end):
             if not entry.elements:
                 continue
-            sizes = entry.sizes if len(entry.elements) > 1 else []
+            sizes = entry.batch_axes()
             columns = [list(xs) for xs in zip(*(e[0] for e in entry.elements))]
             leaves = list(entry.leaves)
             for i, values in zip(entry.traced, columns):
-                value = _restack(values, sizes) if sizes else values[0]
+                value = _restack(values, sizes) if sizes else values[0]  # outside vmap: the first call's
                 leaves[i] = jax.random.wrap_key_data(jnp.asarray(value)) if i in entry.keys else value
             args, kwargs = jax.tree_util.tree_unflatten(entry.treedef, leaves)
             entry.call.args, entry.call.kwargs = list(args), dict(kwargs)
@@ -182,9 +176,7 @@ class EquinoxRecording:
         """Each recorded call (after :meth:`records`): the call, its number of batch axes, and the positions of
         its leaves that carry them."""
         return {
-            name: (e.call, len(e.sizes) if len(e.elements) > 1 else 0, e.traced)
-            for name, e in self.entries.items()
-            if e.outputs is not None
+            name: (e.call, len(e.batch_axes()), e.traced) for name, e in self.entries.items() if e.outputs is not None
         }
 
 

@@ -54,26 +54,18 @@ class _Layers:
 
     def __init__(self, variables: Any):
         self.variables = variables
-        self.scopes: list[tuple[str, str]] = []
         self.layers = StackLayers()
 
     def name(self, module, traced: bool) -> tuple[str, bool]:
         """The name of ``module``'s call now, and whether it enters a layer (then :meth:`leave` after it)."""
         path = _scope_path(module)
-        named, inside = path, False
-        for base, scoped in self.scopes:
-            if named == base or named.startswith(base + "."):
-                named, inside = scoped + named[len(base) :], True
-        layer = None if inside or traced or self.variables is None else self._layer(path, module)
-        if layer is None:
-            return named, False
-        named = f"{named}[{layer}]"
-        self.scopes.append((path, named))
-        return named, True
+        if traced or self.variables is None:
+            return self.layers.name(path, lambda: None)
+        return self.layers.name(path, lambda: self._layer(path, module))
 
     def leave(self) -> None:
         """The end of a layer's call."""
-        self.scopes.pop()
+        self.layers.leave()
 
     def _layer(self, path: str, module) -> int | None:
         """The layer ``module``'s call holds, where its variables are one slice of those held at ``path``."""
