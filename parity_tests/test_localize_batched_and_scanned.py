@@ -370,14 +370,14 @@ def test_a_linen_nn_scan_stack_is_localised_per_layer(dtype):
     _check_layer_two(report, "layers[2].norm", "layers[2]")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float64"])  # the strictest policy only: the GPT is the slowest port here
 def test_the_books_gpt_with_scan_layers_is_localised_per_layer_without_a_key_map(dtype):
     """``GPT(scan_layers=True)`` compared through the converter's rules (no ``weights=``): its scanned blocks are
     recorded per layer and paired with torch's ``transformer.h.{k}`` by the rules' stacked layers."""
     import flax_ln
     import torch_ref
 
-    config = flax_ln.GPTConfig(n_layer=LAYERS, n_head=2, n_embd=WIDTH, vocab_size=16, block_size=SEQ)
+    config = flax_ln.GPTConfig(n_layer=3, n_head=2, n_embd=WIDTH, vocab_size=16, block_size=SEQ)
     torch.manual_seed(0)
     torch_model = randomized(torch_ref.GPT(config), dtype)
     torch_model.transformer.h[2].ln_2.eps = 0.5
