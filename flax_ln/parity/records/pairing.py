@@ -246,7 +246,8 @@ class StackLayers:
     """Which layer of a scanned stack each call of a stacked module holds, in one recording: a module holding
     arrays stacked on a leading layer axis (``whole``) called on one slice of them (``parts``: a scan over layers,
     run as a Python loop under ``jax.disable_jit()``) holds the layer whose values its arrays equal; where values
-    cannot tell (tracers, equal layers), the count of that module's layers seen so far."""
+    cannot tell (equal layers), the count of that module's layers seen so far. A call holding traced arrays (a
+    ``vmap`` over the stack, a scan that is not unrolled) is no layer."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
@@ -277,12 +278,12 @@ class StackLayers:
             return None
         if any(np.shape(p) != np.shape(w)[1:] for p, w in zip(parts, whole)):
             return None
-        count = self.counts.get(path, 0)
-        self.counts[path] = count + 1
         try:
             values = [np.asarray(p) for p in parts]
-        except Exception:  # noqa: BLE001 - traced values cannot tell the layer: the count does
-            return count
+        except Exception:  # noqa: BLE001 - traced (a vmap over the stack, a scan not unrolled): no layer's values
+            return None
+        count = self.counts.get(path, 0)
+        self.counts[path] = count + 1
         found = [k for k in range(depths.pop()) if all(np.array_equal(v, w[k]) for v, w in zip(values, whole))]
         return found[0] if len(found) == 1 else count
 
