@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from einops.parsing import ParsedExpression
 
@@ -279,13 +280,21 @@ class StackLayers:
         if any(np.shape(p) != np.shape(w)[1:] for p, w in zip(parts, whole)):
             return None
         try:
-            values = [np.asarray(p) for p in parts]
+            values, stacked = [_readable(p) for p in parts], [_readable(w) for w in whole]
         except Exception:  # noqa: BLE001 - traced (a vmap over the stack, a scan not unrolled): no layer's values
             return None
         count = self.counts.get(path, 0)
         self.counts[path] = count + 1
-        found = [k for k in range(depths.pop()) if all(np.array_equal(v, w[k]) for v, w in zip(values, whole))]
+        found = [k for k in range(depths.pop()) if all(np.array_equal(v, w[k]) for v, w in zip(values, stacked))]
         return found[0] if len(found) == 1 else count
+
+
+def _readable(array: Any) -> np.ndarray:
+    """``array``'s values as NumPy: a typed PRNG key's key data (raises for a tracer)."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is not None and not isinstance(dtype, np.dtype) and "key" in str(dtype):
+        return np.asarray(jax.random.key_data(array))
+    return np.asarray(array)
 
 
 def layer_groups(filled: set[str], recorded: Iterable[str]) -> ParameterGroups:
