@@ -352,6 +352,16 @@ def torch_module_paths(model: nnx.Module) -> dict[str, str]:
     }
 
 
+def torch_layer_path(model: nnx.Module, flax_path: str, layer: int) -> str | None:
+    """The dotted torch path of layer ``layer`` of the module at dotted ``flax_path`` inside stacked layers (a rule's
+    ``stacked``: ``transformer.h.attn``, layer 3 -> ``transformer.h.3.attn``); ``None`` outside a stack."""
+    modules = {tuple(path): m for path, m in nnx.iter_modules(model)}
+    path = next((p for p in modules if ".".join(map(str, p)) == flax_path), None)
+    stacks = _stacks(modules)
+    stack = None if path is None else next((s for s in stacks if path[: len(s)] == s), None)
+    return None if path is None or stack is None else _torch_prefix(path, modules, stack, layer)
+
+
 def _entries(model: nnx.Module) -> list[_Entry]:
     modules = {tuple(path): m for path, m in nnx.iter_modules(model)}
     stacks = _stacks(modules)

@@ -44,6 +44,8 @@ def is_float(x: Any) -> bool:
     if hasattr(x, "is_floating_point"):  # a torch.Tensor (NumPy cannot take a bfloat16 one)
         return bool(x.is_floating_point())
     dtype = getattr(x, "dtype", None)
+    if dtype is not None and not isinstance(dtype, np.dtype) and "key" in str(dtype):  # a typed PRNG key
+        return False
     return is_floating(dtype if isinstance(dtype, np.dtype) else np.asarray(x).dtype)
 
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -478,7 +479,8 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     model = flax.eager_model()
 
     def forward():
-        return run_forward(call.forward[1], model, args, kwargs)
+        with jax.disable_jit():  # eagerly, op by op: a scan over layers runs as a loop, one layer at a time
+            return run_forward(call.forward[1], model, args, kwargs)
 
     ok, recorded = phase.run("recording the flax side's submodules", lambda: flax.record(forward))
     if not ok:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from einops.parsing import ParsedExpression
 
@@ -156,6 +159,8 @@ class Pairs:
             return array
         inverse = [tuple(int(i) for i in np.argsort(o)) for o in self.orders]  # flax -> torch
         perm = _permutation(array.shape, torch_shape, self._decided(path, which), inverse)
+        if isinstance(perm, str) and regrouped(array.shape, torch_shape):
+            return array.reshape(tuple(torch_shape))  # the batch axes merged, split, added or dropped
         return perm if isinstance(perm, str) else np.transpose(array, perm)
 
     def to_flax(self, path: str, array: np.ndarray, flax_shape, which: str = "input") -> np.ndarray | str:
@@ -179,6 +184,8 @@ class Pairs:
         decided = self._decided(path, which)
         inverse = None if decided is None else tuple(int(i) for i in np.argsort(decided))
         perm = _permutation(array.shape, flax_shape, inverse, self.orders)
+        if isinstance(perm, str) and regrouped(array.shape, flax_shape):
+            return array.reshape(tuple(flax_shape))  # the batch axes merged, split, added or dropped
         return perm if isinstance(perm, str) else np.transpose(array, perm)
 
     def known_permutation(self, path: str, flax_output, torch_shape) -> tuple[int, ...] | None:
@@ -266,6 +273,22 @@ def exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...]
     return exact[0] if len(exact) == 1 else None
 
 
+def regrouped(source: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether an array of shape ``source`` holds the values of one of shape ``target`` with its leading (batch) axes
+    merged or split (``(b t) d`` and ``b t d``) or unit axes added or dropped (a single example against a batch of
+    one): the shapes differ, and, unit axes aside, they end alike after leading parts of equal size."""
+    if tuple(source) == tuple(target):
+        return False
+    s, t = [n for n in source if n != 1], [n for n in target if n != 1]
+    if s == t:
+        return True
+    common = 0
+    while common < min(len(s), len(t)) and s[len(s) - 1 - common] == t[len(t) - 1 - common]:
+        common += 1
+    lead_s, lead_t = s[: len(s) - common], t[: len(t) - common]
+    return common > 0 and bool(lead_s) and bool(lead_t) and math.prod(lead_s) == math.prod(lead_t)
+
+
 def projection_layouts(plan: KeyPlan, torch_path: str) -> dict[str, ArrayLayout]:
     """The activation layouts (``"input"``, ``"output"``: torch -> flax) that the key map's einops layout of the
     torch module's 2-D ``weight`` implies: with ``"(n h) d -> d n h"``, torch's output ``(..., n*h)`` is flax's
@@ -287,6 +310,81 @@ def projection_layouts(plan: KeyPlan, torch_path: str) -> dict[str, ArrayLayout]
             found[which] = ArrayLayout(pattern=f"... {torch_axes} -> ... {flax_axes}")
         break
     return found
+
+
+def layer_of(name: str) -> tuple[str, list[int]]:
+    """A recorded module name without its layer indices (``layers[3].attn`` -> ``layers.attn``: the module of the
+    scanned stack that holds every layer's arrays), and the indices (``[3]``)."""
+    return re.sub(r"\[\d+\]", "", name), [int(k) for k in re.findall(r"\[(\d+)\]", name)]
+
+
+class StackLayers:
+    """Which layer of a scanned stack each call of a stacked module holds, in one recording: a module holding
+    arrays stacked on a leading layer axis (``whole``) called on one slice of them (``parts``: a scan over layers,
+    run as a Python loop under ``jax.disable_jit()``) holds the layer whose values its arrays equal; where values
+    cannot tell (equal layers), the count of that module's layers seen so far. A call holding traced arrays (a
+    ``vmap`` over the stack, a scan that is not unrolled) is no layer."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.scopes: list[tuple[str, str]] = []  # the layers under way: (the stack's path, the layer's name)
+
+    def name(self, path: str, layer: Callable[[], int | None]) -> tuple[str, bool]:
+        """The name of a call of the module at ``path``: inside a layer under way, the layer's name for the stack's
+        (``layers[3].attn``); else ``path[k]`` where ``layer()`` finds it is layer ``k`` of a stack (then that
+        layer is under way until :meth:`leave`; the second item says so), else ``path``."""
+        for base, scoped in self.scopes:
+            if path == base or path.startswith(base + "."):
+                return scoped + path[len(base) :], False  # a layer's parts are sliced with it
+        found = layer()
+        if found is None:
+            return path, False
+        self.scopes.append((path, f"{path}[{found}]"))
+        return self.scopes[-1][1], True
+
+    def leave(self) -> None:
+        """The end of the innermost layer under way."""
+        self.scopes.pop()
+
+    def layer(self, path: str, whole: Sequence[Any], parts: Sequence[Any]) -> int | None:
+        """The layer of the stacked module at ``path`` that a call holding ``parts`` runs; ``None`` when ``parts``
+        are not one slice of ``whole`` (a plain call, or a module that is no stack)."""
+        depths = {np.shape(w)[0] if np.ndim(w) else -1 for w in whole}
+        if not whole or len(whole) != len(parts) or len(depths) != 1 or -1 in depths:
+            return None
+        if any(np.shape(p) != np.shape(w)[1:] for p, w in zip(parts, whole)):
+            return None
+        try:
+            values, stacked = [_readable(p) for p in parts], [_readable(w) for w in whole]
+        except Exception:  # noqa: BLE001 - traced (a vmap over the stack, a scan not unrolled): no layer's values
+            return None
+        count = self.counts.get(path, 0)
+        self.counts[path] = count + 1
+        found = [k for k in range(depths.pop()) if all(np.array_equal(v, w[k]) for v, w in zip(values, stacked))]
+        return found[0] if len(found) == 1 else count
+
+
+def _readable(array: Any) -> np.ndarray:
+    """``array``'s values as NumPy: a typed PRNG key's key data (raises for a tracer)."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is not None and not isinstance(dtype, np.dtype) and "key" in str(dtype):
+        return np.asarray(jax.random.key_data(array))
+    return np.asarray(array)
+
+
+def layer_groups(filled: set[str], recorded: Iterable[str]) -> ParameterGroups:
+    """The parameter groups of the recorded layers of scanned stacks: ``layers[3].attn`` holds layer 3 of each
+    ``filled`` variable under ``layers.attn`` (the key map's stacked rules name it ``layers.attn.kernel[3]``), so
+    torch's ``layers.3.attn`` pairs with it. ``recorded``: the recorded module names; one index each."""
+    groups: ParameterGroups = {}
+    for name in recorded:
+        base, layers = layer_of(name)
+        if len(layers) != 1:
+            continue
+        own = frozenset(f"{n}[{layers[0]}]" for n in filled if "[" not in n and n.startswith(base + "."))
+        if own:
+            groups.setdefault(own, []).append((name,))
+    return groups
 
 
 def filled_variables(plan: KeyPlan) -> set[str]:

@@ -290,7 +290,8 @@ def _dropped_parameters(d: Mapping[str, Any]) -> list[str]:
 def _first_divergence(d: Mapping[str, Any]) -> list[str]:
     out = max(d["outputs"], key=lambda r: r.excess)
     ins = ", ".join(f"{r.name} rel {r.relative_error:.2e}" for r in d["inputs"]) or "none compared"
-    where = f"{d['module']} <-> {d['flax_module']}" if d["by_parameters"] else d["module"]
+    named_apart = d["by_parameters"] or d.get("flax_module", d["module"]) != d["module"]  # a scanned layer: h[2]
+    where = f"{d['module']} <-> {d['flax_module']}" if named_apart else d["module"]
     if d.get("between") is not None:
         before, after = d["between"]
         gap = f"between {before or 'its start'} and {after or 'its end'}"

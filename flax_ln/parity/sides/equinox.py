@@ -6,21 +6,20 @@ and ``eqx.filter_jit`` too. Imports neither torch nor, until an Equinox module i
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flax_ln.convert import KeyMap, PytreeTree
 from flax_ln.convert.trees import EquinoxTree, is_equinox_module
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
-from flax_ln.parity.records.pairing import Pairs, ParameterGroups
+from flax_ln.parity.records.pairing import Pairs, ParameterGroups, layer_groups
+from flax_ln.parity.records.replay import PortCall, Replayed, replays
+from flax_ln.parity.sides.equinox_record import EquinoxRecording, call_again, instrumented, recording
 from flax_ln.parity.sides.flax import Parts, Run
 from flax_ln.parity.sides.tree import TreeSide
 
@@ -57,7 +56,8 @@ class EquinoxSide(TreeSide):
     tree_type: ClassVar[type[PytreeTree]] = EquinoxTree
     variable_noun: ClassVar[str] = "parameter"
     paths_named: ClassVar[str] = "Equinox attribute paths (dotted, as the key map names them)"
-    recorded_batched: dict[str, bool] = dataclasses.field(default_factory=dict)
+    port_calls: dict[str, tuple[PortCall, int, list[int]]] = dataclasses.field(default_factory=dict)  # record()
+    isolates_from_calls: ClassVar[bool] = True
 
     @classmethod
     def takes(cls, flax_module: Any) -> bool:
@@ -129,30 +129,39 @@ class EquinoxSide(TreeSide):
         return dict(_walk(self.tree.tree(), ()))
 
     def record(self, forward: Callable[[], Any]) -> Records:
-        """Run ``forward()`` (over :meth:`eager_model`'s copy) with its recorders on: each submodule's first call,
-        its floating inputs and outputs by dotted path, in call order. A call under ``jax.vmap`` is recorded with
-        its batch axis first (one record a batch element, stacked); under ``jit`` its values arrive when it runs."""
-        sink = _Sink()
-        _SINKS.append(sink)
-        try:
+        """Run ``forward()`` (over :meth:`eager_model`'s copy) with its recorders on: each submodule's first call
+        by dotted path, in call order, with the batch axes ``jax.vmap`` adds (nested ones too) and a scanned
+        stack's layers one by one (``layers[3].attn``; see :mod:`~flax_ln.parity.sides.equinox_record`); under
+        ``jit`` its values arrive when it runs."""
+        stacked = {
+            path: [x for x in jax.tree_util.tree_leaves(module) if isinstance(x, (jax.Array, np.ndarray))]
+            for path, module in self.submodules().items()
+        }
+        recorder = EquinoxRecording(stacked)
+        with recording(recorder):
             jax.block_until_ready(forward())
             jax.effects_barrier()
-        finally:
-            _SINKS.remove(sink)
-        self.recorded_batched = dict(sink.batched)
-        return sink.records()
+        records = recorder.records()
+        self.port_calls = recorder.port_calls()
+        return records
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
-        return self.submodules()
+        """Its submodules, and each recorded layer of a scanned stack (``layers[3]``, ``layers[3].attn``) as the
+        module that iteration called."""
+        layers = {name: call.state for name, (call, _, _) in self.port_calls.items() if "[" in name}
+        return {**self.submodules(), **layers}
 
     def parameter_groups(self, filled: set[str], recorded: Records) -> ParameterGroups:
-        """The filled variables under each submodule's path -> the submodules' path steps."""
+        """The filled variables under each submodule's path -> the submodules' path steps; a scanned stack's
+        recorded layer ``layers[k]...`` holds layer ``k`` of each of its stacked variables (``name[k]``)."""
         out: ParameterGroups = {}
         for path in self.submodules():
             prefix = "" if path == WHOLE_MODEL else path + "."
             own = frozenset(n for n in filled if n.split("[")[0].startswith(prefix))
             if own:
                 out.setdefault(own, []).append(tuple(prefix[:-1].split(".")) if prefix else ())
+        for own, paths in layer_groups(filled, recorded).items():
+            out.setdefault(own, []).extend(paths)
         return out
 
     def run_alone(
@@ -163,32 +172,31 @@ class EquinoxSide(TreeSide):
         flax_records: Records,
         forward: Callable[[], Any],
     ) -> Iterator[tuple[str, Run]]:
-        """Each paired submodule called alone on torch's recorded floating inputs (in the flax layout), under
-        ``jax.vmap`` over their first axis where the port called it under ``vmap``; or why it was not run."""
+        """Each paired submodule's recorded call made again (under the ``jax.vmap`` the port called it under),
+        with its floating arguments replaced by torch's values by the rule every kind uses
+        (:func:`~flax_ln.parity.records.replay.replay_arguments`: positional and keyword, ``key=``, flags and other
+        values as recorded); or why it was not run (one module that cannot run alone skips only itself)."""
+        prepare = replays(
+            pairs, torch_records, torch_calls, flax_records, {n: c for n, (c, _, _) in self.port_calls.items()}
+        )
         for path in torch_records:
-            module = pairs.modules.get(path)
-            if module is None:
+            if pairs.modules.get(path) is None:
                 yield path, pairs.why_unpaired(path)
                 continue
-            flax_path = pairs.flax_paths[path]
-            own = flax_records.get(path)
-            if own is None:
+            recorded = self.port_calls.get(pairs.flax_paths[path])
+            if recorded is None or path not in flax_records:
                 yield path, "its flax twin was not called (with a floating output) in the flax run"
                 continue
-            inputs = []
-            for k, (t_in, f_in) in enumerate(zip(torch_records[path][0], own[0])):
-                moved = pairs.to_flax(path, t_in, np.shape(f_in))
-                if isinstance(moved, str) or np.shape(moved) != np.shape(f_in):
-                    why = moved if isinstance(moved, str) else f"torch's {np.shape(moved)} is not {np.shape(f_in)}"
-                    yield path, f"input {k}: {why}"
-                    break
-                inputs.append(jnp.asarray(moved, f_in.dtype))
-            else:
-                call = jax.vmap(module) if self.recorded_batched.get(flax_path) else module
-                try:
-                    yield path, floating_leaves(call(*inputs))
-                except Exception as err:  # noqa: BLE001 - any failure to call is reported as the reason
-                    yield path, f"the flax call on torch's inputs raised {type(err).__name__}: {str(err)[:120]}"
+            call, levels, batched = recorded
+            prepared = prepare(path, call)
+            if isinstance(prepared, str):
+                yield path, prepared
+                continue
+            try:
+                out = call_again(call.state, prepared.args, prepared.kwargs, levels, batched)
+                yield path, Replayed(floating_leaves(out), prepared.kept)
+            except Exception as err:  # noqa: BLE001 - any failure to call is reported as the reason
+                yield path, f"the flax call on torch's arguments raised {type(err).__name__}: {str(err)[:120]}"
 
 
 def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
@@ -204,97 +212,3 @@ def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
     elif isinstance(node, dict):
         for key, item in node.items():
             yield from _walk(item, (*path, str(key)))
-
-
-class _Sink:
-    """The calls recorded during one :meth:`EquinoxSide.record`: per path its first call's values (one entry per
-    batch element under ``vmap``) and whether it was batched."""
-
-    def __init__(self):
-        self.calls: dict[str, list[tuple[list[np.ndarray], list[np.ndarray]]]] = {}
-        self.batched: dict[str, bool] = {}
-
-    def begin(self, path: str, leaves: list[Any]) -> bool:
-        """Whether this call of ``path`` is recorded (its first); notes whether it runs under ``vmap``."""
-        if path in self.calls:
-            return False
-        self.calls[path] = []
-        self.batched[path] = any("Batch" in type(x).__name__ for x in leaves)  # a vmap's tracer
-        return True
-
-    def store(self, path: str, inputs: list[Any], outputs: list[Any]) -> None:
-        self.calls[path].append(([np.array(x) for x in inputs], [np.array(x) for x in outputs]))
-
-    def records(self) -> Records:
-        out: Records = {}
-        for path, calls in self.calls.items():
-            if not calls or not calls[0][1]:
-                continue
-            if self.batched[path]:
-                out[path] = tuple([np.stack(xs) for xs in zip(*(c[i] for c in calls))] for i in (0, 1))  # type: ignore[assignment]
-            else:
-                out[path] = calls[0]
-        return out
-
-
-_SINKS: list[_Sink] = []  # the recordings under way (the innermost last)
-
-
-def _floating(leaves: list[Any]) -> list[Any]:
-    return [x for x in leaves if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
-
-
-@functools.cache
-def _recorder() -> type:
-    import equinox as eqx
-
-    class Recorder(eqx.Module):
-        """A submodule as it is, its first call's floating inputs and outputs recorded while a recording is on."""
-
-        inner: Any
-        path: str = eqx.field(static=True)
-
-        def __call__(self, *args, **kwargs):
-            out = self.inner(*args, **kwargs)
-            if _SINKS:
-                sink = _SINKS[-1]
-                inputs = _floating(jax.tree_util.tree_leaves(list(args)))
-                if sink.begin(self.path, inputs):
-                    outputs = _floating(jax.tree_util.tree_leaves(out))
-                    jax.debug.callback(functools.partial(sink.store, self.path), inputs, outputs)
-            return out
-
-        def __getattr__(self, name: str) -> Any:  # the port's forward may call another method
-            if name in ("inner", "path") or name.startswith("__"):
-                raise AttributeError(name)
-            return getattr(self.inner, name)
-
-    return Recorder
-
-
-def instrumented(node: Any, path: tuple[str, ...] = ()) -> Any:
-    """A copy of ``node`` with every callable ``equinox.Module`` in it wrapped in a recorder named by its dotted
-    path (the root: :data:`WHOLE_MODEL`); the caller's module and its submodules are not changed."""
-    if is_equinox_module(node):
-        changed = {}
-        for field in dataclasses.fields(node):
-            if field.metadata.get("static", False):
-                continue
-            value = getattr(node, field.name, None)
-            new = instrumented(value, (*path, field.name))
-            if new is not value:
-                changed[field.name] = new
-        if changed:
-            node = copy.copy(node)  # a shallow copy: the caller's module keeps its own fields
-            for name, value in changed.items():
-                object.__setattr__(node, name, value)
-        return _recorder()(node, ".".join(path) or WHOLE_MODEL) if callable(node) else node
-    if isinstance(node, (list, tuple)):
-        items = [instrumented(item, (*path, str(i))) for i, item in enumerate(node)]
-        if all(a is b for a, b in zip(items, node)):
-            return node
-        return type(node)(items) if not hasattr(node, "_fields") else type(node)(*items)
-    if isinstance(node, dict):
-        new_dict = {k: instrumented(v, (*path, str(k))) for k, v in node.items()}
-        return node if all(new_dict[k] is node[k] for k in node) else type(node)(new_dict)
-    return node

@@ -20,7 +20,7 @@ from flax_ln.convert import LinenTree, PytreeTree, rules
 from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import path_step
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
-from flax_ln.parity.records.pairing import Pairs, ParameterGroups
+from flax_ln.parity.records.pairing import Pairs, ParameterGroups, StackLayers, layer_groups
 from flax_ln.parity.records.replay import (
     TRACED,
     PortCall,
@@ -53,11 +53,45 @@ def _traced(args, kwargs) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs)))
 
 
+class _Layers:
+    """The names of a Linen apply's module calls, a scanned stack's layers told apart: a module whose variables
+    (every collection's, as the call sees them) are one slice of the ``variables`` held at its scope path
+    (``nn.scan`` over layers with ``variable_axes``, run eagerly under ``jax.disable_jit()``) is layer ``k`` of
+    the stack (``layers[k]``; its submodules ``layers[k].attn``), ``k`` the slice its values equal, else the count
+    of its layers so far. A traced call (``nn.scan`` traces its body once, abstractly, first) is no layer."""
+
+    def __init__(self, variables: Any):
+        self.variables = variables
+        self.layers = StackLayers()
+
+    def name(self, module, traced: bool) -> tuple[str, bool]:
+        """The name of ``module``'s call now, and whether it enters a layer (then :meth:`leave` after it)."""
+        path = _scope_path(module)
+        if traced or self.variables is None:
+            return self.layers.name(path, lambda: None)
+        return self.layers.name(path, lambda: self._layer(path, module))
+
+    def leave(self) -> None:
+        """The end of a layer's call."""
+        self.layers.leave()
+
+    def _layer(self, path: str, module) -> int | None:
+        """The layer ``module``'s call holds, where its variables are one slice of those held at ``path``."""
+        steps = () if path == WHOLE_MODEL else tuple(path.split("."))
+        try:
+            seen = dict(module.variables)
+            held = {c: functools.reduce(lambda t, k: t[k], steps, self.variables[c]) for c in seen}
+        except (KeyError, TypeError, AttributeError):  # a collection the module made itself: no stack
+            return None
+        return self.layers.layer(path, jax.tree_util.tree_leaves(held), jax.tree_util.tree_leaves(seen))
+
+
 def capture_linen(
     call: Callable[[], Any],
     types: dict[str, type] | None = None,
     calls: dict[str, PortCall] | None = None,
     traced: dict[str, str] | None = None,
+    variables: Any = None,
 ) -> Records:
     """Run ``call`` (one or more Linen ``apply``, eagerly) with the (inputs, outputs) of every submodule call
     recorded by name, through ``flax.linen.intercept_methods``; ``nn.remat`` is transparent meanwhile
@@ -67,7 +101,8 @@ def capture_linen(
     call of each of a module's methods is recorded (``setup`` aside) and named by
     :func:`~flax_ln.parity.records.replay.call_names`, its inputs are its floating arguments (positional, then keyword),
     the first completed call with a floating output is kept. A call traced inside a transform (an ``nn.scan``
-    body) holds no values: it is not recorded, and with ``traced`` its path is kept there with the reason. With
+    body) holds no values: it is not recorded, and with ``traced`` its path is kept there with the reason, unless
+    the layers of that scan are recorded (given the apply's ``variables``, see :class:`_Layers`). With
     ``types``, each recorded name's module class is kept there; with ``calls``, each recorded call whole
     (:class:`~flax_ln.parity.records.replay.PortCall`).
     """
@@ -75,11 +110,21 @@ def capture_linen(
     own: dict[tuple[str, str], tuple[PortCall, type]] = {}
     active: set[str] = set()
     clock = itertools.count()
+    layers = _Layers(variables)
+    unrolled: set[str] = set()  # the scope paths whose layers were recorded
 
     def interceptor(next_fun, args, kwargs, context):
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
-        path = _scope_path(context.module)
+        path, scoped = layers.name(context.module, _traced(args, kwargs))
+        try:
+            return record(next_fun, args, kwargs, context, path)
+        finally:
+            if scoped:
+                layers.leave()
+                unrolled.add(_scope_path(context.module))
+
+    def record(next_fun, args, kwargs, context, path):
         if path in active:
             return next_fun(*args, **kwargs)
         if _traced(args, kwargs):
@@ -102,6 +147,9 @@ def capture_linen(
 
     with linen.intercept_methods(interceptor), transparent_remat():
         call()
+    if traced is not None:  # a scan's abstract first pass, where its layers were recorded after it
+        for path in [p for p in traced if any(p == u or p.startswith(u + ".") for u in unrolled)]:
+            del traced[path]
     names = call_names(sorted(own, key=lambda key: own[key][0].start))
     if types is not None:
         types.update({names[key]: cls for key, (_, cls) in own.items()})
@@ -176,7 +224,7 @@ class LinenSide(TreeSide):
     def record(self, forward: Callable[[], Any]) -> Records:
         """And each recorded scope path's module class (for :meth:`type_layout`)."""
         self.module_types, self.port_calls, self.traced = {}, {}, {}
-        return capture_linen(forward, self.module_types, self.port_calls, self.traced)
+        return capture_linen(forward, self.module_types, self.port_calls, self.traced, self.tree.tree())
 
     def recorded_calls(self) -> Mapping[str, PortCall]:
         return self.port_calls
@@ -217,6 +265,8 @@ class LinenSide(TreeSide):
             own = frozenset(name for name, scope in scopes.items() if scope[: len(path)] == path)
             if own:
                 groups.setdefault(own, []).append(path)
+        for own, layer_paths in layer_groups(filled, recorded).items():  # the recorded layers of scanned stacks
+            groups.setdefault(own, []).extend(layer_paths)
         return groups
 
     def unrecorded(self) -> dict[str, str]:
@@ -252,9 +302,20 @@ class LinenSide(TreeSide):
         for level in sorted(levels):
             done: set[tuple[str, str]] = set()
             active: set[str] = set()
+            layers = _Layers(self.tree.tree())
 
-            def interceptor(next_fun, args, kwargs, context, level=level, done=done, active=active):
-                key = (_scope_path(context.module), context.method_name)
+            def interceptor(next_fun, args, kwargs, context, level=level, done=done, active=active, layers=layers):
+                if context.method_name == "setup":
+                    return next_fun(*args, **kwargs)
+                path, scoped = layers.name(context.module, _traced(args, kwargs))
+                try:
+                    return isolated(next_fun, args, kwargs, context, level, done, active, path)
+                finally:
+                    if scoped:
+                        layers.leave()
+
+            def isolated(next_fun, args, kwargs, context, level, done, active, path):
+                key = (path, context.method_name)
                 torch_path = by_flax.get(names.get(key, ""))
                 if torch_path is None or key in done or key[0] in active or depth(key[0]) != level:
                     return next_fun(*args, **kwargs)

@@ -44,7 +44,7 @@ from flax_ln.parity.islands.island import Island
 from flax_ln.parity.islands.jax import name_modules_of
 from flax_ln.parity.islands.jax_internals import forget_traces
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
-from flax_ln.parity.records.pairing import Pairs, ParameterGroups
+from flax_ln.parity.records.pairing import Pairs, ParameterGroups, StackLayers, layer_groups, layer_of
 from flax_ln.parity.records.replay import (
     TRACED,
     PortCall,
@@ -161,6 +161,7 @@ class _Copies:
             shape = _shape(m)
             self.by_shape[shape] = None if shape in self.by_shape else path
         self.kept: list[nnx.Module] = []  # the mapped copies, alive while recording: their ids stay theirs
+        self.layers = StackLayers()  # the layers of each scanned stack seen so far
 
     def owner(self, obj: Any) -> tuple[int | None, bool]:
         """(id under which ``obj``'s path is known, or ``None``; whether it is a copy holding tracers)."""
@@ -170,12 +171,33 @@ class _Copies:
             return None, False
         traced = _module_tracers(obj)
         path = self.by_arrays.get((type(obj), _arrays(obj))) if not traced else self.by_shape.get(_shape(obj))
+        if path is None and not traced:
+            path = self._layer(obj)
         if path is None:
             return None, traced
         for rel, sub in nnx.iter_modules(obj):
             self.paths[id(sub)], self.modules[id(sub)] = _joined(path, rel), sub
             self.kept.append(sub)
         return id(obj), traced
+
+    def _layer(self, obj: nnx.Module) -> str | None:
+        """``stack[k]`` when ``obj`` is one layer of a scanned stack (``nnx.scan`` over a module whose variables are
+        stacked on a leading layer axis, run eagerly under ``jax.disable_jit()``): the module of the model of its
+        type and submodules whose every variable stacks ``obj``'s; ``k`` the slice its values equal, else the
+        count of that stack's layers seen so far."""
+        values = _values(obj)
+        for path, module in ((p, self.modules[i]) for i, p in self.paths.items()):
+            if type(module) is not type(obj) or "[" in path or _shape(module) != _shape(obj):
+                continue
+            layer = self.layers.layer(path, _values(module), values)
+            if layer is not None:
+                return f"{path}[{layer}]"
+        return None
+
+
+def _values(module: nnx.Module) -> list[Any]:
+    """The arrays ``module``'s variables hold, in graph order."""
+    return [n.get_value() for _, n in nnx.iter_graph(module) if isinstance(n, nnx.Variable)]
 
 
 def capture_nnx(
@@ -261,6 +283,11 @@ def capture_nnx(
     if calls is not None:
         calls.update({names[key]: port_call for key, port_call in own.items()})
     return {names[key]: record for key, record in kept.items()}
+
+
+def _module_name(name: str, method: str) -> str:
+    """The module path of a recorded call's name (``path`` or ``path.method``)."""
+    return name[: -len(method) - 1] if name.endswith("." + method) else name
 
 
 def _check_flax_params(model: nnx.Module, dtype: str) -> None:
@@ -470,12 +497,18 @@ class NNXSide(FlaxSide):
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
         """Every callable submodule (``nnx.iter_modules``; an ``nnx.List`` is a container), by attribute path."""
         found = {".".join(map(str, p)) or WHOLE_MODEL: m for p, m in nnx.iter_modules(self.model) if callable(m)}
-        return {**found, **{name: found[owner] for name, owner in self.method_calls().items() if owner in found}}
+        layers = {n: c.state[0] for n, c in self.own_calls.items() if n not in found and "[" in n and c.state}
+        methods = {name: found[owner] for name, owner in self.method_calls().items() if owner in found}
+        return {**found, **layers, **methods}
 
     def method_calls(self) -> dict[str, str]:
         """Each recorded call through a module's second method (``embed_tokens.attend``) -> the module's path."""
         modules = {".".join(map(str, p)) or WHOLE_MODEL for p, _ in nnx.iter_modules(self.model)}
-        return {name: name.rsplit(".", 1)[0] for name in self.own_calls if name not in modules}
+        return {
+            name: name.rsplit(".", 1)[0]
+            for name, call in self.own_calls.items()
+            if name not in modules and name.endswith("." + call.method)
+        }
 
     def type_layout(self, handle: Any) -> Permute | None:
         """The converter's activation layout for the module's type (channels-last ``nnx.Conv``)."""
@@ -489,6 +522,11 @@ class NNXSide(FlaxSide):
         for p, _ in nnx.iter_modules(self.model):
             path = ".".join(map(str, p))
             flax_paths[torch_paths.get(path, path) or WHOLE_MODEL] = path or WHOLE_MODEL
+        for name in self.own_calls:  # the recorded layers of stacked blocks: torch's layer k
+            base, layers = layer_of(name)
+            torch_path = rules.torch_layer_path(self.model, base, layers[0]) if len(layers) == 1 else None
+            if torch_path is not None and name == _module_name(name, self.own_calls[name].method):
+                flax_paths[torch_path] = name
         return flax_paths
 
     def parameter_groups(self, filled: set[str], recorded: Records) -> ParameterGroups:
@@ -505,6 +543,8 @@ class NNXSide(FlaxSide):
             )
             if own:
                 flax_groups.setdefault(own, []).append(tuple(map(str, path)))
+        for own, paths in layer_groups(filled, recorded).items():  # the recorded layers of scanned stacks
+            flax_groups.setdefault(own, []).extend(paths)
         return flax_groups
 
     def run_alone(
