@@ -19,7 +19,7 @@ from flax_ln.book.torch_checkpoint import torch_checkpoint_case
 from flax_ln.cli import main
 from flax_ln.parity import Tolerance, assert_parity, compare_modules, compare_tensors
 from flax_ln.parity.records.capture import WHOLE_MODEL
-from flax_ln.parity.sides.nnx import capture_nnx
+from flax_ln.parity.sides.nnx_record import capture_nnx
 from flax_ln.parity.sides.torch import run_torch_side
 
 JSON_TENSOR_KEYS = {

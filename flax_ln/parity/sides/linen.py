@@ -97,7 +97,7 @@ def capture_linen(
     recorded by name, through ``flax.linen.intercept_methods``; ``nn.remat`` is transparent meanwhile
     (:func:`~flax_ln.parity.records.replay.transparent_remat`), so the calls inside a rematerialised block are recorded.
 
-    As for NNX (:func:`~flax_ln.parity.sides.nnx.capture_nnx`): dict order is execution order, the outermost
+    As for NNX (:func:`~flax_ln.parity.sides.nnx_record.capture_nnx`): dict order is execution order, the outermost
     call of each of a module's methods is recorded (``setup`` aside) and named by
     :func:`~flax_ln.parity.records.replay.call_names`, its inputs are its floating arguments (positional, then keyword),
     the first completed call with a floating output is kept. A call traced inside a transform (an ``nn.scan``
