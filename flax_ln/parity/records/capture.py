@@ -3,7 +3,8 @@
 recording (:func:`capture_torch`: forward hooks on the submodules of one model, removed when the call ends).
 
 Each kind of flax side records its own submodules (``FlaxSide.record``): an NNX module with
-:func:`flax_ln.parity.sides.nnx_record.capture_nnx`, a Linen module with :func:`flax_ln.parity.sides.linen.capture_linen`.
+:func:`flax_ln.parity.sides.nnx_record.capture_nnx`, a Linen module with
+:func:`flax_ln.parity.sides.linen.capture_linen`.
 """
 
 from __future__ import annotations
