@@ -118,6 +118,15 @@ def test_jvp_and_a_float64_rebuild(keras):
     assert max(r.relative_error for r in rebuilt.results) < 1e-12, rebuilt  # float64 rounding
 
 
+def test_a_float64_rebuild_of_another_model_is_refused(keras):
+    # the factory must rebuild the model compared in float32: only dtypes (and auto-numbered names, seeds) may differ
+    report = compare_modules(
+        torch_net(), keras_net(keras), (X,), weights=KEY_MAP, flax_factory=lambda: keras_net(keras, eps=1e-2)
+    )
+    assert not report.passed and report.float64_check.error is not None
+    assert "epsilon: 0.001 in the given model, 0.01 in the factory's" in report.float64_check.error
+
+
 def test_isolation_runs_every_sublayer_alone(keras):
     report = compare_modules(
         torch_net(), keras_net(keras), (X,), weights=KEY_MAP, dtype="float32", capture_modules=True

@@ -178,6 +178,11 @@ class ReferenceModel:
     stored_dtype: str | None = None  # a checkpoint's dtype(s) on disk, named in the report
 
 
+# TorchSide fields a reference file leaves out: torch's op trace around each recorded module is live-run evidence
+# for localisation's layouts; a stored side localises without it (layouts from the key map and the shapes)
+NOT_STORED = ("trace",)
+
+
 def save_reference(path: str, models: Sequence[ReferenceModel], settings: Mapping[str, Any]) -> None:
     """Write ``models`` (their torch sides, with records) and the run's ``settings`` to one safetensors file."""
     from safetensors.numpy import save_file
@@ -190,6 +195,7 @@ def save_reference(path: str, models: Sequence[ReferenceModel], settings: Mappin
         fields = {
             f.name: _pack(getattr(model.side, f.name), f"{index}/{f.name}", tensors)
             for f in dataclasses.fields(model.side)
+            if f.name not in NOT_STORED
         }
         entries.append(
             {

@@ -76,6 +76,11 @@ def _attributes(x: Any) -> dict[str, Any] | None:
     if held is None:
         return None
     out = {k: v for k, v in held.items() if not k.startswith(_NNX_BOOKKEEPING)}
+    if any(c.__module__.startswith("keras.") for c in type(x).__mro__):
+        # a Keras object: its public attributes and its layers (Keras's private trackers hold ids and auto names)
+        out = {k: v for k, v in out.items() if not k.startswith("_")}
+        if isinstance(getattr(type(x), "layers", None), property):
+            out["layers"] = list(x.layers)
     if hasattr(x, "_modules") and hasattr(x, "_parameters"):  # a torch module: its tree under plain names
         out = {k: v for k, v in out.items() if k not in _TORCH_BOOKKEEPING and k not in _TORCH_TREE}
         for table in _TORCH_TREE:
@@ -92,7 +97,10 @@ def model_difference(given: Any, built: Any) -> str | None:
     Compared: types; sequences, mappings and sets item by item; functions by their code, defaults and closed-over
     values (a closure built again is the same function); ``functools.partial`` by function and arguments; bound
     methods by function; other objects (torch, NNX, Linen and Equinox modules, their variables, configs) by their
-    attributes, recursively. Arrays are compared by shape only and dtypes not at all: only dtypes may differ. A
+    attributes, recursively. Arrays are compared by shape only and dtypes not at all, nor any setting named for a
+    dtype (``dtype``, ``param_dtype``, a Keras layer's dtype policy): only dtypes may differ. Names (``name``: Keras
+    numbers the layers of each build) are labels, and initialisers and seeds (``kernel_init``, ``kernel_initializer``,
+    ``seed``) only make the weights that loading replaces: neither is configuration. A
     private attribute (``_name``) that one model has and the other lacks, or that is ``None`` in the factory's
     model while the given one holds a value, is bookkeeping or a cache a call filled (a rotary table's length),
     not configuration, and is passed over."""
@@ -134,7 +142,7 @@ def _difference(a: Any, b: Any, where: str, seen: _Walk, depth: int) -> str | No
         return seen.sharing(a, b, at)
     if a is b:
         return None
-    if type(a) is not type(b):
+    if not _same_class(type(a), type(b)):
         return f"{at}: {_describe(a)} in the given model, {_describe(b)} in the factory's"
     if isinstance(a, _PLAIN):
         same = a == b or (isinstance(a, float) and a != a and b != b)  # NaN is NaN here
@@ -174,6 +182,17 @@ def _difference(a: Any, b: Any, where: str, seen: _Walk, depth: int) -> str | No
     return _mapping_difference(held_a, held_b, where, deeper, attributes=True)
 
 
+def _same_class(a: type, b: type) -> bool:
+    """The same class, or one class statement run twice (a class defined in the function that builds the model):
+    the same module, qualified name, bases and code of every method."""
+    if a is b:
+        return True
+    if (a.__module__, a.__qualname__, a.__bases__) != (b.__module__, b.__qualname__, b.__bases__):
+        return False
+    code = {k: getattr(v, "__code__", None) for k, v in vars(a).items()}
+    return code == {k: getattr(v, "__code__", None) for k, v in vars(b).items()}
+
+
 def _deeper(a: Any, b: Any, where: str, *, seen: _Walk, depth: int) -> str | None:
     return _difference(a, b, where, seen, depth)
 
@@ -185,7 +204,18 @@ def _mapping_difference(a: dict, b: dict, where: str, deeper, attributes: bool =
     def private(k: Any) -> bool:
         return attributes and isinstance(k, str) and k.startswith("_")
 
+    def dtype_setting(k: Any) -> bool:  # dtype, param_dtype, a Keras layer's dtype policy or its config's "dtype"
+        return isinstance(k, str) and "dtype" in k.lower()
+
+    def label(k: Any) -> bool:  # a layer's name ("input_layer_3" in a second build): the strict load checks paths
+        return k in ("name", "_name")
+
+    def initialisation(k: Any) -> bool:  # kernel_init, kernel_initializer, a seed: the loaded weights replace them
+        return isinstance(k, str) and (k.endswith("_init") or "initializer" in k or "seed" in k)
+
     for k in a:
+        if dtype_setting(k) or label(k) or initialisation(k):
+            continue  # only dtypes may differ (a float64 rebuild says so in its settings); names are labels
         if k not in b:
             if private(k):
                 continue  # bookkeeping a call or a loader added (a cache, an initialised flag)
@@ -194,7 +224,7 @@ def _mapping_difference(a: dict, b: dict, where: str, deeper, attributes: bool =
             continue  # a cache the given model's calls filled
         if d := deeper(a[k], b[k], named(k)):
             return d
-    extra = [k for k in b if k not in a and not private(k)]
+    extra = [k for k in b if k not in a and not private(k) and not (dtype_setting(k) or label(k) or initialisation(k))]
     return f"{named(extra[0])}: in the factory's model only" if extra else None
 
 
