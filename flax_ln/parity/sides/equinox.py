@@ -89,8 +89,12 @@ class EquinoxSide(TreeSide):
 
     @classmethod
     def tree_of(cls, wrapper: Any) -> EquinoxTree:
-        """Its arrays, with the wrapper's ``params`` filter (kept in every tree made from this one)."""
-        return wrapper.variable_tree()
+        """Its arrays, with the wrapper's ``params`` filter (kept in every tree made from this one), in the copy
+        ``eqx.nn.inference_mode`` returns: every ``inference`` flag set (``eqx.nn.Dropout`` off, ``eqx.nn.BatchNorm``
+        on its running statistics), as torch runs in eval mode; the caller's module keeps its flags."""
+        import equinox as eqx  # an Equinox module is compared: equinox is imported
+
+        return EquinoxTree(eqx.nn.inference_mode(wrapper.module), wrapper.params)
 
     def _tree(self) -> EquinoxTree:
         assert isinstance(self.tree, EquinoxTree)

@@ -164,10 +164,11 @@ def require_differentiable(tree: Any, noun: str, fix: str, floating_only: bool =
 
 def as_float64(tree: Any) -> Any:
     """Every floating leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``) in float64 (call under x64); Python
-    numbers (hyper-parameters) as they are."""
+    numbers (hyper-parameters) and leaves that are no array (an Equinox module's activation function, a string
+    field: static) as they are."""
 
     def cast(x: Any) -> Any:
-        if is_python_number(x) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        if is_python_number(x) or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, jnp.float64)
