@@ -14,6 +14,7 @@ eqx = pytest.importorskip("equinox", reason="equinox is an optional dependency (
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from flax_ln.parity import KeyMap, compare_modules  # noqa: E402
 
@@ -83,3 +84,70 @@ def test_an_equinox_dropout_runs_in_inference_mode_and_the_callers_module_keeps_
     report = compare_modules(TorchMLP(), port, _x(), weights=MLP_MAP, dtype="float32")
     assert report.passed, report
     assert port.drop.inference is False
+
+
+# ---- NNX modules that advance their own state
+
+
+class TorchLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class Calls(nnx.Variable):
+    """A counter of calls: state, not a parameter."""
+
+
+class CountingPort(nnx.Module):
+    """Counts its calls and sums its inputs into a cache it was given; ``scale`` plants a bug."""
+
+    def __init__(self, cache: nnx.Cache, scale: float = 1.0):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+        self.calls = Calls(jnp.zeros((), jnp.int32))
+        self.cache = cache
+        self.scale = scale
+
+    def __call__(self, x):
+        self.calls[...] = self.calls[...] + 1
+        self.cache[...] = self.cache[...] + x.sum()
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_an_nnx_port_that_counts_its_calls_and_fills_a_cache_it_holds_is_compared(mode):
+    cache = nnx.Cache(jnp.zeros((), jnp.float32))
+    port = CountingPort(cache)
+    report = compare_modules(TorchLinear(), port, _x(), mode=mode)
+    assert report.passed and report.float64_check is not None and report.float64_check.passed, report
+    assert int(port.calls[...]) == 0 and float(cache[...]) == 0.0  # the caller's state is as it was
+
+
+def test_an_nnx_port_that_counts_its_calls_is_localised_when_it_fails():
+    cache = nnx.Cache(jnp.zeros((), jnp.float32))
+    port = CountingPort(cache, scale=1.5)
+    report = compare_modules(TorchLinear(), port, _x(), dtype="float32")
+    assert not report.passed
+    assert report.first_divergence is not None, report
+    assert int(port.calls[...]) == 0 and float(cache[...]) == 0.0
+
+
+class CachePassedIn(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+
+    def __call__(self, x, cache):
+        cache[...] = cache[...] + x.sum()
+        return self.lin(x)
+
+
+def test_a_cache_made_outside_and_passed_in_by_the_forward_is_a_clear_error():
+    cache = nnx.Cache(jnp.zeros((), jnp.float32))
+    with pytest.raises(TypeError, match=r"CachePassedIn\.__call__ at the root changes an NNX variable made outside") as info:
+        compare_modules(TorchLinear(), CachePassedIn(), _x(), forward=(None, lambda m, x: m(x, cache)))
+    assert "make it inside the forward" in str(info.value)
+    assert float(cache[...]) == 0.0

@@ -51,6 +51,7 @@ from flax_ln.parity.core.policy import parameter_dtype
 from flax_ln.parity.islands.island import Island, float32_rounded
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import Pairs, ParameterGroups
+from flax_ln.parity.sides.outside_state import outside_state_error
 from flax_ln.parity.sides.torch import TorchSide
 
 
@@ -287,7 +288,13 @@ class _Split:
         derivative) and its result as it is; the dropped leaves go into ``dropped``."""
         args = with_floats(other_inputs, self.float_positions, float_inputs)
         model = self.parts.build(params, self.rest)
-        raw = run_forward(forward, model, args, {**array_kwargs, **self.static_kwargs})
+        try:
+            raw = run_forward(forward, model, args, {**array_kwargs, **self.static_kwargs})
+        except Exception as err:
+            explained = outside_state_error(err, model)
+            if explained is None:
+                raise
+            raise explained from err
         named, skipped = flatten_outputs(raw)
         named = numbers_as_arrays(named, parameter_dtype(side.dtype))
         check_same_outputs(_torch_output_shapes(side), {k: tuple(np.shape(v)) for k, v in named})
