@@ -151,3 +151,45 @@ def test_a_cache_made_outside_and_passed_in_by_the_forward_is_a_clear_error():
         compare_modules(TorchLinear(), CachePassedIn(), _x(), forward=(None, lambda m, x: m(x, cache)))
     assert "make it inside the forward" in str(info.value)
     assert float(cache[...]) == 0.0
+
+
+# ---- two distinct torch tensors split into one set of variables
+
+
+class TwoFusedTensors(torch.nn.Module):
+    """Two fused (2 WIDTH, WIDTH) weights of equal value, each cut in two by the port's key map."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(2 * WIDTH, WIDTH))
+        self.b = torch.nn.Parameter(self.a.detach().clone())
+
+    def forward(self, x):
+        return x @ self.a.T + (2 * x) @ self.b.T
+
+
+class OneSetOfHalves(nnx.Module):
+    """Holds one pair of halves for both torch tensors: another model once training moves a and b apart."""
+
+    def __init__(self):
+        self.top = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=nnx.Rngs(0))
+        self.bot = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return jnp.concatenate([self.top(x) + self.top(2 * x), self.bot(x) + self.bot(2 * x)], -1)
+
+
+HALVES_MAP = KeyMap([(r"a|b", {f"[0:{WIDTH}]": "top.kernel", f"[{WIDTH}:{2 * WIDTH}]": "bot.kernel"}, "o i -> i o")])
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_two_torch_tensors_split_into_one_set_of_variables_fail_naming_both_keys(mode):
+    report = compare_modules(TwoFusedTensors(), OneSetOfHalves(), _x(), weights=HALVES_MAP, mode=mode, dtype="float32")
+    assert not report.passed
+    failed = [r for r in report.results if not r.passed]
+    assert [r.name for r in failed] == ["b"], report
+    assert "(a, b)" in failed[0].problem and "top.kernel, bot.kernel" in failed[0].problem
+    assert set(report.shared) == {"a"} and report.shared["a"].torch_aliases == ("a", "b")
+    if mode == "grad":  # each half's gradient is the sum of both torch tensors' halves, and agrees
+        assert {f"a[0:{WIDTH}]", f"a[{WIDTH}:{2 * WIDTH}]"} <= {r.name for r in report.results if r.passed}
