@@ -16,6 +16,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from flax_ln.convert import ConversionError  # noqa: E402
 from flax_ln.parity import KeyMap, compare_modules  # noqa: E402
 
 WIDTH = 4
@@ -193,3 +194,57 @@ def test_two_torch_tensors_split_into_one_set_of_variables_fail_naming_both_keys
     assert set(report.shared) == {"a"} and report.shared["a"].torch_aliases == ("a", "b")
     if mode == "grad":  # each half's gradient is the sum of both torch tensors' halves, and agrees
         assert {f"a[0:{WIDTH}]", f"a[{WIDTH}:{2 * WIDTH}]"} <= {r.name for r in report.results if r.passed}
+
+
+# ---- loaders that fill what they do not read with NaN
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(WIDTH, WIDTH)
+        self.b = torch.nn.Linear(WIDTH, WIDTH)
+
+
+class TwoLinearsPort(nnx.Module):
+    def __init__(self):
+        self.first = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+        self.second = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+
+
+def _nan_filling_loader(state):
+    """As bonsai's SAM2 loader: every variable filled with NaN first, then those its table has a key for; the
+    table lacks ``b.bias``, and ``first.bias`` is read in its first half only."""
+    graph, params = nnx.split(TwoLinearsPort())
+    params = jax.tree.map(lambda v: jnp.full_like(v, jnp.nan), params)
+    params["first"]["kernel"].set_value(jnp.asarray(state["a.weight"]).T)
+    params["first"]["bias"].set_value(params["first"]["bias"][...].at[: WIDTH // 2].set(state["a.bias"][: WIDTH // 2]))
+    params["second"]["kernel"].set_value(jnp.asarray(state["b.weight"]).T)
+    return nnx.merge(graph, params)
+
+
+def _whole_first_bias(state):
+    port = _nan_filling_loader(state)
+    port.first.bias[...] = jnp.asarray(state["a.bias"])
+    return port
+
+
+def test_a_variable_a_loader_fills_with_nan_is_never_filled_and_admitted():
+    with pytest.raises(ConversionError) as info:
+        KeyMap.discover(_whole_first_bias, TwoLinears(), allow_dropped=[r"b\.bias"])
+    assert r"second.bias': never filled: the loader filled it with NaN; admit it with allow_unfilled=['second\\.bias']" in str(info.value)
+    assert "not a gather" not in str(info.value)
+    key_map = KeyMap.discover(
+        _whole_first_bias, TwoLinears(), allow_dropped=[r"b\.bias"], allow_unfilled=[r"second\.bias"]
+    )
+    assert key_map.discovery.unfilled == {"second.bias": "never filled: the loader filled it with NaN"}
+    assert len(key_map.rules) == 4, key_map.to_source()  # three gathers and the dropped key
+    again = eval(key_map.to_source(), {"KeyMap": KeyMap, "np": np})  # the printed source is Python
+    assert np.isnan(again.constants[r"second\.bias"]) and np.isnan(key_map.constants[r"second\.bias"])
+
+
+def test_a_variable_a_loader_fills_partly_with_nan_is_partly_filled():
+    with pytest.raises(ConversionError, match=r"first\.bias.*partly filled") as info:
+        KeyMap.discover(_nan_filling_loader, TwoLinears(), allow_dropped=[r"b\.bias"], allow_unfilled=[r"second\.bias"])
+    assert "not a gather" not in str(info.value)

@@ -192,22 +192,31 @@ class _Probe:
         return out
 
 
+def _equal(a: np.ndarray, value: Any) -> np.ndarray:
+    """``a == value`` element-wise, NaN equal to NaN (a loader's filler for what it does not read)."""
+    return (a == value) | (np.isnan(a) & np.isnan(value)) if is_floating(np.result_type(a, value)) else a == value
+
+
+def _all_nan(a: np.ndarray) -> bool:
+    return bool(a.size) and is_floating(a.dtype) and bool(np.isnan(a).all())
+
+
 def _compact(a: np.ndarray) -> np.ndarray:
     """``a``, as one number broadcast to its shape (no memory) where all its elements are equal."""
-    return np.broadcast_to(np.float64(a.flat[0]), a.shape) if a.size and (a == a.flat[0]).all() else a
+    return np.broadcast_to(np.float64(a.flat[0]), a.shape) if a.size and _equal(a, a.flat[0]).all() else a
 
 
 def _summary(value: np.ndarray) -> str:
     flat = value.ravel()
-    if flat.size and (flat == flat[0]).all():
+    if flat.size and _equal(flat, flat[0]).all():
         return f"constant {float(flat[0])!r}"
-    return f"array {tuple(value.shape)} {float(flat.min()):.4g}..{float(flat.max()):.4g}"
+    return f"array {tuple(value.shape)} {float(np.nanmin(flat)):.4g}..{float(np.nanmax(flat)):.4g}"
 
 
 def _uniform(a: np.ndarray) -> float | None:
     if a.size and not any(a.strides):  # one number broadcast
         return float(a.flat[0])
-    return float(a.flat[0]) if a.size and (a == a.flat[0]).all() else None
+    return float(a.flat[0]) if a.size and _equal(a, a.flat[0]).all() else None
 
 
 def measure(
@@ -324,16 +333,22 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def _affine(v2: np.ndarray, v3: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(scale, offset)`` (float64, the variable's shape) from its values for constant loads 2 and 3, each one
     number broadcast (no memory) where uniform; uniformity is found a chunk at a time, and only a variable whose
-    scale or offset varies gets full float64 arrays."""
+    scale or offset varies gets full float64 arrays. An element NaN in either load (a loader that fills what it
+    does not read with NaN) has scale 0 and offset NaN: left at init, never filled from torch."""
+
+    def scale_of(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+        moved = high - low
+        return np.where(np.isnan(moved), 0.0, moved)
+
     a, b = v2.reshape(-1), v3.reshape(-1)
     first: tuple[np.float64, np.float64] | None = None
     for part in _chunks(a.size):
         low = a[part].astype(np.float64)
-        scale = b[part].astype(np.float64) - low
+        scale = scale_of(low, b[part].astype(np.float64))
         offset = low - 2 * scale
         first = first or (scale[0], offset[0])
-        if not ((scale == first[0]).all() and (offset == first[1]).all()):
-            scale = v3.astype(np.float64) - v2.astype(np.float64)
+        if not ((scale == first[0]).all() and _equal(offset, first[1]).all()):
+            scale = scale_of(v2.astype(np.float64), v3.astype(np.float64))
             return _compact(scale), _compact(v2.astype(np.float64) - 2 * scale)
     if first is None:  # no elements
         return np.zeros(v2.shape), np.zeros(v2.shape)
@@ -353,7 +368,8 @@ def _affine_holds(var: _Var, v5: np.ndarray) -> bool:
         got = flat[part].astype(np.float64)
         s = scale if np.ndim(scale) == 0 else scale[part]
         o = offset if np.ndim(offset) == 0 else offset[part]
-        if not (np.abs(got - (5 * s + o)) <= tol * np.maximum(1.0, np.abs(got))).all():
+        want = 5 * s + o
+        if not ((np.abs(got - want) <= tol * np.maximum(1.0, np.abs(got))) | (np.isnan(got) & np.isnan(want))).all():
             return False
     return True
 
@@ -447,18 +463,16 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if not filled.any():
             if not var.required and not _admitted(path, allow_unfilled):
                 continue  # an RNG key, a cache: no one asks a loader to fill it
-            unfilled[path] = _summary(var.first) + (", a different value at each load" if var.random else "")
+            if _all_nan(var.first):  # a loader's filler for a variable it has no key for
+                unfilled[path] = what = "never filled: the loader filled it with NaN"
+            else:
+                unfilled[path] = _summary(var.first) + (", a different value at each load" if var.random else "")
+                what = f"left at init by the loader ({unfilled[path]})"
             if _admitted(path, allow_unfilled):
                 value = var.first
                 constants[re.escape(path)] = float(value.flat[0]) if _uniform(value) is not None else value
             else:
-                unfilled_errors.append(
-                    (
-                        path,
-                        f"left at init by the loader ({unfilled[path]}); "
-                        f"admit it with allow_unfilled=[{re.escape(path)!r}]",
-                    )
-                )
+                unfilled_errors.append((path, f"{what}; admit it with allow_unfilled=[{re.escape(path)!r}]"))
             continue
         if not filled.all():
             unfilled_errors.append((path, f"partly filled: {describe_part(~filled, 'left at init')}"))
