@@ -14,10 +14,10 @@ eqx = pytest.importorskip("equinox", reason="equinox is an optional dependency (
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
+from flax import linen, nnx  # noqa: E402
 
 from flax_ln.convert import ConversionError  # noqa: E402
-from flax_ln.parity import KeyMap, compare_modules  # noqa: E402
+from flax_ln.parity import KeyMap, Linen, compare_modules  # noqa: E402
 
 WIDTH = 4
 
@@ -248,3 +248,101 @@ def test_a_variable_a_loader_fills_partly_with_nan_is_partly_filled():
     with pytest.raises(ConversionError, match=r"first\.bias.*partly filled") as info:
         KeyMap.discover(_nan_filling_loader, TwoLinears(), allow_dropped=[r"b\.bias"], allow_unfilled=[r"second\.bias"])
     assert "not a gather" not in str(info.value)
+
+
+# ---- isolation through an aliased __call__
+
+
+class LinearNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+def _normalise(x, scale, bias, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps) * scale + bias
+
+
+def _norm_call(self, x):
+    return _normalise(x, self.scale[...], self.bias[...], self.eps)
+
+
+class AliasedNorm(nnx.Module):
+    """A norm whose ``__call__`` is a function defined outside the class, under another name."""
+
+    def __init__(self, eps):
+        self.scale, self.bias, self.eps = nnx.Param(jnp.ones(WIDTH)), nnx.Param(jnp.zeros(WIDTH)), eps
+
+    __call__ = _norm_call
+
+
+class LinearAliasedNorm(nnx.Module):
+    def __init__(self, eps):
+        self.proj = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+        self.ln = AliasedNorm(eps)
+
+    def __call__(self, x):
+        return self.ln(self.proj(x))
+
+
+NORM_MAP = KeyMap(
+    [
+        (r"lin\.weight", "proj.kernel", "o i -> i o"),
+        (r"lin\.bias", "proj.bias", None),
+        (r"norm\.weight", "ln.scale", None),
+        (r"norm\.bias", "ln.bias", None),
+    ]
+)
+
+
+def test_isolation_calls_an_nnx_module_through_its_aliased_call():
+    report = compare_modules(LinearNorm(), LinearAliasedNorm(eps=0.5), _x(), weights=NORM_MAP, dtype="float32")
+    assert not report.passed and report.isolation is not None
+    assert report.isolation.skipped == {}, report.isolation.skipped
+    assert report.isolation.culprits == ["norm"] and report.isolation.flax_culprits == ["ln"]
+
+
+def _linen_norm_call(self, x):
+    scale = self.param("scale", linen.initializers.ones, (WIDTH,))
+    bias = self.param("bias", linen.initializers.zeros, (WIDTH,))
+    return _normalise(x, scale, bias, self.eps)
+
+
+class LinenAliasedNorm(linen.Module):
+    eps: float
+
+    def stats(self, x):  # another method, called first
+        return x.mean(-1)
+
+    __call__ = linen.compact(_linen_norm_call)
+
+
+class LinenLinearAliasedNorm(linen.Module):
+    eps: float
+
+    @linen.compact
+    def __call__(self, x):
+        h = linen.Dense(WIDTH, name="proj")(x)
+        norm = LinenAliasedNorm(self.eps, name="ln")
+        mean = norm.stats(h)  # (B,), unused: the norm's other method, called before its __call__
+        return norm(h) + 0 * mean[..., None]
+
+
+def test_linen_records_and_isolates_an_aliased_call_as_the_modules_call():
+    from flax_ln.parity.sides.linen import capture_linen
+
+    port = LinenLinearAliasedNorm(eps=0.5)
+    variables = port.init(jax.random.PRNGKey(0), _x())
+    calls = {}
+    capture_linen(lambda: port.apply(variables, _x()), calls=calls)
+    assert calls["ln"].method == "__call__" and calls["ln.stats"].method == "stats", calls.keys()
+    report = compare_modules(LinearNorm(), Linen(port, variables), _x(), weights=NORM_MAP, dtype="float32")
+    assert report.isolation is not None and report.isolation.skipped == {}, report.isolation
+    assert report.isolation.culprits == ["norm"] and report.isolation.flax_culprits == ["ln"]

@@ -21,7 +21,16 @@ from flax_ln.convert.layouts import Permute
 from flax_ln.convert.trees import path_step
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
 from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
-from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
+from flax_ln.parity.records.replay import (
+    TRACED,
+    PortCall,
+    Replayed,
+    call_names,
+    function_code,
+    method_name,
+    replays,
+    transparent_remat,
+)
 from flax_ln.parity.sides.flax import Linen, Parts, Run
 from flax_ln.parity.sides.tree import TreeSide
 
@@ -39,6 +48,13 @@ def _positional(module, method: str) -> tuple[str, ...]:
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return tuple(p.name for p in params if p.kind in kinds)[1:]
+
+
+def _method(context) -> str:
+    """The method an intercepted call is made through: by the name the module's class holds it under
+    (:func:`~flax_ln.parity.records.replay.method_name`: an aliased ``__call__`` is ``__call__``)."""
+    code = function_code(context.orig_method)
+    return context.method_name if code is None else method_name(type(context.module), code)
 
 
 def _traced(args, kwargs) -> bool:
@@ -79,7 +95,7 @@ def capture_linen(
                 traced.setdefault(path, TRACED)
             return next_fun(*args, **kwargs)
         active.add(path)
-        method = context.method_name
+        method = _method(context)
         port_call = PortCall(method, list(args), dict(kwargs), _positional(context.module, method), next(clock))
         try:
             out = next_fun(*args, **kwargs)
@@ -235,7 +251,7 @@ class LinenSide(TreeSide):
             active: set[str] = set()
 
             def interceptor(next_fun, args, kwargs, context, level=level, done=done, active=active):
-                key = (_scope_path(context.module), context.method_name)
+                key = (_scope_path(context.module), _method(context))
                 torch_path = by_flax.get(names.get(key, ""))
                 if torch_path is None or key in done or key[0] in active or depth(key[0]) != level:
                     return next_fun(*args, **kwargs)

@@ -45,7 +45,15 @@ from flax_ln.parity.islands.jax import name_modules_of
 from flax_ln.parity.islands.jax_internals import forget_traces
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, Unsupported, floating_leaves
 from flax_ln.parity.records.pairing import NO_HOLDER, Pairs, ParameterGroups
-from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, call_names, replays, transparent_remat
+from flax_ln.parity.records.replay import (
+    TRACED,
+    PortCall,
+    Replayed,
+    call_names,
+    method_name,
+    replays,
+    transparent_remat,
+)
 from flax_ln.parity.sides.flax import (
     FlaxSide,
     Parts,
@@ -78,7 +86,8 @@ def _method_codes(cls: type) -> set:
 
 
 def _bound_call(code, local: Mapping[str, Any]) -> tuple[str, list[Any], dict[str, Any]]:
-    """The call a frame of ``code`` was made with, from its locals at entry: (method name, args, kwargs)."""
+    """The call a frame of ``code`` was made with, from its locals at entry: (method name, args, kwargs); the method
+    by the name its module's class holds it under (:func:`~flax_ln.parity.records.replay.method_name`)."""
     names = code.co_varnames
     n_pos, n_kw = code.co_argcount, code.co_kwonlyargcount
     args = [local[n] for n in names[1:n_pos]]
@@ -89,7 +98,7 @@ def _bound_call(code, local: Mapping[str, Any]) -> tuple[str, list[Any], dict[st
         at += 1
     if code.co_flags & inspect.CO_VARKEYWORDS:
         kwargs.update(local[names[at]])
-    return code.co_name, args, kwargs
+    return method_name(type(local[names[0]]), code), args, kwargs
 
 
 def _state_before(module: nnx.Module, args: list[Any], kwargs: dict[str, Any]) -> tuple | None:
