@@ -346,3 +346,60 @@ def test_linen_records_and_isolates_an_aliased_call_as_the_modules_call():
     report = compare_modules(LinearNorm(), Linen(port, variables), _x(), weights=NORM_MAP, dtype="float32")
     assert report.isolation is not None and report.isolation.skipped == {}, report.isolation
     assert report.isolation.culprits == ["norm"] and report.isolation.flax_culprits == ["ln"]
+
+
+# ---- Equinox ports whose names mirror torch's
+
+
+class TorchConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = torch.nn.LayerNorm(3)
+        self.head = torch.nn.Linear(3, 2)
+        with torch.no_grad():  # a LayerNorm starts at 1 and 0: a wrong eps or a swapped pair would hide
+            self.norm.weight.add_(0.3 * torch.randn(3))
+            self.norm.bias.add_(0.3 * torch.randn(3))
+
+    def forward(self, x):  # x (B, 2, H, W)
+        return self.head(self.norm(self.conv(x).mean((2, 3))))
+
+
+class EquinoxConvNet(eqx.Module):
+    """torch's attribute names; eqx.nn.Conv2d's bias is (3, 1, 1) where torch's is (3,)."""
+
+    conv: eqx.nn.Conv2d
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, eps=1e-5):
+        k = jax.random.split(jax.random.PRNGKey(0), 2)
+        self.conv = eqx.nn.Conv2d(2, 3, 3, padding=1, key=k[0])
+        self.norm = eqx.nn.LayerNorm(3, eps=eps)
+        self.head = eqx.nn.Linear(3, 2, key=k[1])
+
+    def __call__(self, x):  # x (B, 2, H, W), one image at a time
+        return jax.vmap(lambda image: self.head(self.norm(self.conv(image).mean((1, 2)))))(x)
+
+
+def _images() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((2, 2, 5, 5)).astype(np.float32)
+
+
+def test_an_equinox_port_that_mirrors_torchs_names_is_compared_without_weights():
+    report = compare_modules(TorchConvNet(), EquinoxConvNet(), _images())
+    assert report.passed and report.float64_check is not None and report.float64_check.passed, report
+    assert "conv.bias" in {r.name for r in report.results}
+
+
+def test_a_mirrored_equinox_port_with_a_planted_eps_is_localised():
+    report = compare_modules(TorchConvNet(), EquinoxConvNet(eps=0.5), _images(), dtype="float32")
+    assert not report.passed and report.first_divergence is not None
+    assert report.first_divergence.module == "norm" and report.first_divergence.flax_module == "norm"
+
+
+def test_an_equinox_port_that_does_not_mirror_names_the_first_key_and_discovery():
+    with pytest.raises(TypeError, match=r"torch's 'layers\.0\.weight' \(8, 4\): the Equinox module has no array") as info:
+        compare_modules(TorchMLP(), EquinoxMLP(), _x())
+    assert "KeyMap.discover(loader, torch_module, kind='equinox')" in str(info.value)

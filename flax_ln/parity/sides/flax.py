@@ -417,6 +417,12 @@ class FlaxSide(abc.ABC):
         """Whether the user's ``flax_module`` is of this kind."""
 
     @classmethod
+    def weights_for(cls, flax_module: Any, torch_module: Any, weights: KeyMap | None) -> KeyMap | None:
+        """The key map a comparison loads through: ``weights`` as given; a kind may make one where none is (an
+        Equinox module whose paths mirror torch's names: the identity map), before any work."""
+        return weights
+
+    @classmethod
     @abc.abstractmethod
     def check(cls, flax_module: Any, weights: KeyMap | None, mesh) -> None:
         """Raise a clear error for a flax side this kind cannot take with these options (before any torch run)."""
