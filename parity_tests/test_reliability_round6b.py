@@ -6,6 +6,8 @@ and the maintainer script's errors.
 Tolerances are the engine's policy (docs/tolerances.md); no test here sets its own.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import linen, nnx  # noqa: E402
 
-from flax_ln.convert import ConversionError  # noqa: E402
+from flax_ln.convert import ConversionError, load_torch_state_dict  # noqa: E402
 from flax_ln.parity import KeyMap, Linen, compare_modules  # noqa: E402
 
 WIDTH = 4
@@ -403,3 +405,96 @@ def test_an_equinox_port_that_does_not_mirror_names_the_first_key_and_discovery(
     with pytest.raises(TypeError, match=r"torch's 'layers\.0\.weight' \(8, 4\): the Equinox module has no array") as info:
         compare_modules(TorchMLP(), EquinoxMLP(), _x())
     assert "KeyMap.discover(loader, torch_module, kind='equinox')" in str(info.value)
+
+
+# ---- shorter discovered key maps
+
+
+class Bottleneck(torch.nn.Module):
+    """torchvision's naming: conv1 (1x1), conv2 (3x3), conv3 (1x1), each with its BatchNorm bn1..bn3."""
+
+    def __init__(self, width):
+        super().__init__()
+        for i, k in ((1, 1), (2, 3), (3, 1)):
+            setattr(self, f"conv{i}", torch.nn.Conv2d(width, width, k, padding=k // 2, bias=False))
+            setattr(self, f"bn{i}", torch.nn.BatchNorm2d(width))
+
+
+class SmallResNet(torch.nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, width, 3, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(width)
+        self.layer1 = torch.nn.Sequential(Bottleneck(width), Bottleneck(width))
+        self.layer2 = torch.nn.Sequential(Bottleneck(width), Bottleneck(width))
+        self.fc = torch.nn.Linear(width, 2)
+
+
+class PortBlock(nnx.Module):
+    def __init__(self, width, rngs):
+        for i, k in ((1, 1), (2, 3), (3, 1)):
+            setattr(self, f"conv{i}", nnx.Conv(width, width, (k, k), use_bias=False, rngs=rngs))
+            setattr(self, f"norm{i}", nnx.BatchNorm(width, rngs=rngs))
+
+
+class PortStage(nnx.Module):
+    def __init__(self, width, rngs):
+        self.blocks = nnx.List([PortBlock(width, rngs), PortBlock(width, rngs)])
+
+
+class PortStem(nnx.Module):
+    def __init__(self, width, rngs):
+        self.conv = nnx.Conv(3, width, (3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, rngs=rngs)
+
+
+class SmallResNetPort(nnx.Module):
+    def __init__(self, width=4):
+        rngs = nnx.Rngs(0)
+        self.stem, self.stage1, self.stage2 = PortStem(width, rngs), PortStage(width, rngs), PortStage(width, rngs)
+        self.fc = nnx.Linear(width, 2, rngs=rngs)
+
+
+_NORM_LEAVES = {"weight": "scale", "bias": "bias", "running_mean": "mean", "running_var": "var"}
+
+
+def _resnet_loader(state):
+    """A regex table as published loaders write one: kernels (O, I, kh, kw) -> (kh, kw, I, O) whatever their size,
+    BatchNorm leaves renamed, ``num_batches_tracked`` skipped."""
+    graph, state_of_port = nnx.split(nnx.eval_shape(SmallResNetPort))  # built abstract, as bonsai's loaders do
+    table = [
+        (r"conv1\.weight", "stem.conv.kernel"),
+        (r"bn1\.(\w+)", "stem.bn.{0}"),
+        (r"layer(\d)\.(\d)\.conv(\d)\.weight", r"stage\1.blocks.\2.conv\3.kernel"),
+        (r"layer(\d)\.(\d)\.bn(\d)\.(\w+)", r"stage\1.blocks.\2.norm\3.{0}"),
+        (r"fc\.weight", "fc.kernel"),
+        (r"fc\.bias", "fc.bias"),
+    ]
+    for key, value in state.items():
+        for regex, template in table:
+            found = re.fullmatch(regex, key)
+            if found is None or key.endswith("num_batches_tracked"):
+                continue
+            path = found.expand(template).format(_NORM_LEAVES.get(key.rsplit(".", 1)[-1], ""))
+            value = value.transpose(2, 3, 1, 0) if value.ndim == 4 else value.T if value.ndim == 2 else value
+            node = state_of_port
+            for step in path.split("."):
+                node = node[int(step) if step.isdigit() else step]
+            node.set_value(jnp.asarray(value))
+    return nnx.merge(graph, state_of_port)
+
+
+def test_to_source_folds_kernel_sizes_glued_numbers_and_drop_rules():
+    key_map = KeyMap.discover(_resnet_loader, SmallResNet())
+    source = key_map.to_source()
+    # the stem's conv, its BatchNorm's four leaves, one rule for every block's conv (1x1 and 3x3), four for every
+    # block's BatchNorm leaves, the head's two, and one drop rule per family of num_batches_tracked
+    assert len(key_map.rules) == 14, source
+    assert r'(r"layer(\d+)\.(\d+)\.conv(\d+)\.weight", r"stage\1.blocks.\2.conv\3.kernel", "a b c d -> c d b a")' in source
+    assert r'(r"layer(\d+)\.(\d+)\.bn(\d+)\.num_batches_tracked", None, None)' in source
+    assert "1 1" not in source
+    state = {k: v.numpy() for k, v in SmallResNet().state_dict().items()}
+    loaded, again = _resnet_loader(state), nnx.eval_shape(SmallResNetPort)
+    load_torch_state_dict(again, state, weights=eval(source, {"KeyMap": KeyMap}))  # the printed map loads
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(loaded)), nnx.to_flat_state(nnx.state(again))):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))

@@ -541,11 +541,15 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if affine != (1.0, 0.0):
             rule += ({"scale": affine[0], "offset": affine[1]},)
         rules.append(rule)
-    rules = fold_families(rules, probe.probed)
-    for key in probe.keys:
-        if key in dropped or key not in probe.probed:
-            comments[len(rules)] = "dropped by the loader" if key in dropped else "not a number: not probed"
-            rules.append((re.escape(key), None, None))
+    every_key = list(probe.originals)
+    rules = fold_families(rules, every_key)
+    for why, drops in (
+        ("dropped by the loader", [k for k in probe.keys if k in dropped]),
+        ("not a number: not probed", [k for k in probe.keys if k not in dropped and k not in probe.probed]),
+    ):
+        for rule in fold_families([(re.escape(k), None, None) for k in drops], every_key):  # one per family
+            comments[len(rules)] = why
+            rules.append(rule)
     for alias, name in probe.aliases.items():
         comments[len(rules)] = f"one tensor with {name!r}"
         rules.append((re.escape(alias), None, None))
