@@ -413,11 +413,13 @@ def test_an_equinox_port_that_does_not_mirror_names_the_first_key_and_discovery(
 class Bottleneck(torch.nn.Module):
     """torchvision's naming: conv1 (1x1), conv2 (3x3), conv3 (1x1), each with its BatchNorm bn1..bn3."""
 
-    def __init__(self, width):
+    def __init__(self, width, downsample=False):
         super().__init__()
         for i, k in ((1, 1), (2, 3), (3, 1)):
             setattr(self, f"conv{i}", torch.nn.Conv2d(width, width, k, padding=k // 2, bias=False))
             setattr(self, f"bn{i}", torch.nn.BatchNorm2d(width))
+        if downsample:  # a 1x1 conv and a BatchNorm, told apart by their index only
+            self.downsample = torch.nn.Sequential(torch.nn.Conv2d(width, width, 1, bias=False), torch.nn.BatchNorm2d(width))
 
 
 class SmallResNet(torch.nn.Module):
@@ -425,21 +427,24 @@ class SmallResNet(torch.nn.Module):
         super().__init__()
         self.conv1 = torch.nn.Conv2d(3, width, 3, bias=False)
         self.bn1 = torch.nn.BatchNorm2d(width)
-        self.layer1 = torch.nn.Sequential(Bottleneck(width), Bottleneck(width))
-        self.layer2 = torch.nn.Sequential(Bottleneck(width), Bottleneck(width))
+        self.layer1 = torch.nn.Sequential(Bottleneck(width, downsample=True), Bottleneck(width))
+        self.layer2 = torch.nn.Sequential(Bottleneck(width, downsample=True), Bottleneck(width))
         self.fc = torch.nn.Linear(width, 2)
 
 
 class PortBlock(nnx.Module):
-    def __init__(self, width, rngs):
+    def __init__(self, width, rngs, downsample=False):
         for i, k in ((1, 1), (2, 3), (3, 1)):
             setattr(self, f"conv{i}", nnx.Conv(width, width, (k, k), use_bias=False, rngs=rngs))
             setattr(self, f"norm{i}", nnx.BatchNorm(width, rngs=rngs))
+        if downsample:
+            self.down_conv = nnx.Conv(width, width, (1, 1), use_bias=False, rngs=rngs)
+            self.down_norm = nnx.BatchNorm(width, rngs=rngs)
 
 
 class PortStage(nnx.Module):
     def __init__(self, width, rngs):
-        self.blocks = nnx.List([PortBlock(width, rngs), PortBlock(width, rngs)])
+        self.blocks = nnx.List([PortBlock(width, rngs, downsample=True), PortBlock(width, rngs)])
 
 
 class PortStem(nnx.Module):
@@ -467,6 +472,8 @@ def _resnet_loader(state):
         (r"bn1\.(\w+)", "stem.bn.{0}"),
         (r"layer(\d)\.(\d)\.conv(\d)\.weight", r"stage\1.blocks.\2.conv\3.kernel"),
         (r"layer(\d)\.(\d)\.bn(\d)\.(\w+)", r"stage\1.blocks.\2.norm\3.{0}"),
+        (r"layer(\d)\.(\d)\.downsample\.0\.weight", r"stage\1.blocks.\2.down_conv.kernel"),
+        (r"layer(\d)\.(\d)\.downsample\.1\.(\w+)", r"stage\1.blocks.\2.down_norm.{0}"),
         (r"fc\.weight", "fc.kernel"),
         (r"fc\.bias", "fc.bias"),
     ]
@@ -488,8 +495,10 @@ def test_to_source_folds_kernel_sizes_glued_numbers_and_drop_rules():
     key_map = KeyMap.discover(_resnet_loader, SmallResNet())
     source = key_map.to_source()
     # the stem's conv, its BatchNorm's four leaves, one rule for every block's conv (1x1 and 3x3), four for every
-    # block's BatchNorm leaves, the head's two, and one drop rule per family of num_batches_tracked
-    assert len(key_map.rules) == 14, source
+    # block's BatchNorm leaves, the downsample's conv and its BatchNorm's four, the head's two, and one drop rule
+    # per family of num_batches_tracked (the stem's, the blocks', the downsamples')
+    assert len(key_map.rules) == 20, source
+    assert r'(r"layer(\d+)\.0\.downsample\.0\.weight", r"stage\1.blocks.0.down_conv.kernel", "a b c d -> c d b a")' in source
     assert r'(r"layer(\d+)\.(\d+)\.conv(\d+)\.weight", r"stage\1.blocks.\2.conv\3.kernel", "a b c d -> c d b a")' in source
     assert r'(r"layer(\d+)\.(\d+)\.bn(\d+)\.num_batches_tracked", None, None)' in source
     assert "1 1" not in source
