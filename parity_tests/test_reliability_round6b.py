@@ -7,6 +7,10 @@ Tolerances are the engine's policy (docs/tolerances.md); no test here sets its o
 """
 
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -507,3 +511,60 @@ def test_to_source_folds_kernel_sizes_glued_numbers_and_drop_rules():
     load_torch_state_dict(again, state, weights=eval(source, {"KeyMap": KeyMap}))  # the printed map loads
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(loaded)), nnx.to_flat_state(nnx.state(again))):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+
+
+# ---- the maintainer script's errors
+
+GOOD_PYPROJECT = """\
+[project]
+name = "x"
+dependencies = ["numpy>=2.0"]
+
+[project.optional-dependencies]
+torch = ["torch>=2.5"]
+test = ["pytest>=8.0"]
+"""
+
+
+def _refresh_lower(tmp_path, pyproject: str, *flags: str):
+    """Run a copy of constraints/refresh_lower.py in a repository of its own (``tmp_path``) over ``pyproject``."""
+    (tmp_path / "constraints").mkdir(exist_ok=True)
+    script = Path(__file__).resolve().parent.parent / "constraints" / "refresh_lower.py"
+    shutil.copy(script, tmp_path / "constraints" / "refresh_lower.py")
+    (tmp_path / "pyproject.toml").write_text(pyproject)
+    out = tmp_path / "constraints" / "lower-bounds.txt"
+    out.write_text("as it was\n")
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "constraints" / "refresh_lower.py"), *flags], capture_output=True, text=True
+    )
+    return done, out.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pyproject, words",
+    [
+        ("[project\nname = 'x'\n", "is not valid TOML"),
+        (GOOD_PYPROJECT.replace('test = ["pytest>=8.0"]\n', ""), "[project.optional-dependencies] [test] is missing"),
+        ("[tool.x]\nname = 'x'\n", "has no [project] table"),
+        (GOOD_PYPROJECT.replace('["numpy>=2.0"]', '"numpy>=2.0"'), "[project] dependencies is a str"),
+    ],
+)
+@pytest.mark.parametrize("flags", [(), ("--check",)])
+def test_refresh_lower_names_a_malformed_pyproject_in_one_line(tmp_path, pyproject, words, flags):
+    done, written = _refresh_lower(tmp_path, pyproject, *flags)
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert words in done.stderr and "pyproject.toml" in done.stderr
+    assert written == "as it was\n"
+
+
+@pytest.mark.slow
+def test_refresh_lower_refuses_a_misspelt_flag_and_writes_nothing(tmp_path):
+    done, written = _refresh_lower(tmp_path, GOOD_PYPROJECT, "--chek")
+    assert done.returncode == 2 and "unrecognized arguments: --chek" in done.stderr, done
+    assert written == "as it was\n"
+    done, written = _refresh_lower(tmp_path, GOOD_PYPROJECT, "--check")  # the good file: stale, said so
+    assert done.returncode == 1 and "is stale" in done.stderr and written == "as it was\n"
+    done, written = _refresh_lower(tmp_path, GOOD_PYPROJECT)
+    assert done.returncode == 0 and written.endswith("numpy==2.0\npytest==8.0\ntorch==2.5\n"), written
