@@ -82,19 +82,23 @@ def call_names(calls: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
     return names
 
 
-@functools.cache
+_METHOD_NAMES: dict[tuple[type, Any], str] = {}  # (class, code) -> method_name's answer, found once
+
+
 def method_name(cls: type, code: Any) -> str:
     """The name under which ``cls`` (or a base) holds the method whose code object is ``code``: ``__call__`` where it
     does (a ``__call__ = _norm_call`` alias is the module's call, whatever its function is named), else the first
     name that holds it, else the function's own name. So a recorded call is made again through the method the port
     called."""
-    names = []
-    for owner in cls.__mro__:
-        for name, attr in vars(owner).items():
-            function = inspect.unwrap(attr) if callable(attr) else None
-            if getattr(function, "__code__", None) is code:
-                names.append(name)
-    return "__call__" if "__call__" in names else names[0] if names else code.co_name
+    if (cls, code) not in _METHOD_NAMES:
+        names = []
+        for owner in cls.__mro__:
+            for name, attr in vars(owner).items():
+                function = inspect.unwrap(attr) if callable(attr) else None
+                if getattr(function, "__code__", None) is code:
+                    names.append(name)
+        _METHOD_NAMES[(cls, code)] = "__call__" if "__call__" in names else names[0] if names else code.co_name
+    return _METHOD_NAMES[(cls, code)]
 
 
 def function_code(function: Any) -> Any:
