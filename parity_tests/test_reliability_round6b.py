@@ -148,7 +148,7 @@ class CachePassedIn(nnx.Module):
         self.lin = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
 
     def __call__(self, x, cache):
-        cache[...] = cache[...] + x.sum()
+        cache[...] = cache[...] + 1
         return self.lin(x)
 
 
