@@ -197,10 +197,6 @@ def _equal(a: np.ndarray, value: Any) -> np.ndarray:
     return (a == value) | (np.isnan(a) & np.isnan(value)) if is_floating(np.result_type(a, value)) else a == value
 
 
-def _all_nan(a: np.ndarray) -> bool:
-    return bool(a.size) and is_floating(a.dtype) and bool(np.isnan(a).all())
-
-
 def _compact(a: np.ndarray) -> np.ndarray:
     """``a``, as one number broadcast to its shape (no memory) where all its elements are equal."""
     return np.broadcast_to(np.float64(a.flat[0]), a.shape) if a.size and _equal(a, a.flat[0]).all() else a
@@ -335,20 +331,17 @@ def _affine(v2: np.ndarray, v3: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     number broadcast (no memory) where uniform; uniformity is found a chunk at a time, and only a variable whose
     scale or offset varies gets full float64 arrays. An element NaN in either load (a loader that fills what it
     does not read with NaN) has scale 0 and offset NaN: left at init, never filled from torch."""
-
-    def scale_of(low: np.ndarray, high: np.ndarray) -> np.ndarray:
-        moved = high - low
-        return np.where(np.isnan(moved), 0.0, moved)
-
     a, b = v2.reshape(-1), v3.reshape(-1)
     first: tuple[np.float64, np.float64] | None = None
     for part in _chunks(a.size):
         low = a[part].astype(np.float64)
-        scale = scale_of(low, b[part].astype(np.float64))
+        scale = b[part].astype(np.float64) - low
+        scale[np.isnan(scale)] = 0  # NaN in either load: never filled
         offset = low - 2 * scale
         first = first or (scale[0], offset[0])
         if not ((scale == first[0]).all() and _equal(offset, first[1]).all()):
-            scale = scale_of(v2.astype(np.float64), v3.astype(np.float64))
+            scale = v3.astype(np.float64) - v2.astype(np.float64)
+            scale[np.isnan(scale)] = 0
             return _compact(scale), _compact(v2.astype(np.float64) - 2 * scale)
     if first is None:  # no elements
         return np.zeros(v2.shape), np.zeros(v2.shape)
@@ -463,7 +456,7 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if not filled.any():
             if not var.required and not _admitted(path, allow_unfilled):
                 continue  # an RNG key, a cache: no one asks a loader to fill it
-            if _all_nan(var.first):  # a loader's filler for a variable it has no key for
+            if var.first.size and np.isnan(var.first).all():  # a loader's filler for a variable it has no key for
                 unfilled[path] = what = "never filled: the loader filled it with NaN"
             else:
                 unfilled[path] = _summary(var.first) + (", a different value at each load" if var.random else "")
