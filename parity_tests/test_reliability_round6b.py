@@ -86,6 +86,15 @@ def test_an_equinox_port_with_a_function_leaf_and_a_string_field_passes_in_float
     assert port.tag == "mlp" and port.mlp.activation is jax.nn.relu  # static leaves kept as they are
 
 
+def test_the_float64_copy_keeps_a_batchnorms_axis_name():
+    from flax_ln.parity.sides.flax import as_float64
+
+    norm = eqx.nn.BatchNorm(WIDTH, "batch", mode="batch")
+    with jax.enable_x64(True):
+        wide = as_float64(norm)
+    assert wide.axis_name == "batch" and wide.weight.dtype == jnp.float64 and norm.weight.dtype == jnp.float32
+
+
 def test_an_equinox_dropout_runs_in_inference_mode_and_the_callers_module_keeps_its_flag():
     port = EquinoxMLPWithDropout()
     report = compare_modules(TorchMLP(), port, _x(), weights=MLP_MAP, dtype="float32")
