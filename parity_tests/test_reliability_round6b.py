@@ -563,6 +563,7 @@ def _refresh_lower(tmp_path, pyproject: str, *flags: str):
         ("[tool.x]\nname = 'x'\n", "has no [project] table"),
         (GOOD_PYPROJECT.replace('["numpy>=2.0"]', '"numpy>=2.0"'), "[project] dependencies is a str"),
     ],
+    ids=["bad-toml", "missing-extra", "no-project", "dependencies-not-a-list"],
 )
 @pytest.mark.parametrize("flags", [(), ("--check",)])
 def test_refresh_lower_names_a_malformed_pyproject_in_one_line(tmp_path, pyproject, words, flags):
