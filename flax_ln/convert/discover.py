@@ -40,7 +40,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_ln.convert.assign import as_numpy, is_floating
-from flax_ln.convert.discover_layout import Region, describe_part, fold_families, layout_of, regions, slab_of
+from flax_ln.convert.discover_layout import (
+    Region,
+    compact,
+    describe_part,
+    equal_or_nan,
+    fold_families,
+    layout_of,
+    regions,
+    slab_of,
+    uniform_value,
+    value_summary,
+)
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.tensor_files import saved_names, write_streamed
 from flax_ln.convert.ties import find_ties
@@ -198,24 +209,6 @@ class _Probe:
         return out
 
 
-def _compact(a: np.ndarray) -> np.ndarray:
-    """``a``, as one number broadcast to its shape (no memory) where all its elements are equal."""
-    return np.broadcast_to(np.float64(a.flat[0]), a.shape) if a.size and (a == a.flat[0]).all() else a
-
-
-def _summary(value: np.ndarray) -> str:
-    flat = value.ravel()
-    if flat.size and (flat == flat[0]).all():
-        return f"constant {float(flat[0])!r}"
-    return f"array {tuple(value.shape)} {float(flat.min()):.4g}..{float(flat.max()):.4g}"
-
-
-def _uniform(a: np.ndarray) -> float | None:
-    if a.size and not any(a.strides):  # one number broadcast
-        return float(a.flat[0])
-    return float(a.flat[0]) if a.size and (a == a.flat[0]).all() else None
-
-
 def measure(
     loader: Callable,
     like: Any,
@@ -246,7 +239,7 @@ def measure(
     for path, var in variables.items():
         if not var.abstract and not _same(var.first, again.read(path)):
             var.random = True  # reported as left at init: no torch element explains a value that moves by itself
-            var.scale = var.offset = _compact(np.zeros(var.shape))
+            var.scale = var.offset = compact(np.zeros(var.shape))
     del again
     three = probe.run(functools.partial(_constant, 3))
     for path, var in variables.items():
@@ -330,17 +323,20 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def _affine(v2: np.ndarray, v3: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(scale, offset)`` (float64, the variable's shape) from its values for constant loads 2 and 3, each one
     number broadcast (no memory) where uniform; uniformity is found a chunk at a time, and only a variable whose
-    scale or offset varies gets full float64 arrays."""
+    scale or offset varies gets full float64 arrays. An element NaN in either load (a loader that fills what it
+    does not read with NaN) has scale 0 and offset NaN: left at init, never filled from torch."""
     a, b = v2.reshape(-1), v3.reshape(-1)
     first: tuple[np.float64, np.float64] | None = None
     for part in _chunks(a.size):
         low = a[part].astype(np.float64)
         scale = b[part].astype(np.float64) - low
+        scale[np.isnan(scale)] = 0  # NaN in either load: never filled
         offset = low - 2 * scale
         first = first or (scale[0], offset[0])
-        if not ((scale == first[0]).all() and (offset == first[1]).all()):
+        if not ((scale == first[0]).all() and equal_or_nan(offset, first[1]).all()):
             scale = v3.astype(np.float64) - v2.astype(np.float64)
-            return _compact(scale), _compact(v2.astype(np.float64) - 2 * scale)
+            scale[np.isnan(scale)] = 0
+            return compact(scale), compact(v2.astype(np.float64) - 2 * scale)
     if first is None:  # no elements
         return np.zeros(v2.shape), np.zeros(v2.shape)
     return np.broadcast_to(first[0], v2.shape), np.broadcast_to(first[1], v2.shape)
@@ -359,7 +355,8 @@ def _affine_holds(var: _Var, v5: np.ndarray) -> bool:
         got = flat[part].astype(np.float64)
         s = scale if np.ndim(scale) == 0 else scale[part]
         o = offset if np.ndim(offset) == 0 else offset[part]
-        if not (np.abs(got - (5 * s + o)) <= tol * np.maximum(1.0, np.abs(got))).all():
+        want = 5 * s + o
+        if not ((np.abs(got - want) <= tol * np.maximum(1.0, np.abs(got))) | (np.isnan(got) & np.isnan(want))).all():
             return False
     return True
 
@@ -453,18 +450,16 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if not filled.any():
             if not var.required and not _admitted(path, allow_unfilled):
                 continue  # an RNG key, a cache: no one asks a loader to fill it
-            unfilled[path] = _summary(var.first) + (", a different value at each load" if var.random else "")
+            if var.first.size and np.isnan(var.first).all():  # a loader's filler for a variable it has no key for
+                unfilled[path] = what = "never filled: the loader filled it with NaN"
+            else:
+                unfilled[path] = value_summary(var.first) + (", a different value at each load" if var.random else "")
+                what = f"left at init by the loader ({unfilled[path]})"
             if _admitted(path, allow_unfilled):
                 value = var.first
-                constants[re.escape(path)] = float(value.flat[0]) if _uniform(value) is not None else value
+                constants[re.escape(path)] = float(value.flat[0]) if uniform_value(value) is not None else value
             else:
-                unfilled_errors.append(
-                    (
-                        path,
-                        f"left at init by the loader ({unfilled[path]}); "
-                        f"admit it with allow_unfilled=[{re.escape(path)!r}]",
-                    )
-                )
+                unfilled_errors.append((path, f"{what}; admit it with allow_unfilled=[{re.escape(path)!r}]"))
             continue
         if not filled.all():
             unfilled_errors.append((path, f"partly filled: {describe_part(~filled, 'left at init')}"))
@@ -533,11 +528,15 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         if affine != (1.0, 0.0):
             rule += ({"scale": affine[0], "offset": affine[1]},)
         rules.append(rule)
-    rules = fold_families(rules, probe.probed)
-    for key in probe.keys:
-        if key in dropped or key not in probe.probed:
-            comments[len(rules)] = "dropped by the loader" if key in dropped else "not a number: not probed"
-            rules.append((re.escape(key), None, None))
+    every_key = list(probe.originals)
+    rules = fold_families(rules, every_key)
+    for why, drops in (
+        ("dropped by the loader", [k for k in probe.keys if k in dropped]),
+        ("not a number: not probed", [k for k in probe.keys if k not in dropped and k not in probe.probed]),
+    ):
+        for rule in fold_families([(re.escape(k), None, None) for k in drops], every_key):  # one per family
+            comments[len(rules)] = why
+            rules.append(rule)
     for alias, name in probe.aliases.items():
         comments[len(rules)] = f"one tensor with {name!r}"
         rules.append((re.escape(alias), None, None))
@@ -574,7 +573,10 @@ def _region(probe: _Probe, path: str, var: _Var, region: Region, targets, offset
         slab, ids, torch_shape = found
         probe.slabs[(tensor, path + region.index)] = slab
         probe.slab_sizes[(tensor, path + region.index)] = ids.size
-    scale, offset = _uniform(np.asarray(var.scale[region.selector])), _uniform(np.asarray(var.offset[region.selector]))
+    scale, offset = (
+        uniform_value(np.asarray(var.scale[region.selector])),
+        uniform_value(np.asarray(var.offset[region.selector])),
+    )
     if scale is None or offset is None:
         return f"scale and offset vary within what {key!r} fills: not one affine per tensor"
     layout = layout_of(ids, torch_shape)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from flax_ln.convert.assign import is_floating
 from flax_ln.convert.layouts import parse_layout
 
 Shape = tuple[int, ...]
@@ -136,6 +137,13 @@ def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
     letters = iter(string.ascii_lowercase)
     name: dict[tuple[int, int], str] = {}
     size_of: dict[str, int] = {}
+    # unit axes named too, torch's to the module's in order, where both have as many (a 1x1 kernel's pattern is the
+    # 3x3 kernel's: "a b c d -> c d b a", which holds for every kernel size); else written 1
+    torch_units = [k for k, parts in enumerate(per_torch) if not parts]
+    flax_units = [j for j, found in enumerate(axes) if not found]
+    paired = len(torch_units) == len(flax_units)
+    unit_of = dict(zip(flax_units, torch_units)) if paired else {}
+    unit_name: dict[int, str] = {}
     left = []
     for k, parts in enumerate(per_torch):
         parts.sort(reverse=True)  # outer (largest stride) first
@@ -147,7 +155,7 @@ def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
         if expect != strides[k] * torch_shape[k]:
             return None
         if not parts:
-            left.append("1")
+            left.append(unit_name.setdefault(k, next(letters)) if paired else "1")
             continue
         names = [name.setdefault((j, f), next(letters)) for _, _, j, f in parts]
         size_of.update((name[(j, f)], size) for _, size, j, f in parts)
@@ -155,7 +163,8 @@ def layout_of(ids: np.ndarray, torch_shape: Shape) -> str | None:
     right = []
     for j, found in enumerate(axes):
         names = [name[(j, f)] for f in range(len(found))]
-        right.append("1" if not names else names[0] if len(names) == 1 else f"({' '.join(names)})")
+        unit = unit_name[unit_of[j]] if j in unit_of else "1"
+        right.append(unit if not names else names[0] if len(names) == 1 else f"({' '.join(names)})")
     lhs, rhs = " ".join(left), " ".join(right)
     pattern = "identity" if lhs == rhs else f"{lhs} -> {rhs}"
     if pattern != "identity" and not _sizes_known(left, right):  # "(a b c) d -> d (a c b)": einops needs sizes
@@ -208,40 +217,41 @@ def describe_part(mask: np.ndarray, what: str) -> str:
 _NUMBER = re.compile(r"(?<![0-9])\d+(?![0-9])")  # a number, glued to letters or not (layer2, bn1, blocks.3)
 
 
-def _skeleton(key: str) -> str:
-    """``key`` as a regex with every number (``layers.3.``, ``blocks_3``) a group: ``layers\\.(\\d+)\\.``."""
+def _unescape(regex: str) -> str:
+    return re.sub(r"\\(.)", r"\1", regex)
+
+
+def _skeleton(key: str, literal: Sequence[int] = ()) -> str:
+    """``key`` as a regex with every number (``layers.3.``, ``blocks_3``, ``bn1``) a group, but those at the
+    positions ``literal`` (counted from 0) kept as they are: ``layers\\.(\\d+)\\.``."""
     parts = _NUMBER.split(key)
-    return r"(\d+)".join(re.escape(p) for p in parts)
-
-
-def _generalise(template: str, numbers: Sequence[str]) -> str:
-    r"""``template`` with each number that is one of ``numbers`` written as its group (``\1``, ``\2``)."""
-
-    def swap(m: re.Match) -> str:
-        return "\\" + str(numbers.index(m.group()) + 1) if m.group() in numbers else m.group()
-
-    return _NUMBER.sub(swap, template)
+    numbers = _NUMBER.findall(key)
+    out = re.escape(parts[0])
+    for i, (number, part) in enumerate(zip(numbers, parts[1:])):
+        out += (re.escape(number) if i in literal else r"(\d+)") + re.escape(part)
+    return out
 
 
 def fold_families(rules: list[tuple], keys: Sequence[str]) -> list[tuple]:
-    r"""Rules whose keys differ only by numbers, with one layout and affine, as one rule with ``(\d+)`` groups.
+    r"""Rules whose keys differ only by numbers, with one layout and affine (drop rules: with nothing else), as
+    one rule with ``(\d+)`` groups.
 
-    ``rules`` are ``(escaped key, template, layout[, affine])``, one per key, in ``keys``' order. A family folds
-    only when its regex matches no other key of ``keys`` and its template expands back to every member's.
+    ``rules`` are ``(escaped key, template, layout[, affine])``, one per key, in ``keys``' order (``keys``: every
+    key of the state dict). A family folds when a regex matches it and no other key of ``keys``: every number a
+    group, else the numbers its members share kept as they are (``downsample\.0\.weight`` beside
+    ``downsample\.1\.weight``); and when every number of its templates is one of the key's groups, the same for
+    every member, or the same in every member.
     """
     groups: dict[tuple, list[int]] = {}
     for i, rule in enumerate(rules):
-        key = re.sub(r"\\(.)", r"\1", rule[0])
-        groups.setdefault((_skeleton(key), repr(rule[2:])), []).append(i)
+        groups.setdefault((_skeleton(_unescape(rule[0])), repr(rule[2:]), rule[1] is None), []).append(i)
     out: list[tuple] = []
     done: set[int] = set()
     for i, rule in enumerate(rules):
         if i in done:
             continue
-        key = re.sub(r"\\(.)", r"\1", rule[0])
-        skeleton = _skeleton(key)
-        members = groups[(skeleton, repr(rule[2:]))]
-        folded = _fold(skeleton, [rules[m] for m in members], keys) if len(members) > 1 else None
+        members = groups[(_skeleton(_unescape(rule[0])), repr(rule[2:]), rule[1] is None)]
+        folded = _fold([rules[m] for m in members], keys) if len(members) > 1 else None
         if folded is None:
             out.append(rule)
             done.add(i)
@@ -252,30 +262,91 @@ def fold_families(rules: list[tuple], keys: Sequence[str]) -> list[tuple]:
 
 
 def _templates(template: Any) -> tuple[str, ...]:
-    """A rule's templates: one, a tuple's, or a split's (a dict's values)."""
+    """A rule's templates: none (a drop rule), one, a tuple's, or a split's (a dict's values)."""
+    if template is None:
+        return ()
     if isinstance(template, dict):
         return tuple(template.values())
     return template if isinstance(template, tuple) else (template,)
 
 
-def _fold(skeleton: str, members: list[tuple], keys: Sequence[str]) -> tuple | None:
-    regex = re.compile(skeleton)
-    raw = [re.sub(r"\\(.)", r"\1", m[0]) for m in members]
-    if sum(1 for k in keys if regex.fullmatch(k)) != len(members):
-        return None  # the family's regex would take a key outside it
-    for source in members:  # the first member whose numbers make a template that expands back for all
-        numbers = regex.fullmatch(re.sub(r"\\(.)", r"\1", source[0])).groups()  # type: ignore[union-attr]
-        if len(set(numbers)) != len(numbers):
-            continue
-        if isinstance(source[1], dict) and any(list(m[1]) != list(source[1]) for m in members):
-            return None  # a split's torch slabs differ between members
-        templates = _templates(source[1])
-        general = tuple(_generalise(t, list(numbers)) for t in templates)
-        if all(
-            tuple(regex.fullmatch(k).expand(t) for t in general) == _templates(m[1])  # type: ignore[union-attr]
-            for k, m in zip(raw, members)
-        ):
-            if isinstance(source[1], dict):
-                return (skeleton, dict(zip(source[1], general)), *source[2:])
-            return (skeleton, general if isinstance(source[1], tuple) else general[0], *source[2:])
+def _family_regex(raw: list[str], keys: Sequence[str]) -> re.Pattern | None:
+    """The regex of a family of keys (``raw``, one skeleton): every number a group, else the numbers all members
+    share kept as they are; ``None`` when both also match a key outside it."""
+    numbers = [_NUMBER.findall(k) for k in raw]
+    shared = [i for i in range(len(numbers[0])) if len({n[i] for n in numbers}) == 1]
+    for literal in ((), shared) if shared else ((),):
+        regex = re.compile(_skeleton(raw[0], literal))
+        if sum(1 for k in keys if regex.fullmatch(k)) == len(raw):
+            return regex
     return None
+
+
+def _general_template(regex: re.Pattern, raw: list[str], templates: list[str]) -> str | None:
+    r"""One template that ``regex`` expands, for each member key of ``raw``, to its template of ``templates``: each
+    number a group (``\1``) whose value it is in every member, else kept where every member has it; ``None`` when
+    the members' templates differ otherwise."""
+    groups = [regex.fullmatch(k).groups() for k in raw]  # type: ignore[union-attr]
+    parts = [_NUMBER.split(t) for t in templates]
+    numbers = [_NUMBER.findall(t) for t in templates]
+    if any(p != parts[0] for p in parts):
+        return None  # the words around the numbers differ
+    out = parts[0][0]
+    for slot, part in enumerate(parts[0][1:]):
+        values = [n[slot] for n in numbers]
+        group = next((g for g in range(len(groups[0])) if all(gs[g] == v for gs, v in zip(groups, values))), None)
+        if group is not None:
+            out += f"\\{group + 1}"
+        elif len(set(values)) == 1:
+            out += values[0]
+        else:
+            return None
+        out += part
+    return out
+
+
+def _fold(members: list[tuple], keys: Sequence[str]) -> tuple | None:
+    raw = [_unescape(m[0]) for m in members]
+    regex = _family_regex(raw, keys)
+    if regex is None:
+        return None  # the family's regex would take a key outside it
+    source = members[0]
+    if source[1] is None:
+        return (regex.pattern, None, None)
+    if isinstance(source[1], dict) and any(list(m[1]) != list(source[1]) for m in members):
+        return None  # a split's torch slabs differ between members
+    per_member = [_templates(m[1]) for m in members]
+    general = []
+    for t in range(len(per_member[0])):
+        found = _general_template(regex, raw, [templates[t] for templates in per_member])
+        if found is None:
+            return None
+        general.append(found)
+    if isinstance(source[1], dict):
+        return (regex.pattern, dict(zip(source[1], general)), *source[2:])
+    return (regex.pattern, tuple(general) if isinstance(source[1], tuple) else general[0], *source[2:])
+
+
+def equal_or_nan(a: np.ndarray, value: Any) -> np.ndarray:
+    """``a == value`` element-wise, NaN equal to NaN (a loader's filler for what it does not read)."""
+    return (a == value) | (np.isnan(a) & np.isnan(value)) if is_floating(np.result_type(a, value)) else a == value
+
+
+def compact(a: np.ndarray) -> np.ndarray:
+    """``a``, as one number broadcast to its shape (no memory) where all its elements are equal."""
+    return np.broadcast_to(np.float64(a.flat[0]), a.shape) if a.size and equal_or_nan(a, a.flat[0]).all() else a
+
+
+def value_summary(value: np.ndarray) -> str:
+    """A variable's values in words: a constant, or an array's shape and range."""
+    flat = value.ravel()
+    if flat.size and equal_or_nan(flat, flat[0]).all():
+        return f"constant {float(flat[0])!r}"
+    return f"array {tuple(value.shape)} {float(np.nanmin(flat)):.4g}..{float(np.nanmax(flat)):.4g}"
+
+
+def uniform_value(a: np.ndarray) -> float | None:
+    """The one number every element of ``a`` holds; ``None`` where they differ."""
+    if a.size and not any(a.strides):  # one number broadcast
+        return float(a.flat[0])
+    return float(a.flat[0]) if a.size and equal_or_nan(a, a.flat[0]).all() else None

@@ -323,17 +323,27 @@ class KeyPlan:
     def carry(self, source: str, dest: str, array, kind: str = "value"):
         """Torch key ``source``'s ``array`` in torch key ``dest``'s layout, through a flax variable (or region) both
         fill: ``source``'s layout into flax, then ``dest``'s back to torch. ``kind``: ``"value"``, ``"tangent"``
-        or ``"gradient"``, which an affine change maps differently (see :class:`Target`)."""
+        or ``"gradient"``, which an affine change maps differently (see :class:`Target`). A ``dest`` a split rule
+        cuts into slabs gets its whole tensor, slab by slab, each through the variable ``source`` fills there too
+        (zero in a slab whose variable ``source`` does not fill)."""
         into = {t.at: t for t in self.targets[dest]}
-        via = next((t for t in self.targets[source] if t.at in into), None)
-        if via is None:
+        sources = {t.at: t for t in self.targets[source] if t.at in into}
+        if not sources:
             raise ValueError(f"torch keys {source!r} and {dest!r} fill no flax variable in common")
-        back = into[via.at]
-        if kind == "tangent":
-            return back.tangent_to_torch(via.tangent_to_flax(array))
-        if kind == "gradient":
-            return back.gradient_to_torch(via.gradient_to_flax(array))
-        return back.to_torch(via.to_flax(array))
+
+        def through(back: Target) -> Any:
+            via = sources.get(back.at)
+            if via is None:  # a slab of dest that source does not fill
+                return np.zeros(back.slab_shape, np.asarray(array).dtype)
+            if kind == "tangent":
+                return back.tangent_to_torch(via.tangent_to_flax(array))
+            if kind == "gradient":
+                return back.gradient_to_torch(via.gradient_to_flax(array))
+            return back.to_torch(via.to_flax(array))
+
+        if self.targets[dest][0].slab is not None:
+            return assemble(self.targets[dest], through)
+        return through(into[next(iter(sources))])
 
     def split(self) -> dict[str, tuple[Target, ...]]:
         """The torch keys a split rule sends to several variables, slab by slab: ``{key: its targets}``."""

@@ -405,11 +405,20 @@ def _affine_source(affine: Affine) -> str:
     return repr(affine.as_dict())
 
 
+def _number_source(x: Any) -> str:
+    """A Python number as source: ``float("nan")`` and ``float("inf")`` where ``repr`` gives a bare name."""
+    if isinstance(x, list):
+        return "[" + ", ".join(_number_source(v) for v in x) + "]"
+    if isinstance(x, float) and not math.isfinite(x):
+        return f'{"-" if x < 0 else ""}float("{"nan" if math.isnan(x) else "inf"}")'
+    return repr(x)
+
+
 def _value_source(value: Any) -> str:
     array = np.asarray(value)
     if array.ndim == 0:
-        return repr(array.item())
-    return f"np.array({array.tolist()!r}, dtype={str(array.dtype)!r})"
+        return _number_source(array.item())
+    return f"np.array({_number_source(array.tolist())}, dtype={str(array.dtype)!r})"
 
 
 def key_map_source(rules: Sequence, constants: Mapping[str, Any], comments: Mapping[int, str] | None = None) -> str:

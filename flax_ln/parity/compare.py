@@ -260,6 +260,7 @@ def compare_modules(
     """
     started = time.perf_counter()
     kind = flax_side_kind(flax_module)
+    weights = kind.weights_for(flax_module, torch_module, weights)
     kind.check(flax_module, weights, mesh)
     check_island_mode(islands)
     check_torch_paths(torch_module, modules)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -83,6 +84,34 @@ def call_names(calls: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
         for method in methods:
             names[(path, method)] = path if method == plain else f"{path}.{method}"
     return names
+
+
+_METHOD_NAMES: dict[tuple[type, Any], str] = {}  # (class, code) -> method_name's answer, found once
+
+
+def method_name(cls: type, code: Any) -> str:
+    """The name under which ``cls`` (or a base) holds the method whose code object is ``code``: ``__call__`` where it
+    does (a ``__call__ = _norm_call`` alias is the module's call, whatever its function is named), else the first
+    name that holds it, else the function's own name. So a recorded call is made again through the method the port
+    called."""
+    if (cls, code) not in _METHOD_NAMES:
+        names = []
+        for owner in cls.__mro__:
+            for name, attr in vars(owner).items():
+                function = inspect.unwrap(attr) if callable(attr) else None
+                if getattr(function, "__code__", None) is code:
+                    names.append(name)
+        _METHOD_NAMES[(cls, code)] = "__call__" if "__call__" in names else names[0] if names else code.co_name
+    return _METHOD_NAMES[(cls, code)]
+
+
+def function_code(function: Any) -> Any:
+    """The code object of ``function`` (a method, a ``functools.partial`` of one or a wrapper of one); ``None`` for a
+    callable without one."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    function = inspect.unwrap(getattr(function, "__func__", function))
+    return getattr(function, "__code__", None)
 
 
 def _is_floating_array(leaf) -> bool:

@@ -1,6 +1,8 @@
 """The flax side as an Equinox module: :class:`Equinox` (what a user passes; an ``equinox.Module`` passed bare is
 taken as ``Equinox(module)``) and :class:`EquinoxSide`. Its variables are the module's array leaves, named by
-attribute names and indices, dotted (:class:`~flax_ln.convert.trees.EquinoxTree`); its submodules are recorded by
+attribute names and indices, dotted (:class:`~flax_ln.convert.trees.EquinoxTree`), filled through a key map, or,
+without one, through the identity map where those paths are torch's names (:func:`mirrored_key_map`); it runs as
+``eqx.nn.inference_mode`` leaves it (eval mode, as torch); its submodules are recorded by
 swapping each for a recording wrapper in a copy of the module (the caller's is never changed), under ``jax.vmap``
 and ``eqx.filter_jit`` too. Imports neither torch nor, until an Equinox module is compared, equinox."""
 
@@ -8,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -26,13 +29,16 @@ from flax_ln.parity.sides.tree import TreeSide
 
 @dataclasses.dataclass(frozen=True)
 class Equinox:
-    """An Equinox module as the flax side of a comparison (``weights=KeyMap(...)`` required).
+    """An Equinox module as the flax side of a comparison, with ``weights=KeyMap(...)``, or without where its dotted
+    paths are torch's state-dict names with torch's shapes (a convolution's bias may add unit axes): it is then
+    filled through the identity map, as an NNX module that mirrors torch's tree is filled through the rules.
 
-    The forward receives the module, filled from the torch weights on a copy (the caller's is not modified),
-    as it receives an NNX module. The parameters (differentiated, and filled by the key map) are its inexact
-    arrays, or those ``params`` chooses: an Equinox filter as ``eqx.partition`` takes it (a callable on leaves,
-    or a pytree of bools). Everything else is static. A key map names a leaf by the module's attribute names and
-    sequence indices, dotted (``layers.0.attn.query_proj.weight``).
+    The forward receives the module, filled from the torch weights on a copy (the caller's is not modified), in
+    inference mode (the copy ``eqx.nn.inference_mode`` returns: ``eqx.nn.Dropout`` off), as it receives an NNX
+    module. The parameters (differentiated, and filled by the key map) are its inexact arrays, or those ``params``
+    chooses: an Equinox filter as ``eqx.partition`` takes it (a callable on leaves, or a pytree of bools). Its other
+    arrays are state; everything else (an activation function, a string field) is static, kept as it is. A key map
+    names a leaf by the module's attribute names and sequence indices, dotted (``layers.0.attn.query_proj.weight``).
     """
 
     module: Any
@@ -68,6 +74,15 @@ class EquinoxSide(TreeSide):
         return _wrapper(wrapper).module
 
     @classmethod
+    def weights_for(cls, flax_module: Any, torch_module: Any, weights: KeyMap | None) -> KeyMap | None:
+        """``weights``; without it the identity map of a module whose paths mirror torch's names
+        (:func:`mirrored_key_map`), else the ``TypeError`` naming the first key that does not mirror."""
+        wrapper = _wrapper(flax_module)
+        if weights is not None or not is_equinox_module(wrapper.module):
+            return weights
+        return mirrored_key_map(cls.tree_of(wrapper), torch_module.state_dict())
+
+    @classmethod
     def check(cls, flax_module: Any, weights: KeyMap | None, mesh) -> None:
         """A key map, an Equinox module, and no ``mesh`` (its arrays have no sharding rule)."""
         wrapper = _wrapper(flax_module)
@@ -76,7 +91,7 @@ class EquinoxSide(TreeSide):
         if weights is None:
             raise TypeError(
                 "an Equinox flax side needs weights=KeyMap(...) (written, or KeyMap.discover(loader, torch_module, "
-                "kind='equinox')): its arrays are filled from the torch state dict through the key map"
+                "kind='equinox')) unless its paths mirror torch's names (compare_modules then makes the identity map)"
             )
         super().check(wrapper, weights, mesh)
         if mesh is not None:
@@ -89,8 +104,12 @@ class EquinoxSide(TreeSide):
 
     @classmethod
     def tree_of(cls, wrapper: Any) -> EquinoxTree:
-        """Its arrays, with the wrapper's ``params`` filter (kept in every tree made from this one)."""
-        return wrapper.variable_tree()
+        """Its arrays, with the wrapper's ``params`` filter (kept in every tree made from this one), in the copy
+        ``eqx.nn.inference_mode`` returns: every ``inference`` flag set (``eqx.nn.Dropout`` off, ``eqx.nn.BatchNorm``
+        on its running statistics), as torch runs in eval mode; the caller's module keeps its flags."""
+        import equinox as eqx  # an Equinox module is compared: equinox is imported
+
+        return EquinoxTree(eqx.nn.inference_mode(wrapper.module), wrapper.params)
 
     def _tree(self) -> EquinoxTree:
         assert isinstance(self.tree, EquinoxTree)
@@ -197,6 +216,37 @@ class EquinoxSide(TreeSide):
                 yield path, Replayed(floating_leaves(out), prepared.kept)
             except Exception as err:  # noqa: BLE001 - any failure to call is reported as the reason
                 yield path, f"the flax call on torch's arguments raised {type(err).__name__}: {str(err)[:120]}"
+
+
+def mirrored_key_map(tree: EquinoxTree, torch_state: Mapping[str, Any]) -> KeyMap:
+    """The identity key map of an Equinox module (its ``tree``) whose dotted paths are the torch state dict's names,
+    each array of the torch tensor's shape, or of that shape with unit axes after it (an ``eqx.nn.Conv2d`` bias,
+    ``(out, 1, 1)`` for torch's ``(out,)``), and whose every parameter is one of them; else a ``TypeError`` naming
+    the first key (torch's, then the module's) that does not mirror and how to give a key map."""
+    variables = tree.variables()
+    rules: list[tuple[str, str, str | None]] = []
+    problem = None
+    for key, value in torch_state.items():
+        want, have = tuple(value.shape), variables.get(key, (None,))[0]
+        if have == want:
+            rules.append((re.escape(key), key, None))
+        elif have is not None and want and have[: len(want)] == want and all(n == 1 for n in have[len(want) :]):
+            axes = " ".join(f"a{i}" for i in range(len(want)))  # torch's axes, then the module's unit axes
+            rules.append((re.escape(key), key, f"{axes} -> {axes}{' 1' * (len(have) - len(want))}"))
+        else:
+            at = "has no array there" if have is None else f"holds {have} there"
+            problem = f"torch's {key!r} {want}: the Equinox module {at}"
+            break
+    unfilled = [p for p, (_, _, required) in variables.items() if required and p not in torch_state]
+    if problem is None and unfilled:
+        problem = f"the Equinox module's parameter {unfilled[0]!r} is no torch key"
+    if problem is not None:
+        raise TypeError(
+            f"an Equinox flax side without weights= is filled through the identity map, which needs its dotted "
+            f"paths to be torch's state-dict names with torch's shapes: {problem}. Pass weights=KeyMap(...), "
+            "written or KeyMap.discover(loader, torch_module, kind='equinox') for the loader that builds the port"
+        )
+    return KeyMap(rules)
 
 
 def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:

@@ -52,6 +52,7 @@ from flax_ln.parity.islands.island import Island, float32_rounded
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import Pairs, ParameterGroups
 from flax_ln.parity.records.replay import PortCall
+from flax_ln.parity.sides.outside_state import outside_state_error
 from flax_ln.parity.sides.torch import TorchSide
 
 
@@ -165,10 +166,11 @@ def require_differentiable(tree: Any, noun: str, fix: str, floating_only: bool =
 
 def as_float64(tree: Any) -> Any:
     """Every floating leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``) in float64 (call under x64); Python
-    numbers (hyper-parameters) as they are."""
+    numbers (hyper-parameters) and leaves that are no array (an Equinox module's activation function, a string
+    field: static) as they are."""
 
     def cast(x: Any) -> Any:
-        if is_python_number(x) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        if is_python_number(x) or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, jnp.float64)
@@ -287,7 +289,13 @@ class _Split:
         derivative) and its result as it is; the dropped leaves go into ``dropped``."""
         args = with_floats(other_inputs, self.float_positions, float_inputs)
         model = self.parts.build(params, self.rest)
-        raw = run_forward(forward, model, args, {**array_kwargs, **self.static_kwargs})
+        try:
+            raw = run_forward(forward, model, args, {**array_kwargs, **self.static_kwargs})
+        except Exception as err:
+            explained = outside_state_error(err, model)
+            if explained is None:
+                raise
+            raise explained from err
         named, skipped = flatten_outputs(raw)
         named = numbers_as_arrays(named, parameter_dtype(side.dtype))
         check_same_outputs(_torch_output_shapes(side), {k: tuple(np.shape(v)) for k, v in named})
@@ -408,6 +416,12 @@ class FlaxSide(abc.ABC):
     @abc.abstractmethod
     def takes(cls, flax_module: Any) -> bool:
         """Whether the user's ``flax_module`` is of this kind."""
+
+    @classmethod
+    def weights_for(cls, flax_module: Any, torch_module: Any, weights: KeyMap | None) -> KeyMap | None:
+        """The key map a comparison loads through: ``weights`` as given; a kind may make one where none is (an
+        Equinox module whose paths mirror torch's names: the identity map), before any work."""
+        return weights
 
     @classmethod
     @abc.abstractmethod

@@ -26,6 +26,8 @@ from flax_ln.parity.records.replay import (
     PortCall,
     Replayed,
     call_names,
+    function_code,
+    method_name,
     nudged,
     replays,
     transparent_remat,
@@ -47,6 +49,13 @@ def _positional(module, method: str) -> tuple[str, ...]:
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return tuple(p.name for p in params if p.kind in kinds)[1:]
+
+
+def _method(context) -> str:
+    """The method an intercepted call is made through: by the name the module's class holds it under
+    (:func:`~flax_ln.parity.records.replay.method_name`: an aliased ``__call__`` is ``__call__``)."""
+    code = function_code(context.orig_method)
+    return context.method_name if code is None else method_name(type(context.module), code)
 
 
 def _traced(args, kwargs) -> bool:
@@ -132,7 +141,7 @@ def capture_linen(
                 traced.setdefault(path, TRACED)
             return next_fun(*args, **kwargs)
         active.add(path)
-        method = context.method_name
+        method = _method(context)
         port_call = PortCall(method, list(args), dict(kwargs), _positional(context.module, method), next(clock))
         try:
             out = next_fun(*args, **kwargs)
@@ -315,7 +324,7 @@ class LinenSide(TreeSide):
                         layers.leave()
 
             def isolated(next_fun, args, kwargs, context, level, done, active, path):
-                key = (path, context.method_name)
+                key = (path, _method(context))
                 torch_path = by_flax.get(names.get(key, ""))
                 if torch_path is None or key in done or key[0] in active or depth(key[0]) != level:
                     return next_fun(*args, **kwargs)

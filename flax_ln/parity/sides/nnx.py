@@ -199,7 +199,7 @@ class NNXSide(FlaxSide):
 
     def parts(self) -> Parts:
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)  # type: ignore[misc]  # nnx.split's result is typed as a variadic tuple
-        return Parts(lambda p, r: name_modules_of(nnx.merge(graphdef, p, r)), params, rest, _nnx_flat)
+        return Parts(lambda p, r: name_modules_of(nnx.merge(graphdef, p, r, copy=True)), params, rest, _nnx_flat)
 
     def torch_gradients(self, parts: Parts, param_grads: Any, rest: Any) -> dict[str, Any]:
         """Through the converter's rules without a key map (the module tree mirrors torch's; read-only views of the

@@ -39,6 +39,7 @@ from flax_ln.parity.records.replay import (
     TRACED,
     PortCall,
     call_names,
+    method_name,
     transparent_remat,
 )
 
@@ -60,7 +61,8 @@ def _method_codes(cls: type) -> set:
 
 
 def _bound_call(code, local: Mapping[str, Any]) -> tuple[str, list[Any], dict[str, Any]]:
-    """The call a frame of ``code`` was made with, from its locals at entry: (method name, args, kwargs)."""
+    """The call a frame of ``code`` was made with, from its locals at entry: (method name, args, kwargs); the method
+    by the name its module's class holds it under (:func:`~flax_ln.parity.records.replay.method_name`)."""
     names = code.co_varnames
     n_pos, n_kw = code.co_argcount, code.co_kwonlyargcount
     args = [local[n] for n in names[1:n_pos]]
@@ -71,7 +73,7 @@ def _bound_call(code, local: Mapping[str, Any]) -> tuple[str, list[Any], dict[st
         at += 1
     if code.co_flags & inspect.CO_VARKEYWORDS:
         kwargs.update(local[names[at]])
-    return code.co_name, args, kwargs
+    return method_name(type(local[names[0]]), code), args, kwargs
 
 
 def _state_before(module: nnx.Module, args: list[Any], kwargs: dict[str, Any]) -> tuple | None:

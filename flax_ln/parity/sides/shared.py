@@ -26,8 +26,9 @@ def one_variable_for_distinct_parameters(
     for tie in shared.values():
         members = [k for k in tie.torch_aliases if k in parameters]
         for key in members[1:]:
+            held = "one variable" if len(tie.flax_paths) == 1 else "one set of variables"  # a split fills several
             problem = (
-                f"the port holds one variable ({', '.join(tie.flax_paths)}) where torch keeps "
+                f"the port holds {held} ({', '.join(tie.flax_paths)}) where torch keeps "
                 f"{len(members)} parameters ({', '.join(members)}): equal now, as at initialisation, they move "
                 "apart in training; give the port a variable for each"
             )
