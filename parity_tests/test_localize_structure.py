@@ -271,6 +271,80 @@ def test_a_float_mask_beside_activations_keeps_the_ports_value_and_the_decoder_a
     assert "dec: `mask`" in str(report) and "dec.self_attn: `mask`" in str(report), str(report)
 
 
+# --- the same decoder written in Equinox, per example: its mask is kept too ------------------------------------------
+
+
+def _equinox_seq2seq():
+    """The Seq2Seq port above written in Equinox, per example (``(T, D)`` in, Linear per token), its names torch's
+    (no key map) and its encoder norm's eps planted (0.1 for 1e-5)."""
+    eqx = pytest.importorskip("equinox", reason="equinox is an optional dependency (the test extra installs it)")
+
+    def per_token(layer, h):
+        return jax.vmap(layer)(h)
+
+    class EqxSelfAttention(eqx.Module):
+        q: eqx.nn.Linear
+        k: eqx.nn.Linear
+        v: eqx.nn.Linear
+        o: eqx.nn.Linear
+
+        def __init__(self, key):
+            self.q, self.k, self.v, self.o = (eqx.nn.Linear(D, D, key=k) for k in jax.random.split(key, 4))
+
+        def __call__(self, x, mask):  # mask: 1.0 where seen, 0.0 where not (not torch's additive encoding)
+            scores = jnp.where(mask > 0, per_token(self.q, x) @ per_token(self.k, x).T / D**0.5, -1e9)  # (T, T)
+            return per_token(self.o, jax.nn.softmax(scores, -1) @ per_token(self.v, x))
+
+    class EqxDecoderLayer(eqx.Module):
+        norm: eqx.nn.LayerNorm
+        self_attn: EqxSelfAttention
+        cross: eqx.nn.Linear
+
+        def __init__(self, key):
+            self.norm, self.self_attn = eqx.nn.LayerNorm(D, eps=1e-5), EqxSelfAttention(key)
+            self.cross = eqx.nn.Linear(D, D, key=jax.random.fold_in(key, 1))
+
+        def __call__(self, x, memory, mask):
+            x = x + self.self_attn(per_token(self.norm, x), mask)
+            return x + per_token(self.cross, memory)
+
+    class EqxSeq2Seq(eqx.Module):
+        embed: eqx.nn.Linear
+        enc: eqx.nn.Linear
+        enc_norm: eqx.nn.LayerNorm
+        dec: EqxDecoderLayer
+
+        def __init__(self, key):
+            keys = jax.random.split(key, 3)
+            self.embed, self.enc = eqx.nn.Linear(D, D, key=keys[0]), eqx.nn.Linear(D, D, key=keys[1])
+            self.enc_norm, self.dec = eqx.nn.LayerNorm(D, eps=1e-1), EqxDecoderLayer(keys[2])
+
+        def __call__(self, src, tgt):  # (T, D) each: one example
+            memory = per_token(self.enc_norm, per_token(self.enc, src))
+            mask = jnp.tril(jnp.ones((T, T), src.dtype))
+            return self.dec(per_token(self.embed, tgt), memory, mask)
+
+    return EqxSeq2Seq(jax.random.PRNGKey(0))
+
+
+def test_an_equinox_port_keeps_its_mask_too():
+    """Equinox isolation tells constants from activations as NNX does: the mask built per example from constants
+    keeps the port's value, the decoder layer and its attention agree alone, only the planted norm is named."""
+    rng = np.random.default_rng(4)
+    src, tgt = (rng.standard_normal((BATCH, T, D)).astype("float32") for _ in range(2))
+    torch.manual_seed(1)
+    model = TorchSeq2Seq().eval()
+    port = _equinox_seq2seq()
+    report = compare_modules(
+        model, port, (src, tgt), forward=(None, lambda m, s, t: jax.vmap(m)(s, t)), dtype="float32"
+    )
+    assert not report.passed and report.first_divergence is not None, str(report)
+    assert (report.isolation.culprits, report.isolation.flax_culprits) == (["enc_norm"], ["enc_norm"]), str(report)
+    by_name = {r.name: r for r in report.isolation.results}
+    assert by_name["dec"].passed and by_name["dec.self_attn"].passed, str(report)
+    assert report.isolation.kept["dec"] == ["mask"] and report.isolation.kept["dec.self_attn"] == ["mask"], str(report)
+
+
 # --- a record holds a pytree of arrays --------------------------------------------------------------------------------
 
 

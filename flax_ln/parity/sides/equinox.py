@@ -21,7 +21,7 @@ from flax_ln.convert import KeyMap, PytreeTree
 from flax_ln.convert.trees import EquinoxTree, is_equinox_module
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
 from flax_ln.parity.records.pairing import Pairs, ParameterGroups, layer_groups
-from flax_ln.parity.records.replay import PortCall, Replayed, replays
+from flax_ln.parity.records.replay import PortCall, Replayed, nudged, replays
 from flax_ln.parity.sides.equinox_record import EquinoxRecording, call_again, instrumented, recording
 from flax_ln.parity.sides.flax import Parts, Run
 from flax_ln.parity.sides.tree import TreeSide
@@ -152,17 +152,17 @@ class EquinoxSide(TreeSide):
         by dotted path, in call order, with the batch axes ``jax.vmap`` adds (nested ones too) and a scanned
         stack's layers one by one (``layers[3].attn``; see :mod:`~flax_ln.parity.sides.equinox_record`); under
         ``jit`` its values arrive when it runs."""
-        stacked = {
-            path: [x for x in jax.tree_util.tree_leaves(module) if isinstance(x, (jax.Array, np.ndarray))]
-            for path, module in self.submodules().items()
-        }
-        recorder = EquinoxRecording(stacked)
-        with recording(recorder):
-            jax.block_until_ready(forward())
-            jax.effects_barrier()
-        records = recorder.records()
-        self.port_calls = recorder.port_calls()
+        records, self.port_calls = _recorded(self.tree.tree(), forward)
         return records
+
+    def recorded_calls(self) -> Mapping[str, PortCall]:
+        return {name: call for name, (call, _, _) in self.port_calls.items()}
+
+    def record_nudged(self, forward_of: Callable[[Any], Any]) -> Mapping[str, PortCall]:
+        """On a copy of the filled module with its floating arrays nudged (the module is not changed)."""
+        model = nudged(self.tree.tree())
+        _, calls = _recorded(model, lambda: forward_of(instrumented(model)))
+        return {name: call for name, (call, _, _) in calls.items()}
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
         """Its submodules, and each recorded layer of a scanned stack (``layers[3]``, ``layers[3].attn``) as the
@@ -247,6 +247,20 @@ def mirrored_key_map(tree: EquinoxTree, torch_state: Mapping[str, Any]) -> KeyMa
             "written or KeyMap.discover(loader, torch_module, kind='equinox') for the loader that builds the port"
         )
     return KeyMap(rules)
+
+
+def _recorded(module: Any, forward: Callable[[], Any]) -> tuple[Records, dict[str, tuple[PortCall, int, list[int]]]]:
+    """``forward()`` run with the recorders of ``module``'s instrumented copy on: its records, and each call whole
+    (with the ``vmap`` levels it ran under); a scanned stack's layers told apart by ``module``'s stacked arrays."""
+    stacked = {
+        path: [x for x in jax.tree_util.tree_leaves(sub) if isinstance(x, (jax.Array, np.ndarray))]
+        for path, sub in _walk(module, ())
+    }
+    recorder = EquinoxRecording(stacked)
+    with recording(recorder):
+        jax.block_until_ready(forward())
+        jax.effects_barrier()
+    return recorder.records(), recorder.port_calls()
 
 
 def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
