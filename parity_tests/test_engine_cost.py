@@ -14,6 +14,7 @@ from flax import nnx
 import flax_ln
 import flax_ln.parity.compare as compare
 import flax_ln.parity.core.tensor_stats as tensor_stats
+import flax_ln.parity.judge as judge
 import torch_ref
 from flax_ln import GPTConfig
 from flax_ln.parity import Tolerance, compare_modules, compare_tensors, relative_error
@@ -99,7 +100,8 @@ def test_a_passing_comparison_never_asks_for_the_zero_evidence(monkeypatch, x64)
         raise AssertionError("the float64 zero evidence was computed though no gradient needed it")
 
     monkeypatch.setattr(compare, "zero_gradient_names", asked)
-    monkeypatch.setattr(compare, "float64_zero_gradients", asked)
+    monkeypatch.setattr(judge, "zero_gradient_names", asked)
+    monkeypatch.setattr(compare, "float64_gradients", asked)
     torch_model, flax_model, idx = gpt_pair("float64")
     assert compare_modules(torch_model, flax_model, idx, dtype="float64").passed
     torch_model, flax_model, idx = gpt_pair()

@@ -422,7 +422,11 @@ def isolate(
 
 
 def _inside(child: str, parent: str) -> bool:
-    return parent == WHOLE_MODEL and child != WHOLE_MODEL or child.startswith(parent + ".")
+    """Whether ``child`` is a module within ``parent``: a dotted (NNX, torch) or slashed (Keras) descendant, a layer
+    of a scanned stack (``layers[2]``), or a part of the module's own output (a Keras layer's ``(before its
+    activation)``)."""
+    parts = tuple(parent + sep for sep in (".", "/", "[", " ("))
+    return parent == WHOLE_MODEL and child != WHOLE_MODEL or child.startswith(parts)
 
 
 class _Phase:

@@ -290,7 +290,7 @@ def _dropped_parameters(d: Mapping[str, Any]) -> list[str]:
 def _first_divergence(d: Mapping[str, Any]) -> list[str]:
     out = max(d["outputs"], key=lambda r: r.excess)
     ins = ", ".join(f"{r.name} rel {r.relative_error:.2e}" for r in d["inputs"]) or "none compared"
-    named_apart = d["by_parameters"] or d.get("flax_module", d["module"]) != d["module"]  # a scanned layer: h[2]
+    named_apart = d["by_parameters"] or "[" in d.get("flax_module", "")  # a scanned layer (h[2]): both named
     where = f"{d['module']} <-> {d['flax_module']}" if named_apart else d["module"]
     if d.get("between") is not None:
         before, after = d["between"]
