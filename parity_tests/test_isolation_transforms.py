@@ -12,22 +12,13 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from torch_weights import randomized
 
 from flax_ln.convert import KeyMap
 from flax_ln.parity import compare_modules
 
 WIDTH, SEQ, BATCH = 8, 5, 2
 DTYPES = ["float32", "float64"]
-
-
-def randomized(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
-    """Weights of unit scale (norm scales near 1), so that a planted mistake shows at float32's tolerance."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else noise / (p[0].numel() ** 0.5 or 1.0))
-    return model.to(getattr(torch, dtype)).eval()
 
 
 class TorchBlock(torch.nn.Module):

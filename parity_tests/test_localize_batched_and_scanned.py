@@ -15,21 +15,13 @@ from flax import linen, nnx
 
 eqx = pytest.importorskip("equinox", reason="equinox is an optional dependency (the test extra installs it)")
 
+from torch_weights import randomized  # noqa: E402
+
 from flax_ln.convert import KeyMap  # noqa: E402
 from flax_ln.parity import Linen, compare_modules  # noqa: E402
 
 WIDTH, SEQ, BATCH, HEADS = 8, 5, 2, 2
 DTYPES = ["float32", "float64"]
-
-
-def randomized(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
-    """Weights of unit scale (norm scales near 1), so that a planted mistake shows at float32's tolerance."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else noise / (p[0].numel() ** 0.5 or 1.0))
-    return model.to(getattr(torch, dtype)).eval()
 
 
 # --- an Equinox transformer written per example ----------------------------------------------------------------------
