@@ -52,7 +52,8 @@ def keras():
 def keras_hub(keras):
     """keras-hub (installed with --no-deps, see .ci/run); skipped without it, failed under CI=true."""
     return optional_package(
-        "keras_hub", "pip install --no-deps keras-hub==0.32.0; pip install sentencepiece 'kagglehub!=1.0.1' kagglesdk==0.1.28"
+        "keras_hub",
+        "pip install --no-deps keras-hub==0.32.0; pip install sentencepiece 'kagglehub!=1.0.1' kagglesdk==0.1.28",
     )
 
 
