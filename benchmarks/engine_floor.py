@@ -6,7 +6,12 @@ dtype, in ONE command:
 
 * the floor's three parts, in a fresh subprocess (torch forward+backward, flax compile, flax forward+backward);
 * ``compare_modules`` with an explicit ``dtype`` (float64: islands lifted, the default), in another fresh
-  subprocess;
+  subprocess; with ``--dtype default``, ``compare_modules`` with no ``dtype`` on float32 models (the float32 run and
+  the float64 check, islands lifted), against the sum of the float32 and float64 floors, each in its own subprocess;
+* with ``--profile``, the engine's call again with its phases timed (:data:`PHASES`, in a third fresh subprocess,
+  so the timed call above is untouched): per run (the float64 check, the float32 run) the float64 copy of the
+  torch model, torch's forward and backward, the flax load, the flax side's trace, compile and run (of it XLA's
+  compile), the judging of the results, and the rest;
 
 then prints each time, the ratio of ``compare_modules`` to the floor, and each subprocess's peak RSS
 (``ru_maxrss``: a fresh process per measurement, so the peak is that measurement's), next to the size of both
@@ -15,6 +20,8 @@ model ``torch_ref.GPT``, the flax model ``flax_ln.GPT`` with ``scan_layers=True`
 
     python benchmarks/engine_floor.py --model gpt2 --dtype float32
     python benchmarks/engine_floor.py --model gpt2 --dtype float64
+    python benchmarks/engine_floor.py --model gpt2 --dtype default         # no dtype: float32 and the float64 check
+    python benchmarks/engine_floor.py --model gpt2 --dtype default --profile  # and where the engine's time goes
     python benchmarks/engine_floor.py --model gpt2-xl --dtype float32       # T=64 by default; needs ~24 GiB
 
 Run it alone on the machine: the peak RSS and the times are only meaningful on a quiet host.
@@ -110,43 +117,126 @@ def measure_floor(model: str, dtype: str, seq: int) -> dict:
     return dict(torch_s=torch_s, compile_s=compile_s, flax_s=flax_s, n_params=n_params, peak_gib=_peak_gib())
 
 
-def measure_engine(model: str, dtype: str, seq: int) -> dict:
-    """``compare_modules`` with an explicit ``dtype`` (the verdict is printed, so a failing run is seen)."""
+def measure_engine(model: str, dtype: str, seq: int, profile: bool = False) -> dict:
+    """``compare_modules`` with an explicit ``dtype``, or none for ``"default"`` (on float32 models); the verdict
+    is printed, so a failing run is seen. ``profile``: with :data:`PHASES` timed (:class:`PhaseClock`)."""
     import jax
 
     from flax_ln.parity import compare_modules
 
     with jax.enable_x64(dtype == "float64"):
-        torch_model, flax_model, idx, _ = _models(model, dtype, seq)
+        torch_model, flax_model, idx, _ = _models(model, "float32" if dtype == "default" else dtype, seq)
     # torch imports torch._dynamo (1-2 s) the first time a process enters a dispatch mode, which float64's island
     # lifting uses: a once-per-process import like `import torch`, timed apart and not counted as the engine's
     t_import = time.perf_counter()
     import torch._dynamo  # noqa: F401
 
     import_s = time.perf_counter() - t_import
+    clock = PhaseClock() if profile else None
     before = _peak_gib()
     sampler = PeakAnonymous()
     sampler.start()
+    options = {} if dtype == "default" else {"dtype": dtype}
     t0 = time.perf_counter()
-    report = compare_modules(torch_model, flax_model, idx, dtype=dtype)
+    report = compare_modules(torch_model, flax_model, idx, **options)
     engine_s = time.perf_counter() - t0
     sampler.done.set()
     worst = max(report.results, key=lambda r: r.relative_error)
+    check = report.float64_check
     return dict(
         engine_s=engine_s,
         import_s=import_s,
         passed=report.passed,
         worst=f"{worst.name} rel {worst.relative_error:.2e}",
+        check=None if check is None else f"float64 check passed={check.passed}, {check.seconds:.1f} s",
         peak_before_gib=before,
         peak_gib=_peak_gib(),
         peak_anonymous_gib=sampler.peak_kib / 2**20,
         grad_left=any(p.grad is not None for p in torch_model.parameters()),
+        phases=None if clock is None else clock.seconds,
     )
 
 
-def _in_subprocess(part: str, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--part", part, "--model", args.model, "--dtype", args.dtype]
-    command += ["--seq-len", str(args.seq_len)]
+# The engine's phases, each timed where the engine calls the function that does it: (phase, module, attribute).
+# XLA's compile is part of the flax side's values; what the phases leave out of a run is its "rest".
+PHASES = [
+    ("torch model in float64 (copy)", "flax_ln.parity.compare", "torch_model_for"),
+    ("torch forward and backward", "flax_ln.parity.compare", "run_torch_side"),
+    ("flax load", "flax_ln.parity.sides.nnx", "NNXSide.load"),
+    ("flax trace, compile and run", "flax_ln.parity.sides.flax", "FlaxSide.values"),
+    ("  of it XLA's compile", "jax._src.compiler", "backend_compile_and_load"),
+    ("judging the results", "flax_ln.parity.compare", "judge"),
+]
+
+
+class PhaseClock:
+    """Times :data:`PHASES` by wrapping each function where the engine looks it up (a context manager: its entry),
+    per run of ``Comparison.run`` (``"float64"``, ``"float32"``): ``seconds[run][phase]``, and ``"whole run"``."""
+
+    def __init__(self) -> None:
+        import contextlib
+        import functools
+        import importlib
+
+        self.seconds: dict[str, dict[str, float]] = {}
+        self.run = "outside a run"
+
+        def add(phase: str, started: float) -> None:
+            run = self.seconds.setdefault(self.run, {})
+            run[phase] = run.get(phase, 0.0) + time.perf_counter() - started
+
+        def timed(phase: str, fn):
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    add(phase, started)
+
+            return call
+
+        def timed_entry(phase: str, fn):
+            @contextlib.contextmanager
+            def scope(*args, **kwargs):
+                started = time.perf_counter()
+                with fn(*args, **kwargs) as value:
+                    add(phase, started)
+                    yield value
+
+            return scope
+
+        def timed_run(fn):
+            @functools.wraps(fn)
+            def call(comparison, dtype, *args, **kwargs):
+                self.run, started = dtype, time.perf_counter()
+                try:
+                    return fn(comparison, dtype, *args, **kwargs)
+                finally:
+                    add("whole run", started)
+                    self.run = "outside a run"
+
+            return call
+
+        compare = importlib.import_module("flax_ln.parity.compare")
+        compare.Comparison.run = timed_run(compare.Comparison.run)
+        for phase, module_name, attribute in PHASES:
+            owner = importlib.import_module(module_name)
+            *classes, name = attribute.split(".")
+            for class_name in classes:
+                owner = getattr(owner, class_name)
+            raw = owner.__dict__[name]
+            if isinstance(raw, classmethod):
+                setattr(owner, name, classmethod(timed(phase, raw.__func__)))
+            elif name == "torch_model_for":
+                setattr(owner, name, timed_entry(phase, raw))
+            else:
+                setattr(owner, name, timed(phase, raw))
+
+
+def _in_subprocess(part: str, args: argparse.Namespace, dtype: str | None = None, profile: bool = False) -> dict:
+    command = [sys.executable, __file__, "--part", part, "--model", args.model, "--dtype", dtype or args.dtype]
+    command += ["--seq-len", str(args.seq_len)] + (["--profile"] if profile else [])
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}  # no accelerator probing
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode != 0:  # -9: killed, most likely by the kernel for memory
@@ -155,41 +245,71 @@ def _in_subprocess(part: str, args: argparse.Namespace) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _floor(args: argparse.Namespace, dtype: str) -> tuple[dict, float]:
+    floor = _in_subprocess("floor", args, dtype)
+    if "failed" in floor:
+        raise SystemExit(floor["failed"])
+    total = floor["torch_s"] + floor["compile_s"] + floor["flax_s"]
+    print(
+        f"floor, {dtype}: torch fwd+bwd {floor['torch_s']:.1f} s + flax compile {floor['compile_s']:.1f} s + "
+        f"flax fwd+bwd {floor['flax_s']:.1f} s = {total:.1f} s (peak RSS {floor['peak_gib']:.2f} GiB)"
+    )
+    return floor, total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODELS), default="gpt2")
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float64", "default"],
+        default="float32",
+        help="default: no dtype argument (float32 models; the float32 run and the float64 check)",
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="default: 128 (gpt2, gpt2-medium), 64 (gpt2-xl)")
+    parser.add_argument("--profile", action="store_true", help="also the engine's call with its phases timed")
     parser.add_argument("--part", choices=["floor", "engine"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.seq_len = args.seq_len or DEFAULT_SEQ[args.model]
     if args.part is not None:  # one measurement, in its own process
-        measure = measure_floor if args.part == "floor" else measure_engine
-        print(json.dumps(measure(args.model, args.dtype, args.seq_len)))
+        if args.part == "floor":
+            print(json.dumps(measure_floor(args.model, args.dtype, args.seq_len)))
+        else:
+            print(json.dumps(measure_engine(args.model, args.dtype, args.seq_len, args.profile)))
         return
-    floor = _in_subprocess("floor", args)
-    if "failed" in floor:
-        raise SystemExit(floor["failed"])
+    floor_dtypes = ["float32", "float64"] if args.dtype == "default" else [args.dtype]
+    floors = [_floor(args, d) for d in floor_dtypes]
+    total = sum(t for _, t in floors)
+    n_params = floors[0][0]["n_params"]
     engine = _in_subprocess("engine", args)
-    total = floor["torch_s"] + floor["compile_s"] + floor["flax_s"]
-    weights_gib = floor["n_params"] * (4 if args.dtype == "float32" else 8) * 4 / 2**30
-    print(f"{args.model}, {args.dtype}, B=1, T={args.seq_len}, {floor['n_params'] / 1e6:.0f}M parameters")
-    print(
-        f"floor: torch fwd+bwd {floor['torch_s']:.1f} s + flax compile {floor['compile_s']:.1f} s + "
-        f"flax fwd+bwd {floor['flax_s']:.1f} s = {total:.1f} s (peak RSS {floor['peak_gib']:.2f} GiB)"
-    )
+    weights_gib = n_params * (4 if args.dtype == "float32" else 8) * 4 / 2**30
+    print(f"{args.model}, {args.dtype}, B=1, T={args.seq_len}, {n_params / 1e6:.0f}M parameters")
     if "failed" in engine:
         raise SystemExit(f"compare_modules: {engine['failed']}")
     print(
-        f"compare_modules: {engine['engine_s']:.1f} s = {engine['engine_s'] / total:.2f}x the floor; "
-        f"passed={engine['passed']} (worst: {engine['worst']}); .grad left on the torch module: {engine['grad_left']}"
+        f"compare_modules: {engine['engine_s']:.1f} s = {engine['engine_s'] / total:.2f}x the floor "
+        f"({total:.1f} s); passed={engine['passed']} (worst: {engine['worst']}); "
+        f".grad left on the torch module: {engine['grad_left']}"
     )
+    if engine["check"] is not None:
+        print(f"  of it the {engine['check']}")
     print(f"not counted: torch's one-time import of torch._dynamo, {engine['import_s']:.1f} s")
     print(
         f"peak RSS: {engine['peak_gib']:.2f} GiB, of it anonymous {engine['peak_anonymous_gib']:.2f} GiB "
         f"({engine['peak_before_gib']:.2f} GiB with both models built); "
         f"both sides' weights and gradients: {weights_gib:.2f} GiB"
+        + (" (float64's: the check's copies)" if args.dtype == "default" else "")
     )
+    if args.profile:
+        profiled = _in_subprocess("engine", args, profile=True)
+        if "failed" in profiled:
+            raise SystemExit(f"compare_modules with its phases timed: {profiled['failed']}")
+        print(f"with its phases timed (another fresh process): {profiled['engine_s']:.1f} s; seconds by phase:")
+        for run, phases in profiled["phases"].items():
+            whole = phases.pop("whole run", 0.0)
+            rest = whole - sum(t for p, t in phases.items() if not p.startswith(" "))
+            cells = ", ".join(f"{p.strip()} {t:.2f}" for p, t in phases.items())
+            print(f"  {run} run, {whole:.2f} s: {cells}, rest {rest:.2f}")
 
 
 if __name__ == "__main__":

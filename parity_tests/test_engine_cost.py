@@ -157,3 +157,107 @@ def test_a_gradient_that_cannot_go_to_a_file_stays_in_memory(monkeypatch, tmp_pa
     with pytest.warns(RuntimeWarning, match="stays in memory"):
         kept = spill.to_file(array)
     assert kept is array and not list(tmp_path.iterdir())  # no file left behind
+
+
+def test_float64_parameters_given_back_are_the_callers_and_taken_again_exactly():
+    from flax_ln.parity.islands.torch import torch_in_float64
+
+    torch_model, _, _ = gpt_pair()
+    own = {n: p.data for n, p in torch_model.named_parameters()}
+    with torch_in_float64(torch_model) as cast:
+        doubled = {n: p.data.clone() for n, p in torch_model.named_parameters()}
+        assert all(t.dtype == torch.float64 for t in doubled.values())
+        cast.release()
+        assert all(same_tensor(p.data, own[n]) for n, p in torch_model.named_parameters())  # the caller's, no copy
+        cast.restore()
+        assert all(torch.equal(p.data, doubled[n]) for n, p in torch_model.named_parameters())  # the same values
+        assert all(p.data.dtype == torch.float64 for p in torch_model.parameters())
+    assert all(same_tensor(p.data, own[n]) for n, p in torch_model.named_parameters())
+
+
+def same_tensor(a, b) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+
+
+def test_the_float64_check_loads_from_the_callers_weights_after_freeing_torchs_copy(monkeypatch):
+    import flax_ln.convert.rules as rules
+
+    torch_model, flax_model, idx = gpt_pair()
+    seen = []
+    load = rules.load_with_rules
+
+    def watched(model, state_dict, **kwargs):
+        seen.append(
+            (
+                {str(p.dtype) for p in torch_model.parameters()},  # what the torch model holds while flax loads
+                np.shares_memory(state_dict["lm_head.weight"], torch_model.lm_head.weight.detach().numpy()),
+            )
+        )
+        return load(model, state_dict, **kwargs)
+
+    monkeypatch.setattr(rules, "load_with_rules", watched)
+    report = compare_modules(torch_model, flax_model, idx)  # the float64 check, then float32
+    assert report.passed and report.float64_check.passed
+    # the check loaded the caller's float32 weights (cast exactly) while torch's float64 copy was already given back
+    assert seen == [({"torch.float32"}, True), ({"torch.float32"}, True)]
+    assert max(r.relative_error for r in report.float64_check.results) < 1e-12  # float64 rounding: weights exact
+
+
+def test_localisation_in_the_float64_check_runs_torch_in_float64_again():
+    torch_model, flax_model, idx = gpt_pair()
+    flax_model.transformer.h.ln_2.eps = 1e-1  # a planted difference
+    report = compare_modules(torch_model, flax_model, idx)
+    check = report.float64_check
+    assert not check.passed and check.first_divergence is not None
+    assert "ln_2" in check.first_divergence.module
+    # torch's modules recorded on its float64 parameters again: no float32 weight met (and widened) on the way
+    assert not [island for island in check.islands if island.side == "torch"], check.islands
+    assert all(p.dtype == torch.float32 for p in torch_model.parameters())
+
+
+def test_many_pairs_read_at_once_have_each_pairs_statistics():
+    rng = np.random.default_rng(1)
+    pairs = {f"t{i}": (rng.standard_normal(s), rng.standard_normal(s)) for i, s in enumerate([(3, 4), (50,), ()])}
+    pairs["unreadable"] = (np.ones(3), np.ones(4))  # shapes that do not broadcast: the caller's checks say why
+    stats = tensor_stats.many_pair_stats(pairs)
+    assert list(stats) == list(pairs) and stats["unreadable"] is None
+    for name in ["t0", "t1", "t2"]:
+        assert stats[name] == tensor_stats.pair_stats(*pairs[name])
+
+
+def test_zero_from_the_judged_norms_is_zero_gradient_names():
+    from flax_ln.parity.core.policy import zero_gradient_names
+
+    rng = np.random.default_rng(2)
+    torch_grads = {"a": rng.standard_normal(50), "b": np.zeros(5), "c": rng.standard_normal(5) * 1e-20}
+    flax_grads = {k: v + 1e-17 * rng.standard_normal(v.shape) for k, v in torch_grads.items()}
+    stats = tensor_stats.many_pair_stats({k: (flax_grads[k], torch_grads[k]) for k in torch_grads})
+    from_norms = judge.zero_by_norms({k: s.expected_norm for k, s in stats.items()}) & judge.zero_by_norms(
+        {k: s.actual_norm for k, s in stats.items()}
+    )
+    assert from_norms == zero_gradient_names(torch_grads, flax_grads) == {"b", "c"}
+
+
+def test_large_host_buffers_are_page_aligned_maps_that_jax_uses_in_place():
+    from flax_ln.convert.assign import BASE_PAGES_FROM, assign, host_buffer
+
+    small, large = host_buffer((3, 5), np.float32), host_buffer((BASE_PAGES_FROM // 8,), np.float64)
+    assert small.ctypes.data % 64 == 0 and large.ctypes.data % 4096 == 0
+    large[...] = 1.5
+    variable = nnx.Param(jax.ShapeDtypeStruct(large.shape, np.float64))
+    with jax.enable_x64(True):
+        assign(variable, large, owned=True)
+        assert variable.get_value().unsafe_buffer_pointer() == large.ctypes.data  # no copy of the weights
+        assert float(variable.get_value()[-1]) == 1.5
+
+
+def test_output_cotangents_are_the_float64_draws_cast():
+    from flax_ln.parity.sides.torch import output_cotangents
+
+    outputs = {"logits": np.zeros((2, 3), np.float32), "ids": np.zeros(2, np.int64), "h": np.zeros(4)}
+    drawn = output_cotangents(outputs)
+    rng = np.random.default_rng(0)  # the definition: float64 draws in order, cast to each output's dtype
+    assert list(drawn) == ["logits", "h"]
+    np.testing.assert_array_equal(drawn["logits"], rng.standard_normal((2, 3)).astype(np.float32))
+    np.testing.assert_array_equal(drawn["h"], rng.standard_normal(4))
+    assert drawn["logits"].dtype == np.float32 and drawn["h"].dtype == np.float64

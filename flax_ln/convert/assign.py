@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from typing import Any, TypeVar
 
 import jax
@@ -47,13 +48,23 @@ def dtype_problem(got: np.dtype, want: np.dtype) -> str | None:
 
 
 ALIGNMENT = 64  # bytes: a host buffer aligned like this is one JAX on the CPU can use in place
+BASE_PAGES_FROM = 1 << 22  # bytes: NumPy advises transparent huge pages for an array this large (see host_buffer)
 
 
 def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialised array aligned to :data:`ALIGNMENT` bytes: filled and given to :func:`assign` with
-    ``owned=True``, it becomes the variable's value without another copy (JAX on the CPU aliases it)."""
+    ``owned=True``, it becomes the variable's value without another copy (JAX on the CPU aliases it).
+
+    One of :data:`BASE_PAGES_FROM` bytes or more is a private anonymous memory map of its own (page-aligned),
+    faulted in base pages: NumPy would advise huge pages for it, and on a virtual machine whose balloon hands
+    free 2 MiB blocks back to the host (free page reporting) each fresh huge page is faulted in from the host
+    again. Measured on the 2-core CI machine: 1.3 GiB written in 2.9 s through huge pages, 0.45 s in base
+    pages. The map is unmapped when the last array over it goes."""
     dtype = np.dtype(dtype)
     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size >= BASE_PAGES_FROM:
+        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(memory, dtype).reshape(shape)
     raw = np.empty(size + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start : start + size].view(dtype).reshape(shape)
@@ -75,9 +86,10 @@ def copy_into(dest: np.ndarray, source: np.ndarray) -> None:
             np.copyto(dest[..., i : i + TILE, j : j + TILE], source[..., i : i + TILE, j : j + TILE], casting="unsafe")
 
 
-def contiguous_copy(source: np.ndarray) -> np.ndarray:
-    """An owned C-contiguous copy of ``source`` (:func:`copy_into`)."""
-    out = np.empty(source.shape, source.dtype)
+def owned_copy(source: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """An owned C-contiguous copy of ``source`` in ``dtype`` (default: its own), in a :func:`host_buffer`
+    (:func:`copy_into`)."""
+    out = host_buffer(source.shape, source.dtype if dtype is None else dtype)
     copy_into(out, source)
     return out
 

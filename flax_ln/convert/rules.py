@@ -39,9 +39,10 @@ from flax_ln.convert.assign import (
     ModuleT,
     as_numpy,
     assign,
-    contiguous_copy,
+    copy_into,
     dtype_problem,
     host_buffer,
+    owned_copy,
 )
 from flax_ln.convert.errors import ConversionError, MissingRuleError
 from flax_ln.convert.layouts import Permute
@@ -427,7 +428,7 @@ def _torch_layout(entry: _Entry, host_values: dict[int, np.ndarray], views: bool
         value = value[entry.layer]
     if entry.leaf.layout is not None:
         value = value.transpose(entry.leaf.layout.to_torch(value.ndim))
-    return value if views else contiguous_copy(value)
+    return value if views else owned_copy(value)
 
 
 def _aliases(expected: Iterable[str], keys: Iterable[str], ties: Mapping[str, Iterable[str]]) -> dict[str, str]:
@@ -525,7 +526,7 @@ def load_with_rules(
         if len(layers) < var.shape[0]:  # strict=False with some layers absent: fill in from the current value
             new[...] = np.asarray(var[...])
         for i, arr in layers.items():
-            new[i] = arr
+            copy_into(new[i], arr)  # tile by tile where the layout transposes it
         assign(var, new, owned=True)
     return model
 

@@ -34,6 +34,7 @@ from flax_ln.parity.sides.torch import (
     record_torch_side,
     resolve_dtype,
     run_torch_side,
+    share_parameters,
     with_tangents,
 )
 from flax_ln.pytest_plugin import page_path
@@ -417,7 +418,7 @@ class Comparison:
         found = Found()
         with (
             numerics(dtype),
-            torch_model_for(self.torch_module, dtype, self.islands, self.torch_factory, found) as model,
+            torch_model_for(self.torch_module, dtype, self.islands, self.torch_factory, found) as (model, cast),
         ):
             phase("torch forward and backward")
             with torch_lifted(model, dtype, self.islands, found):
@@ -433,11 +434,23 @@ class Comparison:
                     spill_gradients=should_spill(sum(p.nbytes for p in model.parameters())),
                 )
 
-            def rerun(tangents: dict[str, np.ndarray]) -> TorchSide:
-                with torch_lifted(model, dtype, self.islands, found):
-                    return with_tangents(side, model, call, tangents)
+            if cast is not None and self.weights is None and opts["mode"] == "grad" and not self.attribute:
+                # the rule table loads torch's values as they are (no arithmetic): from the caller's own parameters,
+                # cast exactly, so the float64 copies are freed now and the flax side's weights take their memory
+                cast.release()
+                share_parameters(side, model)
 
-            float64_grads = functools.cache(lambda: float64_gradients(side, model, call))  # float64's word on zero
+            def float64_model():  # the torch model as the run had it, for a run after the flax side's load (its
+                if cast is not None:  # parameters cast again outside any lifting scope, which would list the casts)
+                    cast.restore()
+                return model
+
+            def rerun(tangents: dict[str, np.ndarray]) -> TorchSide:
+                again = float64_model()
+                with torch_lifted(again, dtype, self.islands, found):
+                    return with_tangents(side, again, call, tangents)
+
+            float64_grads = functools.cache(lambda: float64_gradients(side, float64_model(), call))  # zero's word
             phase("flax load, compile and run")
             with flax_lifted(dtype, self.islands, found):
                 if self.flax_factory is not None:
@@ -467,8 +480,9 @@ class Comparison:
                 phase("localisation")
                 try:
                     if self.kind.localization_note is None:  # a kind without modules has no pairs for the records
-                        with torch_lifted(model, dtype, self.islands, found):
-                            record_torch_side(side, model, call.forward[0])
+                        again = float64_model()
+                        with torch_lifted(again, dtype, self.islands, found):
+                            record_torch_side(side, again, call.forward[0])
                 except Exception as err:  # noqa: BLE001 - localisation never costs the verdict; the error is reported
                     side.records = None
                     report.localization_note = (

@@ -21,8 +21,10 @@ from flax_ln.parity.core.policy import (
     lm_metrics,
     relative_error,
     whole_norm,
+    zero_by_norms,
     zero_gradient_names,
 )
+from flax_ln.parity.core.tensor_stats import PairStats, many_pair_stats
 from flax_ln.parity.report.data import ParityReport
 from flax_ln.parity.sides.flax import FlaxSide
 from flax_ln.parity.sides.torch import TorchSide
@@ -61,15 +63,24 @@ def judge(
     norm = functools.cache(lambda: whole_norm(side.expected[k] for k in param_grads))
     both_in_float64 = dtype == "float64" and all(k in actual for k in param_grads)
     zero: set[str] | None = None
+    stats = many_pair_stats(
+        {k: (actual[k], v) for k, v in side.expected.items() if k in actual and np.shape(actual[k]) == np.shape(v)}
+    )
 
     def zero_now() -> set[str]:  # float64's word, asked for once
         nonlocal zero
         if zero is None:
-            zero = (
-                zero_gradient_names({k: side.expected[k] for k in param_grads}, {k: actual[k] for k in param_grads})
-                if both_in_float64
-                else zero_evidence()
-            )
+            if not both_in_float64:
+                zero = zero_evidence()
+            elif all(_finite_float64(stats.get(k), actual[k], side.expected[k]) for k in param_grads):
+                # each side's gradient norms, read already with the errors: zero_gradient_names without a second pass
+                flax_norms = {k: stats[k].actual_norm for k in param_grads}  # type: ignore[union-attr]
+                torch_norms = {k: stats[k].expected_norm for k in param_grads}  # type: ignore[union-attr]
+                zero = zero_by_norms(torch_norms) & zero_by_norms(flax_norms)
+            else:
+                zero = zero_gradient_names(
+                    {k: side.expected[k] for k in param_grads}, {k: actual[k] for k in param_grads}
+                )
         return zero
 
     results = []
@@ -84,7 +95,14 @@ def judge(
             else None
         )
         judged = functools.partial(
-            compare_tensors, k, kind, actual.get(k), v, tolerances[TOLERANCE_OF[kind]], dtype=check_dtype
+            compare_tensors,
+            k,
+            kind,
+            actual.get(k),
+            v,
+            tolerances[TOLERANCE_OF[kind]],
+            dtype=check_dtype,
+            stats=stats.get(k),
         )
         result = judged()
         if kind == "param grad" and not result.passed and judged(gradient_norm=norm(), zero_in_float64=True).passed:
@@ -99,6 +117,18 @@ def judge(
     report.frozen = list(side.frozen)
     report.dropped_outputs = merge_dropped(side.dropped_outputs, dropped)
     return report, actual, set() if zero is None else zero
+
+
+def _finite_float64(stats: PairStats | None, actual: np.ndarray, expected: np.ndarray) -> bool:
+    """Whether ``stats`` hold both sides' whole norms: every element finite, both float64 (else
+    :func:`zero_gradient_names` reads them again, and says what is wrong)."""
+    return (
+        stats is not None
+        and not any(stats.nan.values())
+        and not any(stats.inf.values())
+        and np.asarray(actual).dtype == np.float64
+        and np.asarray(expected).dtype == np.float64
+    )
 
 
 def add_lm_metrics(report: ParityReport, side: TorchSide, actual: Mapping[str, np.ndarray], lm_logits: str) -> None:

@@ -11,8 +11,11 @@ cache; the results are the same quantities (sums of squares are added block by b
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
+from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
@@ -141,3 +144,20 @@ def pair_stats(actual: np.ndarray, expected: np.ndarray) -> PairStats:
         scale_norm = math.sqrt(scale_squares)
         relative = diff_norm / scale_norm if scale_norm > 0 else diff_norm
     return PairStats(nan, inf, max_abs, index, relative, diff_norm, math.sqrt(actual_squares), math.sqrt(scale_squares))
+
+
+READERS = min(4, os.cpu_count() or 1)  # threads that read pairs at once: NumPy's loops release the GIL
+
+
+def many_pair_stats(pairs: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, PairStats | None]:
+    """:func:`pair_stats` of each ``(actual, expected)`` pair by name, :data:`READERS` pairs at a time; ``None``
+    for a pair it cannot read (the caller's own checks say why)."""
+
+    def read(pair: tuple[np.ndarray, np.ndarray]) -> PairStats | None:
+        try:
+            return pair_stats(*pair)
+        except Exception:  # noqa: BLE001 - the caller judges this pair again, and meets the error where it did
+            return None
+
+    with concurrent.futures.ThreadPoolExecutor(READERS) as pool:
+        return dict(zip(pairs, pool.map(read, pairs.values())))

@@ -24,7 +24,7 @@ from typing import Any
 import flax_ln.parity.islands.jax as jax_islands
 import flax_ln.parity.islands.torch as torch_islands
 from flax_ln.parity.islands.island import Island
-from flax_ln.parity.islands.torch import torch_in_float64
+from flax_ln.parity.islands.torch import Float64Parameters, torch_in_float64
 
 ISLAND_MODES = ("lift", "keep")
 
@@ -50,25 +50,30 @@ class Found:
 @contextlib.contextmanager
 def torch_model_for(
     torch_module: Any, dtype: str, islands: str, factory: Callable[[], Any] | None, found: Found
-) -> Iterator[Any]:
+) -> Iterator[tuple[Any, Float64Parameters | None]]:
     """The torch model a comparison in ``dtype`` runs: the caller's module, in float64 for this scope when the
     comparison is float64 and the module is not (restored after, exactly), or, with lifting and a factory,
-    a float64 copy rebuilt with its construction-time buffers in float64. Built-in islands go into ``found``."""
+    a float64 copy rebuilt with its construction-time buffers in float64. Built-in islands go into ``found``.
+    With it, the parameters this scope cast to float64 (:class:`~flax_ln.parity.islands.torch.Float64Parameters`,
+    which may be given back early), or ``None`` where it cast none."""
     if dtype != "float64":
-        yield torch_module
+        yield torch_module, None
         return
     given = factory is not None  # the caller's factory must build the caller's model; the default rebuilds it
     factory = (factory or torch_islands.default_factory(torch_module)) if islands == "lift" else None
     if factory is not None:
         model, built = torch_islands.build_lifted(factory, torch_module, same_model=given)
         found.add(built)
-        yield model
+        yield model, None
         return
     weights = set(torch_module.state_dict())
-    in_float64 = all(str(t.dtype) == "torch.float64" for t in _floats(torch_module))
-    with contextlib.nullcontext() if in_float64 else torch_in_float64(torch_module):
+    if all(str(t.dtype) == "torch.float64" for t in _floats(torch_module)):
         found.add(torch_islands.rounded_buffers(torch_module, weights))
-        yield torch_module
+        yield torch_module, None
+        return
+    with torch_in_float64(torch_module) as cast:
+        found.add(torch_islands.rounded_buffers(torch_module, weights))
+        yield torch_module, cast
 
 
 def _floats(module: Any) -> list[Any]:

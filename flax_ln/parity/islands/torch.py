@@ -93,6 +93,16 @@ def _modes() -> tuple[type, type]:
 
     lift = _lift_map()
 
+    @functools.cache
+    def schema_of(func) -> tuple[str, tuple[tuple[int, str], ...], tuple[str, ...]]:
+        """An aten op's name, the (index, name) of each argument it writes into, and its arguments' names: read
+        from its schema once per op, not on every call (a GPT-2's forward and backward dispatch thousands)."""
+        arguments = func._schema.arguments
+        writes = tuple(
+            (i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        return str(func.overloadpacket), writes, tuple(a.name for a in arguments)
+
     def tensors(tree) -> list[Any]:
         return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -149,13 +159,8 @@ def _modes() -> tuple[type, type]:
             kwargs = kwargs or {}
             if func.is_view or self.lifting.paused:
                 return func(*args, **kwargs)
-            op = str(func.overloadpacket)
-            written = [
-                value
-                for index, argument in enumerate(func._schema.arguments)
-                if argument.alias_info is not None and argument.alias_info.is_write
-                for value in [args[index] if index < len(args) else kwargs.get(argument.name)]
-            ]
+            op, writes, _ = schema_of(func)
+            written = [args[index] if index < len(args) else kwargs.get(name) for index, name in writes]
             if any(t.dtype in lift for t in tensors(written)):
                 self.lifting.note(f"{op} writes into a float32 tensor", lifted=False)
                 return func(*args, **kwargs)
@@ -177,7 +182,7 @@ def _modes() -> tuple[type, type]:
 
         def lift_arguments(self, func, op: str, args: list[Any], kwargs: dict[str, Any]):
             """The op's arguments with float32 dtypes, ``half_to_float`` and float32 tensors lifted."""
-            names = [argument.name for argument in func._schema.arguments]
+            names = schema_of(func)[2]
             args = [self.lift_dtype(op, name, value) for name, value in zip(names, args)]
             kwargs = {name: self.lift_dtype(op, name, value) for name, value in kwargs.items()}
             if op in ("aten._softmax", "aten._log_softmax") and args[2] is True:  # of a half input, in float32
@@ -529,15 +534,40 @@ def rounded_buffers(module, weights_keys: set[str]) -> list[Island]:
     return islands
 
 
+class Float64Parameters:
+    """The float64 parameters :func:`torch_in_float64` gave a module, which a comparison may give back before its
+    scope ends (:meth:`release`: each such parameter holds its own tensor again, and the float64 copy is freed
+    once nothing else holds it) and take again when the float64 module is needed (:meth:`restore`: the same
+    float64 values, since float64 holds every value of a narrower float exactly)."""
+
+    def __init__(self, doubled: list[tuple[Any, Any]]) -> None:
+        self._doubled = doubled  # (parameter, its own tensor) for each parameter the scope cast
+        self.released = False
+
+    def release(self) -> None:
+        for p, own in self._doubled:
+            p.data = own
+        self.released = True
+
+    def restore(self) -> None:
+        if self.released:
+            for p, own in self._doubled:
+                p.data = own.double()
+            self.released = False
+
+
 @contextlib.contextmanager
-def torch_in_float64(module) -> Iterator[None]:
+def torch_in_float64(module) -> Iterator[Float64Parameters]:
     """``module`` in float64 for this scope, then exactly as it was (:func:`kept_as_it_is`). (A deep copy is not
-    always possible: torch refuses to copy non-leaf tensors held as attributes.)"""
+    always possible: torch refuses to copy non-leaf tensors held as attributes.) Yields the parameters it cast
+    (:class:`Float64Parameters`)."""
     with kept_as_it_is(module):
         for p in module.parameters():
             p.grad = None
+        torch = _torch()
+        doubled = [(p, p.data) for p in module.parameters() if p.is_floating_point() and p.dtype != torch.float64]
         module.double()
-        yield
+        yield Float64Parameters(doubled)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from flax_ln.convert.assign import host_buffer, owned_copy
 from flax_ln.parity.core.call import (
     Call,
     flatten_outputs,
@@ -36,15 +37,17 @@ def _torch():
 
 
 def output_cotangents(outputs: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
-    """Fixed random cotangents for the floating outputs, shared by both sides."""
+    """Fixed random cotangents for the floating outputs, shared by both sides: drawn in float64, then cast to
+    each output's dtype (into :func:`~flax_ln.convert.assign.host_buffer` s: a vocabulary's logits are large)."""
     rng = np.random.default_rng(seed)
-    return {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in outputs.items() if is_float(v)}
+    drawn = {k: rng.standard_normal(out=host_buffer(v.shape, np.float64)) for k, v in outputs.items() if is_float(v)}
+    return {k: d if outputs[k].dtype == d.dtype else owned_copy(d, outputs[k].dtype) for k, d in drawn.items()}
 
 
 def to_numpy(value: Any) -> np.ndarray:
     """A torch tensor or a Python number as a NumPy array of its own (a copy: later in-place ops cannot change it)."""
     if hasattr(value, "detach"):
-        return value.detach().cpu().numpy().copy()
+        return owned_copy(value.detach().cpu().numpy())
     return np.array(value)
 
 
@@ -451,21 +454,31 @@ def read_only_view(tensor) -> np.ndarray:
     return view
 
 
-def _state_dict(torch_module, share: bool = False) -> dict[str, np.ndarray]:
+def _state_dict(torch_module, share: bool = False, parameters_only: bool = False) -> dict[str, np.ndarray]:
     """The module's state dict as NumPy copies (``share``: the parameters as read-only views, no copy, for a side
     used at once while the module is not changed; buffers, which a forward may update in place, are copied);
     keys that hold one torch tensor (a tie) hold one array, so that :func:`flax_ln.convert.find_ties` finds the
-    tie in the copy too."""
+    tie in the copy too. ``parameters_only`` (with ``share``): the shared parameters' entries alone."""
     params = {p.data_ptr() for p in torch_module.parameters()} if share else set()
     copies: dict[tuple, np.ndarray] = {}
     out = {}
     for k, v in torch_module.state_dict().items():
+        shared = bool(v.numel()) and v.data_ptr() in params and v.device.type == "cpu"
+        if parameters_only and not shared:
+            continue
         address = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), str(v.dtype)) if v.numel() else (k,)
         if address not in copies:
-            shared = v.numel() and v.data_ptr() in params and v.device.type == "cpu"
             copies[address] = read_only_view(v) if shared else to_numpy(v)
         out[k] = copies[address]
     return out
+
+
+def share_parameters(side: TorchSide, torch_module) -> None:
+    """Point ``side.state_dict``'s parameter entries at ``torch_module``'s parameters as they are now (read-only
+    views; a tie one view): after a float64 run gave back the float64 copies it made
+    (:meth:`~flax_ln.parity.islands.torch.Float64Parameters.release`), the caller's own values, which a loader
+    casts to float64 exactly, and the copies are freed."""
+    side.state_dict.update(_state_dict(torch_module, share=True, parameters_only=True))
 
 
 def record_torch_side(side: TorchSide, torch_module, forward) -> None:
