@@ -418,7 +418,7 @@ class Comparison:
         found = Found()
         with (
             numerics(dtype),
-            torch_model_for(self.torch_module, dtype, self.islands, self.torch_factory, found) as (model, cast),
+            torch_model_for(self.torch_module, dtype, self.islands, self.torch_factory, found) as (model, copied),
         ):
             phase("torch forward and backward")
             with torch_lifted(model, dtype, self.islands, found):
@@ -434,15 +434,15 @@ class Comparison:
                     spill_gradients=should_spill(sum(p.nbytes for p in model.parameters())),
                 )
 
-            if cast is not None and self.weights is None and opts["mode"] == "grad" and not self.attribute:
+            if copied is not None and self.weights is None and opts["mode"] == "grad" and not self.attribute:
                 # the rule table loads torch's values as they are (no arithmetic): from the caller's own parameters,
                 # cast exactly, so the float64 copies are freed now and the flax side's weights take their memory
-                cast.release()
+                copied.release()
                 share_parameters(side, model)
 
             def float64_model():  # the torch model as the run had it, for a run after the flax side's load (its
-                if cast is not None:  # parameters cast again outside any lifting scope, which would list the casts)
-                    cast.restore()
+                if copied is not None:  # parameters cast again outside any lifting scope, which would list the casts)
+                    copied.restore()
                 return model
 
             def rerun(tangents: dict[str, np.ndarray]) -> TorchSide:
