@@ -2,62 +2,21 @@
 torch's fused ``in_proj_weight`` (``nn.MultiheadAttention``), GPT-2's ``c_attn`` (Conv1D, (in, 3E)) and a stacked
 tensor; loading, strict export, the source, gradients slab by slab, tangents through torch's attention."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
+from split_attention import MHA_FORWARD, MHA_MAP, Attention, E, torch_attention
 
 from flax_ln.convert import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
 from flax_ln.parity import compare_modules
 
-E, H = 16, 4
-
-MHA_MAP = KeyMap(
-    [
-        (r"in_proj_weight", {"[0:16]": "q.kernel", "[16:32]": "k.kernel", "[32:48]": "v.kernel"}, "o i -> i o"),
-        (r"in_proj_bias", {"[0:16]": "q.bias", "[16:32]": "k.bias", "[32:48]": "v.bias"}, None),
-        (r"out_proj\.weight", "out.kernel", "o i -> i o"),
-        (r"out_proj\.bias", "out.bias", None),
-    ]
-)
-
-
-class Attention(nnx.Module):
-    """Multi-head self-attention with separate q, k and v projections (batch first). ``frozen_v``: v's
-    parameters get no gradient (``stop_gradient``), the forward unchanged: a bug only v's gradients show."""
-
-    def __init__(self, rngs: nnx.Rngs, frozen_v: bool = False, dtype=jnp.float32):
-        self.q, self.k, self.v, self.out = (nnx.Linear(E, E, rngs=rngs, param_dtype=dtype) for _ in range(4))
-        self.frozen_v = frozen_v
-
-    def __call__(self, x):
-        B, T, _ = x.shape
-        v = self.v(x)
-        if self.frozen_v:
-            v = x @ jax.lax.stop_gradient(self.v.kernel[...]) + jax.lax.stop_gradient(self.v.bias[...])
-        heads = lambda y: y.reshape(B, T, H, E // H).transpose(0, 2, 1, 3)  # noqa: E731  (B, H, T, d)
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(v)
-        weights = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(E // H), axis=-1)  # (B, H, T, T)
-        return self.out((weights @ v).transpose(0, 2, 1, 3).reshape(B, T, E))  # (B, T, E)
-
-
-def _mha():
-    torch.manual_seed(0)
-    module = torch.nn.MultiheadAttention(E, H, batch_first=True)
-    with torch.no_grad():  # torch initialises the biases at zero: a wrong slab of them would go unseen
-        module.in_proj_bias.normal_()
-        module.out_proj.bias.normal_()
-    return module
-
-
-MHA_FORWARD = (lambda m, x: m(x, x, x, need_weights=False)[0], None)
 X = np.random.default_rng(0).normal(size=(2, 5, E)).astype(np.float32)
 
 
 def test_split_loads_each_slab_and_exports_the_tensor_whole():
-    torch_module = _mha()
+    torch_module = torch_attention()
     port = load_torch_state_dict(Attention(nnx.Rngs(0)), torch_module.state_dict(), weights=MHA_MAP)
     w = torch_module.in_proj_weight.detach().numpy()
     np.testing.assert_array_equal(np.asarray(port.v.kernel[...]), w[32:48].T)
@@ -73,13 +32,13 @@ def test_split_source_round_trips():
     assert '{r"[0:16]": r"q.kernel", r"[16:32]": r"k.kernel", r"[32:48]": r"v.kernel"}, "o i -> i o"' in source
     again = eval(source, {"KeyMap": KeyMap, "np": np})  # noqa: S307 - the map's own source
     assert again.to_source() == source
-    torch_module = _mha()
+    torch_module = torch_attention()
     a = load_torch_state_dict(Attention(nnx.Rngs(0)), torch_module.state_dict(), weights=again)
     np.testing.assert_array_equal(np.asarray(a.q.kernel[...]), torch_module.in_proj_weight.detach().numpy()[:16].T)
 
 
 def test_split_slabs_must_tile_the_tensor_and_fit_it():
-    state = _mha().state_dict()
+    state = torch_attention().state_dict()
     gap = KeyMap(
         [
             (r"in_proj_weight", {"[0:16]": "q.kernel", "[32:48]": "v.kernel"}, "o i -> i o"),
@@ -98,13 +57,13 @@ def test_split_slabs_must_tile_the_tensor_and_fit_it():
 
 
 def test_split_export_without_like_says_to_pass_it():
-    port = load_torch_state_dict(Attention(nnx.Rngs(0)), _mha().state_dict(), weights=MHA_MAP)
+    port = load_torch_state_dict(Attention(nnx.Rngs(0)), torch_attention().state_dict(), weights=MHA_MAP)
     with pytest.raises(ConversionError, match="splits a torch tensor into slabs; pass like="):
         to_torch_state_dict(port, weights=MHA_MAP)
 
 
 def test_split_gradients_are_compared_slab_by_slab_under_the_torch_key():
-    report = compare_modules(_mha(), Attention(nnx.Rngs(0)), X, weights=MHA_MAP, forward=MHA_FORWARD)
+    report = compare_modules(torch_attention(), Attention(nnx.Rngs(0)), X, weights=MHA_MAP, forward=MHA_FORWARD)
     assert report.passed, report
     assert [r.name for r in report.results if "in_proj_weight" in r.name] == [
         "in_proj_weight[0:16]",
@@ -116,7 +75,9 @@ def test_split_gradients_are_compared_slab_by_slab_under_the_torch_key():
 
 def test_a_wrong_v_is_blamed_on_the_v_slab_not_q():
     # the default dtype: float64 shows k's bias gradient is zero (softmax ignores a shift), slab by slab
-    report = compare_modules(_mha(), Attention(nnx.Rngs(0), frozen_v=True), X, weights=MHA_MAP, forward=MHA_FORWARD)
+    report = compare_modules(
+        torch_attention(), Attention(nnx.Rngs(0), frozen_v=True), X, weights=MHA_MAP, forward=MHA_FORWARD
+    )
     failed = {r.name for r in report.results if not r.passed}
     assert failed == {"in_proj_weight[32:48]", "in_proj_bias[32:48]"}, failed
 
@@ -124,7 +85,7 @@ def test_a_wrong_v_is_blamed_on_the_v_slab_not_q():
 def test_split_tangents_through_torch_attention_jvp():
     """torch's MultiheadAttention takes fused kernels with no forward-mode derivative; jvp must still run."""
     report = compare_modules(
-        _mha(), Attention(nnx.Rngs(0)), X, weights=MHA_MAP, forward=MHA_FORWARD, mode="jvp", dtype="float32"
+        torch_attention(), Attention(nnx.Rngs(0)), X, weights=MHA_MAP, forward=MHA_FORWARD, mode="jvp", dtype="float32"
     )
     assert report.passed, report
     assert "tangent output" in {r.name for r in report.results}

@@ -18,6 +18,7 @@ import torch
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from split_attention import MHA_FORWARD, MHA_MAP, Attention, E, torch_attention
 
 from flax_ln.book.reference import DIGEST_KEY, METADATA_KEY, digest
 from flax_ln.cli import main
@@ -399,47 +400,14 @@ def test_isolation_says_a_parameter_free_module_holds_no_parameters():
 
 # ---- 7. float64's word on zero gradients, slab by slab, in every mode
 
-E, H = 16, 4
-MHA_MAP = KeyMap(
-    [
-        (r"in_proj_weight", {"[0:16]": "q.kernel", "[16:32]": "k.kernel", "[32:48]": "v.kernel"}, "o i -> i o"),
-        (r"in_proj_bias", {"[0:16]": "q.bias", "[16:32]": "k.bias", "[32:48]": "v.bias"}, None),
-        (r"out_proj\.weight", "out.kernel", "o i -> i o"),
-        (r"out_proj\.bias", "out.bias", None),
-    ]
-)
-MHA_FORWARD = (lambda m, x: m(x, x, x, need_weights=False)[0], None)
-
-
-class SplitAttention(nnx.Module):
-    """Self-attention with separate q, k and v projections (batch first)."""
-
-    def __init__(self):
-        rngs = nnx.Rngs(0)
-        self.q, self.k, self.v, self.out = (nnx.Linear(E, E, rngs=rngs) for _ in range(4))
-
-    def __call__(self, x):
-        B, T, _ = x.shape
-        heads = lambda y: y.reshape(B, T, H, E // H).transpose(0, 2, 1, 3)  # noqa: E731  (B, H, T, d)
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
-        weights = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(E // H), axis=-1)  # (B, H, T, T)
-        return self.out((weights @ v).transpose(0, 2, 1, 3).reshape(B, T, E))  # (B, T, E)
-
-
-def _attention() -> torch.nn.MultiheadAttention:
-    torch.manual_seed(0)
-    module = torch.nn.MultiheadAttention(E, H, batch_first=True)
-    with torch.no_grad():  # torch initialises the biases at zero: give them values
-        module.in_proj_bias.normal_()
-        module.out_proj.bias.normal_()
-    return module
-
 
 @pytest.mark.parametrize("dtype", [None, "float32"])
 def test_the_key_slab_of_a_split_bias_passes_as_zero_in_every_mode(dtype):
     """Softmax ignores a shift of the keys: the key slab's gradient is zero in the mathematics, q's and v's not."""
     x = _x((2, 5, E))
-    report = compare_modules(_attention(), SplitAttention(), x, weights=MHA_MAP, forward=MHA_FORWARD, dtype=dtype)
+    report = compare_modules(
+        torch_attention(), Attention(nnx.Rngs(0)), x, weights=MHA_MAP, forward=MHA_FORWARD, dtype=dtype
+    )
     assert all(r.passed for r in report.results), str(report)
     assert report["in_proj_bias[16:32]"].passed_by == "zero", report["in_proj_bias[16:32]"]
 
