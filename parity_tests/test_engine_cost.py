@@ -225,17 +225,36 @@ def test_many_pairs_read_at_once_have_each_pairs_statistics():
         assert stats[name] == tensor_stats.pair_stats(*pairs[name])
 
 
-def test_zero_from_the_judged_norms_is_zero_gradient_names():
-    from flax_ln.parity.core.policy import zero_gradient_names
+def test_a_float64_judgings_zero_word_comes_from_its_norms_and_is_zero_gradient_names(monkeypatch):
+    from flax_ln.parity.core.policy import tolerances_for, zero_gradient_names
+    from flax_ln.parity.sides.torch import TorchSide
 
     rng = np.random.default_rng(2)
     torch_grads = {"a": rng.standard_normal(50), "b": np.zeros(5), "c": rng.standard_normal(5) * 1e-20}
+    torch_grads["d"] = np.zeros(3)  # zero for torch, not for flax: zero only where both sides say so
     flax_grads = {k: v + 1e-17 * rng.standard_normal(v.shape) for k, v in torch_grads.items()}
-    stats = tensor_stats.many_pair_stats({k: (flax_grads[k], torch_grads[k]) for k in torch_grads})
-    from_norms = judge.zero_by_norms({k: s.expected_norm for k, s in stats.items()}) & judge.zero_by_norms(
-        {k: s.actual_norm for k, s in stats.items()}
+    flax_grads["d"] = np.full(3, 1e-3)
+    side = TorchSide(
+        "t",
+        "float64",
+        "grad",
+        [],
+        [],
+        {},
+        {},
+        list(torch_grads),
+        torch_grads,
+        dict.fromkeys(torch_grads, "param grad"),
+        {},
+        {},
     )
-    assert from_norms == zero_gradient_names(torch_grads, flax_grads) == {"b", "c"}
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the gradients were read again for their norms")
+
+    monkeypatch.setattr(judge, "zero_gradient_names", asked)
+    _, _, zero = judge.judge(side, (flax_grads, {}, None), tolerances_for("float64"), asked, want_zero=True)
+    assert zero == zero_gradient_names(torch_grads, flax_grads) == {"b", "c"}
 
 
 def test_large_host_buffers_are_page_aligned_maps_that_jax_uses_in_place():
