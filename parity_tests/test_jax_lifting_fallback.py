@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from jax._src import dtypes as jax_dtypes
 from jax._src.lax.control_flow import loops as jax_loops
 
 import flax_ln.parity.islands.jax_internals as internals
@@ -106,3 +107,54 @@ def test_a_missing_internal_where_nothing_can_be_listed_gives_one_island_that_sa
     assert out.out_avals[0].dtype == jnp.float32  # as written
     assert len(lifting.islands) == 1 and not lifting.islands[0].lifted, lifting.islands
     assert lifting.islands[0].what.startswith(f"{REASON}: the flax side runs as written"), lifting.islands
+
+
+def test_a_new_parameter_with_a_default_is_forwarded_and_lifting_stays_on(x64, without):
+    # as jax 0.12 gave the canonicaliser a keyword-only allow_non_jax_dtypes: a wrapper that checked only the leading
+    # names accepted it and then failed at the first call that passed it
+    original = jax_dtypes.check_and_canonicalize_user_dtype
+    seen = []
+
+    def canonicalize(dtype, fun_name=None, *, new_flag=False, **rest):
+        seen.append(new_flag)
+        return original(dtype, fun_name, **rest)
+
+    without(jax_dtypes, "check_and_canonicalize_user_dtype", canonicalize)
+    assert internals.unsupported() is None, internals.why_unsupported()
+    assert internals.FORWARDED == ["jax._src.dtypes.check_and_canonicalize_user_dtype: new_flag"]
+    with lift_float32() as lifting:
+        lifted = jax_dtypes.check_and_canonicalize_user_dtype(np.float32, "astype", new_flag=True)
+        traced = jax.make_jaxpr(lambda x: x.astype(jnp.float32) * 0.1)(np.ones(2))
+    assert lifted == np.float64 and True in seen  # lifted, and the keyword reached JAX's own function
+    assert traced.out_avals[0].dtype == jnp.float64 and any(i.lifted for i in lifting.islands), lifting.islands
+    assert _compare().passed
+
+
+def test_a_new_parameter_without_a_default_falls_back_and_names_it(x64, without):
+    original = jax_dtypes.check_and_canonicalize_user_dtype
+    without(jax_dtypes, "check_and_canonicalize_user_dtype", lambda dtype, fun_name=None, *, mode: original(dtype))
+    assert internals.unsupported() == REASON
+    assert "a new parameter without a default: mode (keyword-only)" in internals.why_unsupported()
+    assert internals.signature_problem(original, ("dtype", "fun_name"), ("allow_non_jax_dtypes",)) == (None, [])
+    assert internals.signature_problem(lambda dtype: dtype, ("dtype", "fun_name"))[0] == (
+        "signature ('dtype',), expected ('dtype', 'fun_name')"
+    )
+
+
+class FlaxScaledByShape(FlaxScaled):
+    """The same port, asking JAX for a result's shape on a ``ShapeDtypeStruct`` inside its call (as ports that size a
+    cache or an FFI output do): jax 0.12 canonicalises that dtype with a keyword the canonicaliser did not have."""
+
+    def __call__(self, x):
+        shape = jax.eval_shape(lambda t: t * 2, jax.ShapeDtypeStruct(x.shape, jnp.float32)).shape
+        return super().__call__(x).reshape(shape)  # (B, WIDTH), as it was
+
+
+def test_a_port_asking_for_a_shape_inside_its_call_gets_a_float64_verdict(x64):
+    torch.manual_seed(0)
+    inputs = (np.random.default_rng(0).normal(size=(3, WIDTH)).astype(np.float32),)
+    report = compare_modules(
+        TorchScaled(), FlaxScaledByShape(rngs=nnx.Rngs(0)), inputs, dtype="float64", localize_failures=False
+    )
+    assert report.passed, str(report)
+    assert "could not run" not in str(report) and "lifting not supported" not in str(report)

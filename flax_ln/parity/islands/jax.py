@@ -219,8 +219,9 @@ def _initialising(frame: FrameType | None) -> bool:
     return False
 
 
-def _lifting_canonicalize(dtype: Any, fun_name: str | None = None) -> Any:
-    canonical = internals.ORIGINAL_CANONICALIZE(dtype, fun_name)
+def _lifting_canonicalize(dtype: Any, fun_name: str | None = None, *args: Any, **kwargs: Any) -> Any:
+    # every parameter beyond the two read here is JAX's to pass (jax 0.12: allow_non_jax_dtypes=), forwarded as is
+    canonical = internals.ORIGINAL_CANONICALIZE(dtype, fun_name, *args, **kwargs)
     wider = WIDER.get(canonical) if isinstance(canonical, np.dtype) else None
     session = _active() if wider is not None and fun_name not in _BIT_LEVEL else None
     if session is None:
@@ -277,14 +278,14 @@ def _precision_keeping_bind(primitive: Any) -> Callable[..., Any]:
 _NARROWER = {wide: narrow for narrow, wide in WIDER.items()}
 
 
-def _promoting_carry(in_val: Any, in_aval: Any, out_aval: Any) -> tuple[Any, bool]:
+def _promoting_carry(in_val: Any, in_aval: Any, out_aval: Any, *args: Any, **kwargs: Any) -> tuple[Any, bool]:
     # scan and while_loop trace their body again when this promotes an initial carry (as for a weak type):
     # a float32 carry whose body now returns float64 starts in float64 instead of failing the type check
     wider = WIDER.get(getattr(in_aval, "dtype", None))
     session = _active()
     same_shape = getattr(in_aval, "shape", None) == getattr(out_aval, "shape", None)
     if wider is None or session is None or getattr(out_aval, "dtype", None) != wider or not same_shape:
-        return internals.ORIGINAL_CARRY_PROMOTION(in_val, in_aval, out_aval)
+        return internals.ORIGINAL_CARRY_PROMOTION(in_val, in_aval, out_aval, *args, **kwargs)
     what = "float32 loop carry, promoted to float64 (its value stays float32)"
     session.add(session.module_path(_call_site(sys._getframe(1))[2]), what, lifted=False)
     return _widen(in_val, wider), True

@@ -14,8 +14,12 @@ Lifting answers float32 with float64 while the flax side is traced, which no pub
 * ``jax.make_user_context`` (a token in every JAX cache key), ``jax._src.core.trace_state_clean``,
   ``jax._src.dtypes.is_weakly_typed``, ``jax.extend.source_info_util.register_exclusion``.
 
-Internals move between JAX releases. Each is looked up here, and its signature checked, when this module is
-imported; :data:`MISSING` names what this JAX lacks, and :func:`unsupported` gives the reason lifting cannot run
+Internals move between JAX releases. Each is looked up here, and the whole signature of each patched one checked
+(:func:`signature_problem`), when this module is imported. The wrappers take and forward every parameter JAX passes
+beyond the ones they read (jax 0.12's canonicaliser gained a keyword-only ``allow_non_jax_dtypes``): a later
+parameter with a default is forwarded (one that no tested release has is named in :data:`FORWARDED`), and one
+without a default, a new required input, marks the internal changed. :data:`MISSING` names what this JAX lacks or
+has changed, and :func:`unsupported` gives the reason lifting cannot run
 (``"jax 0.11: lifting not supported"``) or ``None``. A JAX whose internals are all there but behave differently
 is found by :func:`probe` (a small lifted trace whose result must be float64), which the first lifting context
 runs once. Where lifting cannot run, ``islands="lift"`` runs the flax side as written and lists what it could
@@ -35,26 +39,56 @@ import numpy as np
 
 # The JAX releases lifting is tested on (docs/tolerances.md); outside them it runs when every internal is
 # found and the probe passes, and falls back otherwise.
-TESTED = "0.8.2 to 0.10.2"
+TESTED = "0.8.2, 0.10.2 and 0.12.1"
 
 MISSING: list[str] = []  # the internals this JAX lacks, or whose signature differs: lifting is not supported
 
 
-def _find(path: str, getter: Callable[[], Any], parameters: tuple[str, ...] | None = None) -> Any:
-    """``getter()`` when it gives an object (whose first parameters are ``parameters``, when given), else
-    ``None`` with ``path`` listed in :data:`MISSING`."""
+def signature_problem(
+    found: Callable[..., Any], parameters: tuple[str, ...], known: tuple[str, ...] = ()
+) -> tuple[str | None, list[str]]:
+    """Whether a wrapper written for ``found``'s leading ``parameters`` can stand in for it, checked on the whole
+    signature: ``(problem, forwarded)``. ``problem`` is ``None`` when the leading parameters are ``parameters``
+    (positional, in that order) and every later one is ``known`` (the tested releases have it), has a default, or is
+    ``*args``/``**kwargs``: the wrapper forwards those as JAX passes them, so an old call keeps its meaning. An
+    unknown later parameter without a default is a new required input whose meaning lifting does not know: the
+    problem names it, and lifting falls back. ``forwarded`` lists the unknown later parameters (with defaults)."""
+    try:
+        signature = tuple(inspect.signature(found).parameters.values())
+    except (TypeError, ValueError):
+        return f"signature unreadable, expected {parameters}", []
+    names = tuple(p.name for p in signature)
+    leading = signature[: len(parameters)]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if tuple(p.name for p in leading) != parameters or any(p.kind not in positional for p in leading):
+        return f"signature {names}, expected {parameters}", []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    later = [p for p in signature[len(parameters) :] if p.name not in known and p.kind not in variadic]
+    required = [p for p in later if p.default is p.empty]
+    if required:
+        words = ", ".join(f"{p.name} ({p.kind.description})" for p in required)
+        return f"signature {names}, expected {parameters}: a new parameter without a default: {words}", []
+    return None, [p.name for p in later]
+
+
+FORWARDED: list[str] = []  # parameters of a patched internal that no tested release has, forwarded as JAX passes them
+
+
+def _find(
+    path: str, getter: Callable[[], Any], parameters: tuple[str, ...] | None = None, known: tuple[str, ...] = ()
+) -> Any:
+    """``getter()`` when it gives an object (whose whole signature a wrapper for ``parameters`` can stand in for,
+    when given: :func:`signature_problem`), else ``None`` with ``path`` listed in :data:`MISSING`."""
     try:
         found = getter()
     except Exception:  # noqa: BLE001 - a moved internal raises ImportError, AttributeError or worse: all mean missing
         found = None
     if found is not None and parameters is not None:
-        try:
-            names = tuple(inspect.signature(found).parameters)[: len(parameters)]
-        except (TypeError, ValueError):
-            names = ()
-        if names != parameters:
-            MISSING.append(f"{path} (signature {names}, expected {parameters})")
+        problem, forwarded = signature_problem(found, parameters, known)
+        if problem is not None:
+            MISSING.append(f"{path} ({problem})")
             return None
+        FORWARDED.extend(f"{path}: {name}" for name in forwarded)
     if found is None:
         MISSING.append(path)
     return found
@@ -76,6 +110,7 @@ ORIGINAL_CANONICALIZE = _find(
     "jax._src.dtypes.check_and_canonicalize_user_dtype",
     lambda: _dtypes.check_and_canonicalize_user_dtype,
     ("dtype", "fun_name"),
+    known=("allow_non_jax_dtypes",),  # keyword-only since jax 0.12 (a ShapeDtypeStruct's dtype is checked with it)
 )
 ORIGINAL_CARRY_PROMOTION = _find(
     "jax._src.lax.control_flow.loops._promote_weak_typed_input",
@@ -86,7 +121,9 @@ CONST_NAMES = ("new_const", "pure", "lift")  # a concrete value entering a trace
 _TRACE = _find("jax._src.interpreters.partial_eval.DynamicJaxprTrace", lambda: _pe.DynamicJaxprTrace)
 ORIGINAL_CONSTS: dict[str, Any] = {}
 for _name in CONST_NAMES:
-    _const = _find(f"DynamicJaxprTrace.{_name}", functools.partial(getattr, _TRACE, _name))
+    _const = _find(
+        f"DynamicJaxprTrace.{_name}", functools.partial(getattr, _TRACE, _name), ("self", "c"), ("source_info", "aval")
+    )
     if _const is not None:
         ORIGINAL_CONSTS[_name] = _const
 _trace_state_clean = _find("jax._src.core.trace_state_clean", lambda: _core.trace_state_clean)
