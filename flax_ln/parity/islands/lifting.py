@@ -23,6 +23,7 @@ from typing import Any
 
 import flax_ln.parity.islands.jax as jax_islands
 import flax_ln.parity.islands.torch as torch_islands
+from flax_ln.parity.core.structure import Rebuild
 from flax_ln.parity.islands.island import Island
 from flax_ln.parity.islands.torch import Float64Parameters, torch_in_float64
 
@@ -50,30 +51,31 @@ class Found:
 @contextlib.contextmanager
 def torch_model_for(
     torch_module: Any, dtype: str, islands: str, factory: Callable[[], Any] | None, found: Found
-) -> Iterator[tuple[Any, Float64Parameters | None]]:
+) -> Iterator[tuple[Any, Float64Parameters | None, Rebuild | None]]:
     """The torch model a comparison in ``dtype`` runs: the caller's module, in float64 for this scope when the
     comparison is float64 and the module is not (restored after, exactly), or, with lifting and a factory,
     a float64 copy rebuilt with its construction-time buffers in float64. Built-in islands go into ``found``.
     With it, the parameters this scope cast to float64 (:class:`~flax_ln.parity.islands.torch.Float64Parameters`,
-    which may be given back early), or ``None`` where it cast none."""
+    which may be given back early), or ``None`` where it cast none; and, for a copy the caller's ``torch_factory``
+    built, its :class:`~flax_ln.parity.core.structure.Rebuild`, to confirm after the copy's first call."""
     if dtype != "float64":
-        yield torch_module, None
+        yield torch_module, None, None
         return
     given = factory is not None  # the caller's factory must build the caller's model; the default rebuilds it
     factory = (factory or torch_islands.default_factory(torch_module)) if islands == "lift" else None
     if factory is not None:
-        model, built = torch_islands.build_lifted(factory, torch_module, same_model=given)
+        model, built = torch_islands.build_lifted(factory, torch_module, same_model=False)
         found.add(built)
-        yield model, None
+        yield model, None, Rebuild(torch_module, model) if given else None
         return
     weights = set(torch_module.state_dict())
     if all(str(t.dtype) == "torch.float64" for t in _floats(torch_module)):
         found.add(torch_islands.rounded_buffers(torch_module, weights))
-        yield torch_module, None
+        yield torch_module, None, None
         return
     with torch_in_float64(torch_module) as cast:
         found.add(torch_islands.rounded_buffers(torch_module, weights))
-        yield torch_module, cast
+        yield torch_module, cast, None
 
 
 def _floats(module: Any) -> list[Any]:
