@@ -13,9 +13,10 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import torch
+import transformers
 from flax import nnx
 
-from flax_ln.parity import KeyMap, compare_modules
+from flax_ln.parity import Function, KeyMap, compare_modules
 from flax_ln.parity.core.structure import model_difference
 
 WIDTH = 8
@@ -192,3 +193,41 @@ def test_a_cache_the_factorys_model_fills_in_its_call_is_not_configuration():
     fresh(torch.from_numpy(_x()))
     report = compare_modules(fresh, flax_scaled(), _x(), weights=SCALED_MAP, torch_factory=TorchScaled)
     assert report.passed and report.float64_check.error is None, str(report)
+
+
+# ---- the float64 check's own rebuild of a transformers model
+
+
+def test_the_float64_rebuild_of_a_transformers_model_keeps_its_constructor_arguments_or_says_why():
+    config = transformers.BertConfig(
+        vocab_size=32,
+        hidden_size=WIDTH,
+        intermediate_size=16,
+        num_hidden_layers=0,  # the embeddings alone: a port of a few lines
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        type_vocab_size=1,
+    )
+    torch.manual_seed(0)
+    bert = transformers.BertModel(config, add_pooling_layer=False).eval()  # no pooler: the config does not say
+
+    def apply(p, ids):
+        h = p["word"][ids] + p["pos"][: ids.shape[-1]] + p["type"][0]
+        mean = h.mean(-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(-1, keepdims=True)
+        return (h - mean) / jnp.sqrt(var + config.layer_norm_eps) * p["scale"] + p["bias"]
+
+    shapes = {"word": (32, WIDTH), "pos": (16, WIDTH), "type": (1, WIDTH), "scale": (WIDTH,), "bias": (WIDTH,)}
+    port = Function(apply, {k: jnp.zeros(s) for k, s in shapes.items()})
+    names = {"word": "word_embeddings", "pos": "position_embeddings", "type": "token_type_embeddings"}
+    rules = [(rf"embeddings\.{torch_name}\.weight", k, None) for k, torch_name in names.items()]
+    rules += [(r"embeddings\.LayerNorm\.weight", "scale", None), (r"embeddings\.LayerNorm\.bias", "bias", None)]
+    weights = KeyMap(rules)
+    ids = np.random.default_rng(0).integers(1, 32, (2, 5))  # not the padding id 0, whose row torch never updates
+    forward = (lambda m, i: m(input_ids=i).last_hidden_state, None)
+    report = compare_modules(bert, port, (ids,), weights=weights, forward=forward)
+    assert report.passed, str(report)
+    assert report.float64_check.error is None and report.float64_check.passed, str(report)
+    said = [i.what for i in report.float64_check.islands if not i.lifted and "torch_factory=" in i.what]
+    assert len(said) == 1 and "pooler" in said[0], report.float64_check.islands
+    assert "torch_factory=" in str(report)
