@@ -311,10 +311,10 @@ class KerasTree(PytreeTree):
 
     required_noun = "floating variable of the Keras model"
 
-    def __init__(self, model: Any, values: Mapping[str, Any] | None = None):
-        self.model = model
-        self.trainable = _keras_paths(model.trainable_variables)
-        self.non_trainable = _keras_paths(model.non_trainable_variables)
+    def __init__(self, model: Any, values: Mapping[str, Any] | None = None, named_like: Any = None):
+        self.model, self.named_like = model, named_like
+        self.trainable = _keras_paths(_paired(model, named_like, "trainable_variables"))
+        self.non_trainable = _keras_paths(_paired(model, named_like, "non_trainable_variables"))
         own = dict(zip(self.trainable, model.trainable_variables))
         own.update(zip(self.non_trainable, model.non_trainable_variables))
         if len(own) != len(self.trainable) + len(self.non_trainable):
@@ -324,11 +324,29 @@ class KerasTree(PytreeTree):
 
     def like(self, tree: Any) -> KerasTree:
         """The tree of the same model with the values ``tree`` (``{path: value}``: a copy, or its float64 cast)."""
-        return KerasTree(self.model, tree)
+        return KerasTree(self.model, tree, self.named_like)
 
     def ordered(self, tree: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
         """``tree``'s values (``{path: value}``) as ``stateless_call`` takes them: (trainable, non-trainable)."""
         return [tree[p] for p in self.trainable], [tree[p] for p in self.non_trainable]
+
+
+def _paired(model: Any, named_like: Any, which: str) -> Any:
+    """``model``'s variables (``which``: ``"trainable_variables"``, ``"non_trainable_variables"``), or, where it is
+    built again from ``named_like``, ``named_like``'s, whose paths name them one for one in the layer tree's order
+    (Keras lists a layer's own variables, then each sublayer's, in the order the layer holds them, whatever order
+    they were built in); ``ValueError`` where the two do not pair by count and shape."""
+    variables = getattr(model, which)
+    if named_like is None:
+        return variables
+    named = getattr(named_like, which)
+    shapes = [tuple(v.shape) for v in variables], [tuple(v.shape) for v in named]
+    if shapes[0] != shapes[1]:
+        raise ValueError(
+            f"the rebuilt Keras model's variables do not pair with the given model's in order: shapes "
+            f"{shapes[0][:6]} against {shapes[1][:6]}; the factory must build the same layers in the same order"
+        )
+    return named
 
 
 def _keras_paths(variables: Any) -> list[str]:

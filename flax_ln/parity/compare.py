@@ -19,6 +19,7 @@ from flax_ln.parity.core.failure import describe_failure, note_failure
 from flax_ln.parity.core.policy import Tolerance, numerics, parameter_dtype, tolerances_for, zero_gradient_names
 from flax_ln.parity.core.progress import Progress
 from flax_ln.parity.core.spill import should_spill
+from flax_ln.parity.core.structure import Rebuild
 from flax_ln.parity.islands.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
 from flax_ln.parity.judge import DROPPED_BUT_USED, add_lm_metrics, attribute_errors, judge, without_dropped
 from flax_ln.parity.localize.locate import check_torch_paths, localize
@@ -337,13 +338,14 @@ class Comparison:
     capture_modules: bool
     modules: Mapping[str, Any] | None
 
-    def flax_side_for(self, dtype: str) -> Any:
+    def flax_side_for(self, dtype: str) -> tuple[Any, Rebuild | None]:
         """The flax side a run in ``dtype`` loads: the caller's, or, in a float64 run that lifts, the one
         ``flax_factory`` builds now (call inside :func:`~flax_ln.parity.islands.lifting.flax_lifted`), so that
-        constants it makes at construction are float64 (listed as lifted); the caller's model built again
-        (:func:`~flax_ln.parity.sides.kinds.built_by_flax_factory`)."""
+        constants it makes at construction are float64 (listed as lifted), with its
+        :class:`~flax_ln.parity.core.structure.Rebuild`: it must be the caller's model built again, confirmed after
+        its call (:func:`~flax_ln.parity.sides.kinds.built_by_flax_factory`)."""
         if self.flax_factory is None or dtype != "float64" or self.islands != "lift":
-            return self.flax_module
+            return self.flax_module, None
         return built_by_flax_factory(self.flax_factory, self.flax_module)
 
     @property
@@ -418,7 +420,11 @@ class Comparison:
         found = Found()
         with (
             numerics(dtype),
-            torch_model_for(self.torch_module, dtype, self.islands, self.torch_factory, found) as (model, copied),
+            torch_model_for(self.torch_module, dtype, self.islands, self.torch_factory, found) as (
+                model,
+                copied,
+                torch_rebuild,
+            ),
         ):
             phase("torch forward and backward")
             with torch_lifted(model, dtype, self.islands, found):
@@ -433,6 +439,8 @@ class Comparison:
                     share_weights=True,  # read at once, while the module is not changed: no copy of the weights
                     spill_gradients=should_spill(sum(p.nbytes for p in model.parameters())),
                 )
+            if torch_rebuild is not None:  # after its call, so that a cache the call filled is told apart
+                torch_rebuild.confirm("torch_factory", "torch_module")
 
             if copied is not None and self.weights is None and opts["mode"] == "grad" and not self.attribute:
                 # the rule table loads torch's values as they are (no arithmetic): from the caller's own parameters,
@@ -455,7 +463,7 @@ class Comparison:
             with flax_lifted(dtype, self.islands, found):
                 if self.flax_factory is not None:
                     stage[0] = "building the flax side with flax_factory="
-                flax_module = self.flax_side_for(dtype)
+                flax_module, flax_rebuild = self.flax_side_for(dtype)
                 stage[0] = stages["flax load, compile and run"]
                 report, flax, zero_found = load_and_judge(
                     self.kind,
@@ -474,6 +482,8 @@ class Comparison:
                     lambda: phase("comparison"),
                     None if zero is not None else float64_grads,
                 )
+                if flax_rebuild is not None:  # after its call, so that a cache the call filled is told apart
+                    flax_rebuild.confirm("flax_factory", "flax_module")
             if dtype == "float64":
                 found.add(flax.rounded_tables())
             if self.capture_modules or (self.localize_failures and not report.passed):

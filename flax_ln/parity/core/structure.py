@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
+
+from flax_ln.parity.core.keras_structure import keras_attributes
 
 _TORCH_TREE = ("_modules", "_parameters", "_buffers")  # compared by name, as the module's own attributes
 _UNSAVED = "_non_persistent_buffers_set"
@@ -43,7 +46,12 @@ _MAX_DEPTH = 64  # deeper than any module tree: a structure that nests further i
 
 def _is_array(x: Any) -> bool:
     """An array of any framework (NumPy, JAX, torch, ``jax.ShapeDtypeStruct``): its values and dtype are data."""
-    return not isinstance(x, type) and hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.dtype)
+    if isinstance(x, (type, np.dtype, types.ModuleType)):
+        return False
+    try:
+        return hasattr(x, "dtype") and getattr(x, "shape", None) is not None  # Keras's InputSpec may have no shape
+    except Exception:  # noqa: BLE001 - an object whose attributes raise (a lazily imported module) is no array
+        return False
 
 
 def _is_dtype(x: Any) -> bool:
@@ -77,10 +85,7 @@ def _attributes(x: Any) -> dict[str, Any] | None:
         return None
     out = {k: v for k, v in held.items() if not k.startswith(_NNX_BOOKKEEPING)}
     if any(c.__module__.startswith("keras.") for c in type(x).__mro__):
-        # a Keras object: its public attributes and its layers (Keras's private trackers hold ids and auto names)
-        out = {k: v for k, v in out.items() if not k.startswith("_")}
-        if isinstance(getattr(type(x), "layers", None), property):
-            out["layers"] = list(x.layers)
+        out = keras_attributes(x, out)
     if hasattr(x, "_modules") and hasattr(x, "_parameters"):  # a torch module: its tree under plain names
         out = {k: v for k, v in out.items() if k not in _TORCH_BOOKKEEPING and k not in _TORCH_TREE}
         for table in _TORCH_TREE:
@@ -89,22 +94,83 @@ def _attributes(x: Any) -> dict[str, Any] | None:
     return out
 
 
-def model_difference(given: Any, built: Any) -> str | None:
+def model_difference(given: Any, built: Any, filled: dict[int, frozenset[str]] | None = None) -> str | None:
     """The first way in which ``built`` (a factory's model) is not ``given`` (the caller's), in words naming where
     (``lin.approximate: 'none' in the given model, 'tanh' in the factory's``); ``None`` when they have the same
     structure and static configuration.
 
     Compared: types; sequences, mappings and sets item by item; functions by their code, defaults and closed-over
     values (a closure built again is the same function); ``functools.partial`` by function and arguments; bound
-    methods by function; other objects (torch, NNX, Linen and Equinox modules, their variables, configs) by their
-    attributes, recursively. Arrays are compared by shape only and dtypes not at all, nor any setting named for a
-    dtype (``dtype``, ``param_dtype``, a Keras layer's dtype policy): only dtypes may differ. Names (``name``: Keras
-    numbers the layers of each build) are labels, and initialisers and seeds (``kernel_init``, ``kernel_initializer``,
-    ``seed``) only make the weights that loading replaces: neither is configuration. A
-    private attribute (``_name``) that one model has and the other lacks, or that is ``None`` in the factory's
-    model while the given one holds a value, is bookkeeping or a cache a call filled (a rotary table's length),
-    not configuration, and is passed over."""
-    return _difference(given, built, "", _Walk(), 0)
+    methods by function; other objects (torch, NNX, Linen, Equinox and Keras modules, their variables, configs) by
+    their attributes, private ones included, recursively (a Keras object's: less Keras's bookkeeping, with a
+    functional model's operations and their arguments, :func:`~flax_ln.parity.core.keras_structure.keras_attributes`).
+    Arrays are compared by shape only and dtypes not at all, nor any setting named for a dtype (``dtype``,
+    ``param_dtype``, a Keras layer's dtype policy): only dtypes may differ. Names (``name``: Keras numbers the layers
+    of each build) are labels, and initialisers and seeds (``kernel_init``, ``kernel_initializer``, ``seed``) only
+    make the weights that loading replaces: neither is configuration. A private attribute (``_name``) that one
+    model has and the other lacks is bookkeeping a call or a loader added, and is passed over.
+
+    ``filled``: ``id(object) -> names`` of the attributes of ``built``'s objects that its own call filled (a cache:
+    ``None`` or absent before the call, set after; :class:`Rebuild`), passed over whatever ``given`` holds there."""
+    return _difference(given, built, "", _Walk(filled or {}), 0)
+
+
+class Rebuild:
+    """A factory's model (``built``) beside the caller's (``given``), taken before ``built`` is first called; after
+    that call, :meth:`difference` is :func:`model_difference`, with a cache told apart by having been filled: an
+    attribute of ``built``'s that was ``None`` or absent before the call and is set after it."""
+
+    def __init__(self, given: Any, built: Any):
+        self.given, self.built = given, built
+        self.before = _unset(built)
+
+    def difference(self) -> str | None:
+        """:func:`model_difference` of the two models as they are now, what ``built``'s call filled passed over."""
+        now = _unset(self.built)
+        filled = {}
+        for key, (owner, present, none) in self.before.items():
+            if key in now and now[key][0] is owner:
+                names = (now[key][1] - present) | (none - now[key][2])
+                if names:
+                    filled[key] = frozenset(names)
+        return model_difference(self.given, self.built, filled)
+
+    def confirm(self, factory: str, given: str) -> None:
+        """``ValueError`` naming the first difference (:meth:`difference`) unless ``built`` is ``given`` built
+        again; ``factory`` and ``given`` name the two arguments (``"torch_factory"``, ``"torch_module"``)."""
+        difference = self.difference()
+        if difference is not None:
+            raise ValueError(
+                f"{factory} builds another model than {given} ({difference}): the float64 check must run the model "
+                "compared in float32, so the factory must build it with the same structure (module tree, classes) "
+                "and configuration (every attribute, private ones included; only dtypes may differ)"
+            )
+
+
+def _unset(model: Any) -> dict[int, tuple[Any, frozenset[str], frozenset[str]]]:
+    """``id(object) -> (object, names it holds, names it holds as None)`` for every object with attributes in
+    ``model`` (walked as :func:`model_difference` walks it)."""
+    found: dict[int, tuple[Any, frozenset[str], frozenset[str]]] = {}
+    stack, seen = [(model, 0)], set()
+    while stack:
+        x, depth = stack.pop()
+        if id(x) in seen or depth > _MAX_DEPTH or isinstance(x, (*_PLAIN, type, types.ModuleType)) or _is_array(x):
+            continue
+        seen.add(id(x))
+        if isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend((y, depth + 1) for y in x)
+            continue
+        if isinstance(x, dict):
+            stack.extend((y, depth + 1) for y in x.values())
+            continue
+        if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):
+            continue  # code and closures: a call fills no cache there
+        held = _attributes(x)
+        if held is None:
+            continue
+        found[id(x)] = (x, frozenset(held), frozenset(k for k, v in held.items() if v is None))
+        stack.extend((y, depth + 1) for y in held.values())
+    return found
 
 
 class _Walk:
@@ -112,7 +178,8 @@ class _Walk:
     for which of the other (an array or an object with attributes), so that one shared in one model (a tied
     weight, a submodule used twice) and two apart in the other is a difference."""
 
-    def __init__(self) -> None:
+    def __init__(self, filled: dict[int, frozenset[str]]) -> None:
+        self.filled = filled  # id(object in the built model) -> the names its call filled
         self.pairs: set[tuple[int, int]] = set()
         self.twins: tuple[dict[int, str], dict[int, str]] = ({}, {})  # id -> where first met, in each model
         self.partner: tuple[dict[int, int], dict[int, int]] = ({}, {})
@@ -179,7 +246,7 @@ def _difference(a: Any, b: Any, where: str, seen: _Walk, depth: int) -> str | No
         except Exception:  # noqa: BLE001 - an object that cannot say whether it equals another: its type is compared
             same = True
         return None if same else f"{at}: {_describe(a)} {a!r:.60} in the given model, {b!r:.60} in the factory's"
-    return _mapping_difference(held_a, held_b, where, deeper, attributes=True)
+    return _mapping_difference(held_a, held_b, where, deeper, attributes=True, filled=seen.filled.get(id(b), ()))
 
 
 def _same_class(a: type, b: type) -> bool:
@@ -197,7 +264,9 @@ def _deeper(a: Any, b: Any, where: str, *, seen: _Walk, depth: int) -> str | Non
     return _difference(a, b, where, seen, depth)
 
 
-def _mapping_difference(a: dict, b: dict, where: str, deeper, attributes: bool = False) -> str | None:
+def _mapping_difference(
+    a: dict, b: dict, where: str, deeper, attributes: bool = False, filled: Collection[str] = ()
+) -> str | None:
     def named(k: Any) -> str:
         return (f"{where}.{k}" if where else str(k)) if attributes or isinstance(k, str) else f"{where}[{k!r}]"
 
@@ -213,18 +282,19 @@ def _mapping_difference(a: dict, b: dict, where: str, deeper, attributes: bool =
     def initialisation(k: Any) -> bool:  # kernel_init, kernel_initializer, a seed: the loaded weights replace them
         return isinstance(k, str) and (k.endswith("_init") or "initializer" in k or "seed" in k)
 
+    def passed_over(k: Any) -> bool:  # only dtypes may differ (a float64 rebuild says so); names are labels
+        return dtype_setting(k) or label(k) or initialisation(k) or k in filled  # filled: a cache the call filled
+
     for k in a:
-        if dtype_setting(k) or label(k) or initialisation(k):
-            continue  # only dtypes may differ (a float64 rebuild says so in its settings); names are labels
+        if passed_over(k):
+            continue
         if k not in b:
             if private(k):
-                continue  # bookkeeping a call or a loader added (a cache, an initialised flag)
+                continue  # bookkeeping a call or a loader added (an initialised flag)
             return f"{named(k)}: in the given model only"
-        if private(k) and b[k] is None and a[k] is not None:
-            continue  # a cache the given model's calls filled
         if d := deeper(a[k], b[k], named(k)):
             return d
-    extra = [k for k in b if k not in a and not private(k) and not (dtype_setting(k) or label(k) or initialisation(k))]
+    extra = [k for k in b if k not in a and not private(k) and not passed_over(k)]
     return f"{named(extra[0])}: in the factory's model only" if extra else None
 
 

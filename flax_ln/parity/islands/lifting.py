@@ -23,8 +23,10 @@ from typing import Any
 
 import flax_ln.parity.islands.jax as jax_islands
 import flax_ln.parity.islands.torch as torch_islands
+from flax_ln.parity.core.structure import Rebuild
 from flax_ln.parity.islands.island import Island
 from flax_ln.parity.islands.torch import Float64Parameters, torch_in_float64
+from flax_ln.parity.records.capture import WHOLE_MODEL
 
 ISLAND_MODES = ("lift", "keep")
 
@@ -50,30 +52,59 @@ class Found:
 @contextlib.contextmanager
 def torch_model_for(
     torch_module: Any, dtype: str, islands: str, factory: Callable[[], Any] | None, found: Found
-) -> Iterator[tuple[Any, Float64Parameters | None]]:
+) -> Iterator[tuple[Any, Float64Parameters | None, Rebuild | None]]:
     """The torch model a comparison in ``dtype`` runs: the caller's module, in float64 for this scope when the
     comparison is float64 and the module is not (restored after, exactly), or, with lifting and a factory,
     a float64 copy rebuilt with its construction-time buffers in float64. Built-in islands go into ``found``.
     With it, the parameters this scope cast to float64 (:class:`~flax_ln.parity.islands.torch.Float64Parameters`,
-    which may be given back early), or ``None`` where it cast none."""
+    which may be given back early), or ``None`` where it cast none; and, for a copy the caller's ``torch_factory``
+    built, its :class:`~flax_ln.parity.core.structure.Rebuild`, to confirm after the copy's first call.
+
+    A transformers model rebuilt from its config alone (no ``torch_factory``) that is not the caller's model (built
+    with constructor arguments the config does not hold: ``BertModel(config, add_pooling_layer=False)``) is not
+    used: the caller's module runs, cast, and an island (not lifted) says why and names ``torch_factory=``."""
     if dtype != "float64":
-        yield torch_module, None
+        yield torch_module, None, None
         return
     given = factory is not None  # the caller's factory must build the caller's model; the default rebuilds it
     factory = (factory or torch_islands.default_factory(torch_module)) if islands == "lift" else None
     if factory is not None:
-        model, built = torch_islands.build_lifted(factory, torch_module, same_model=given)
-        found.add(built)
-        yield model, None
-        return
+        try:
+            model, built = torch_islands.build_lifted(factory, torch_module, same_model=False)
+            other = None if given else _other_module_tree(torch_module, model)
+        except ValueError as error:
+            if given:
+                raise
+            other = " ".join(str(error).split())  # torch's load error spans lines
+        if other is None:
+            found.add(built)
+            yield model, None, Rebuild(torch_module, model) if given else None
+            return
+        what = (
+            f"the model rebuilt from its config alone is not this one ({other[:300]}), so its tables built at "
+            "construction were not rebuilt in float64: pass torch_factory= (lambda: MyModel(config, ...), "
+            "with the constructor arguments the model was built with)"
+        )
+        found.add([Island("torch", WHOLE_MODEL, what, lifted=False)])
     weights = set(torch_module.state_dict())
     if all(str(t.dtype) == "torch.float64" for t in _floats(torch_module)):
         found.add(torch_islands.rounded_buffers(torch_module, weights))
-        yield torch_module, None
+        yield torch_module, None, None
         return
     with torch_in_float64(torch_module) as cast:
         found.add(torch_islands.rounded_buffers(torch_module, weights))
-        yield torch_module, cast
+        yield torch_module, cast, None
+
+
+def _other_module_tree(given: Any, built: Any) -> str | None:
+    """The first module path where ``built``'s module tree (paths and classes) is not ``given``'s, in words."""
+    mine = {name: type(m) for name, m in built.named_modules()}
+    for name, module in given.named_modules():
+        rebuilt = mine.pop(name, None)
+        if rebuilt is not type(module):
+            other = "nothing" if rebuilt is None else f"a {rebuilt.__name__}"
+            return f"{name or WHOLE_MODEL}: a {type(module).__name__} in the given model, {other} in the rebuilt one"
+    return f"{next(iter(mine))}: in the rebuilt model only" if mine else None
 
 
 def _floats(module: Any) -> list[Any]:

@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from flax_ln.parity.core.structure import model_difference
+from flax_ln.parity.core.structure import Rebuild
 from flax_ln.parity.islands.held import plain_attributes
 from flax_ln.parity.islands.island import Island, float32_rounded
 from flax_ln.parity.records.capture import WHOLE_MODEL
@@ -385,9 +385,11 @@ def build_lifted(factory: Callable[[], Any], like, *, same_model: bool = True) -
     Raises ``ValueError`` naming the keys when ``like``'s state does not load (missing, unexpected
     or mis-shaped keys) or a loaded parameter or persistent buffer then differs from ``like``'s
     (a load hook or a tie that changes it), or (``same_model``: a factory the caller gave) when the model built is
-    not ``like`` built again: another module
-    tree, class or attribute that is not an array (:func:`~flax_ln.parity.core.structure.model_difference`; only
-    dtypes may differ); the copy would not compute ``like``'s function. ``TypeError`` when ``factory()`` returns no
+    not ``like`` built again as it is now: another module
+    tree, class or attribute that is not an array (:meth:`~flax_ln.parity.core.structure.Rebuild.confirm`; only
+    dtypes may differ); the copy would not compute ``like``'s function. A comparison checks after the copy's first
+    call instead (``same_model=False``, then a :class:`~flax_ln.parity.core.structure.Rebuild` made at once), so that
+    a cache the call fills is told apart. ``TypeError`` when ``factory()`` returns no
     torch module. A factory that returns ``like`` itself (or a part of it) is given a deep copy: ``like`` is never
     converted.
 
@@ -416,13 +418,8 @@ def build_lifted(factory: Callable[[], Any], like, *, same_model: bool = True) -
     differ = [k for k, v in built.state_dict().items() if not torch.equal(v, state[k])]
     if differ:
         raise ValueError(f"the model built by the factory holds other values than the given model's: {differ}")
-    difference = model_difference(like, built) if same_model else None
-    if difference is not None:
-        raise ValueError(
-            f"torch_factory builds another model than torch_module ({difference}): the float64 check must run the "
-            "model compared in float32, so the factory must build it with the same module tree, classes and "
-            "attributes (only dtypes may differ)"
-        )
+    if same_model:
+        Rebuild(like, built).confirm("torch_factory", "torch_module")
     like_modules = dict(like.named_modules())
     for name, module in built.named_modules():
         if name in like_modules:

@@ -425,6 +425,12 @@ class FlaxSide(abc.ABC):
         return weights
 
     @classmethod
+    def rebuilt_as(cls, built: Any, given: Any) -> Any:
+        """``built`` (what ``flax_factory`` built) as a float64 run takes it in place of ``given`` (the caller's):
+        itself, unless a kind names its variables by build (a Keras model's automatic numbering)."""
+        return built
+
+    @classmethod
     @abc.abstractmethod
     def check(cls, flax_module: Any, weights: KeyMap | None, mesh) -> None:
         """Raise a clear error for a flax side this kind cannot take with these options (before any torch run)."""

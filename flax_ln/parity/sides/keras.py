@@ -56,10 +56,13 @@ class Keras:
     """
 
     model: Any
+    # a model this one is built again from (what flax_factory builds in a float64 check): its variables are named by
+    # that model's paths, variable by variable in the layer tree's order, whatever this build's automatic numbering
+    named_like: Any = None
 
     def variable_tree(self) -> KerasTree:
         """Its variables as the converter names them (``to_torch_state_dict(Keras(model), weights=...)``)."""
-        return KerasTree(self.model)
+        return KerasTree(self.model, named_like=self.named_like)
 
 
 def _wrapper(flax_module: Any) -> Keras:
@@ -251,6 +254,12 @@ class KerasSide(TreeSide):
         trainable = {p: values[p] for p in tree.trainable}
         fix = "Make its variable non-trainable (trainable=False), so that it is state"
         require_differentiable(trainable, "trainable variable", fix)
+
+    @classmethod
+    def rebuilt_as(cls, built: Any, given: Any) -> Keras:
+        """``built`` with its variables named by ``given``'s paths: Keras numbers the layers of each build
+        (``dense_1/kernel`` in a second build of ``dense/kernel``), and a key map names the caller's."""
+        return Keras(_wrapper(built).model, named_like=_wrapper(given).model)
 
     @classmethod
     def wrapped(cls, flax_module: Any) -> Keras:

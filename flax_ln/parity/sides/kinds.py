@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flax_ln.parity.core.failure import note_failure
-from flax_ln.parity.core.structure import model_difference
+from flax_ln.parity.core.structure import Rebuild
 from flax_ln.parity.sides.equinox import EquinoxSide
 from flax_ln.parity.sides.flax import FlaxSide
 from flax_ln.parity.sides.function import FunctionSide
@@ -45,27 +45,23 @@ def check_factories(**factories: Any) -> None:
             )
 
 
-def built_by_flax_factory(factory: Callable[[], Any], flax_module: Any) -> Any:
-    """What ``factory()`` builds, checked to be ``flax_module`` built again: of its kind (else ``TypeError``), with
-    its structure and static configuration, only dtypes may differ
-    (:func:`~flax_ln.parity.core.structure.model_difference`: an NNX module's graph, a Linen module's fields, a
-    ``Function``'s code and parameter structure; else ``ValueError`` naming what differs).
+def built_by_flax_factory(factory: Callable[[], Any], flax_module: Any) -> tuple[Any, Rebuild]:
+    """What ``factory()`` builds, of ``flax_module``'s kind (else ``TypeError``), as its kind takes it in the
+    caller's stead (:meth:`~flax_ln.parity.sides.flax.FlaxSide.rebuilt_as`: a Keras model's variables named by the
+    caller's paths); and its :class:`~flax_ln.parity.core.structure.Rebuild`, whose ``confirm`` (after the built
+    model's call) says whether it is ``flax_module`` built again: its structure and configuration (an NNX module's
+    graph, a Linen module's fields, a ``Function``'s code and parameter structure, a Keras model's layers, private
+    ones included, and a functional model's operations), only dtypes may differ.
     An exception the factory raises carries a note naming it."""
     try:
         built = factory()
     except Exception as err:
         note_failure(err, "raised inside flax_factory(), which builds the flax side of the float64 check")
         raise
-    if flax_side_kind(built) is not flax_side_kind(flax_module):
+    kind = flax_side_kind(flax_module)
+    if flax_side_kind(built) is not kind:
         raise TypeError(
             f"flax_factory built a {type(built).__name__}, but the flax side is a "
             f"{type(flax_module).__name__}: the factory must build the same kind of flax side"
         )
-    difference = model_difference(flax_module, built)
-    if difference is not None:
-        raise ValueError(
-            f"flax_factory builds another model than flax_module ({difference}): the float64 check must run the "
-            "port compared in float32, so the factory must build it with the same structure and static "
-            "configuration (only dtypes may differ)"
-        )
-    return built
+    return kind.rebuilt_as(built, flax_module), Rebuild(flax_module, built)
