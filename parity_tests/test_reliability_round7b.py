@@ -1,15 +1,20 @@
 """Issue 71, items 3-7: float32 constants a float64 run meets, told by where they were made (a Keras model's, built
 with the model; a Linen port's, made in ``setup`` on every apply); and the words of a report."""
 
+import collections
+import copy
+import dataclasses
 import math
 
 import jax
 import numpy as np
+import pytest
 import torch
 from flax import linen
 
 from flax_ln.convert import KeyMap
 from flax_ln.parity import Linen, compare_modules
+from flax_ln.parity.islands.island import Island
 
 WIDTH = 12  # sqrt(12) is irrational: its float32 rounding shows in float64 (relative 1e-8, far above 1e-12)
 LINEAR_MAP = KeyMap([(r"fc\.weight", "fc/kernel", "a b -> b a"), (r"fc\.bias", "fc/bias", None)])
@@ -85,3 +90,104 @@ def test_a_float32_table_the_port_makes_during_its_call_is_not_sent_to_a_factory
     assert "during its call" in what and "the port itself computes it in float32" in what, what
     assert "built before the comparison" not in what and "build the port under lifting" not in what, what
     assert "test_reliability_round7b.py:" in what, what  # where: the port's line that uses it
+
+
+# ---- item 7: the words of a report
+
+
+class TorchTwoBlocks(torch.nn.Module):
+    """Two blocks, each a linear layer: the same leaf names in two places (``blocks.0.fc``, ``blocks.1.fc``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            [torch.nn.Sequential(collections.OrderedDict(fc=torch.nn.Linear(8, 8))) for _ in range(2)]
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class LinenBlock(linen.Module):
+    def setup(self):
+        self.fc = linen.Dense(8)
+
+
+def _block_call(self, x):
+    return self.fc(x)
+
+
+LinenBlock.__call__ = _block_call  # type: ignore[attr-defined]  # a plain function set after flax made the class: never wrapped
+
+
+class LinenTwoBlocks(linen.Module):
+    shift: float = 0.0  # a planted bug in the second block's output
+
+    @linen.compact
+    def __call__(self, x):
+        x = LinenBlock(name="blocks_0")(x)
+        return LinenBlock(name="blocks_1")(x) + self.shift
+
+
+BLOCKS_MAP = KeyMap(
+    [
+        (r"blocks\.(\d)\.fc\.weight", r"blocks_\1.fc.kernel", "a b -> b a"),
+        (r"blocks\.(\d)\.fc\.bias", r"blocks_\1.fc.bias", None),
+    ]
+)
+
+
+def _blocks(shift=0.0):
+    module = LinenTwoBlocks(shift=shift)
+    return Linen(module, module.init(jax.random.key(0), _x()[0]))
+
+
+def test_a_linen_call_flax_never_wrapped_is_named_as_the_reason_it_was_not_run_alone():
+    report = compare_modules(TorchTwoBlocks(), _blocks(shift=1e-3), _x(), weights=BLOCKS_MAP, dtype="float32")
+    assert not report.passed and report.isolation is not None, report
+    for block in ("blocks.0", "blocks.1"):
+        why = report.isolation.skipped.get(block, "")
+        assert "LinenBlock.__call__" in why and "setattr(cls, '__call__', f)" in why, report.isolation.skipped
+        assert "define __call__ in the class body" in why, why
+
+
+@pytest.fixture(scope="module")
+def passing():
+    """A passing default call (the float32 run and its float64 check), made once for the tests of its words."""
+    report = compare_modules(TorchTwoBlocks(), _blocks(), _x(), weights=BLOCKS_MAP)
+    assert report.passed and report.float64_check is not None, report
+    return report
+
+
+def test_the_summary_says_which_time_is_which(passing):
+    summary = next(line for line in str(passing).splitlines() if line.startswith("summary:"))
+    own = passing.seconds - passing.float64_check.seconds  # report.seconds keeps its meaning: the whole call
+    assert f"in {own:.1f}s, {passing.seconds:.1f}s with the float64 check -> PASS" in summary, summary
+
+
+def test_islands_recurring_in_many_modules_are_one_line_and_the_unlifted_come_first(passing):
+    # a T5's report: one lifted cast in each of 40 modules, one unlifted constant in two: a line per kind
+    lifted = [Island("flax", f"encoder.block.{i}.layer.0.SelfAttention", "astype to float32", True) for i in range(40)]
+    kept = [Island("flax", f"decoder.block.{i}", "a float32 constant (4,)", False) for i in range(2)]
+    report = copy.deepcopy(passing)
+    report.float64_check.islands = lifted + kept
+    text = str(report)
+    lines = [line for line in text.splitlines() if "astype to float32" in line or "float32 constant (4,)" in line]
+    assert len(lines) == 2, text
+    assert "decoder.block.0" in lines[0] and "NOT lifted, in 2 modules" in lines[0], lines  # the unlifted first
+    assert "40 modules (encoder.block.0.layer.0.SelfAttention" in lines[1] and "lifted, in 40 modules" in lines[1]
+    assert len(report.float64_check.islands) == 42  # the data keeps one entry per module and kind
+
+
+def test_cut_names_of_two_layers_stay_distinct(passing):
+    # two names that differ only where a cut to the column drops characters
+    long = "model.encoder.transformer.layer.{}.attention.multi_head_projection.k_lin.weight"
+    report = copy.deepcopy(passing)
+    report.results = [dataclasses.replace(r, name=long.format(i)) for i, r in enumerate(report.results[:2])]
+    rows = [line.split()[0] for line in str(report).splitlines() if line.startswith("model.")]
+    assert len(rows) == 2 and rows[0] != rows[1], rows
+    assert all(len(row) <= 44 and "..." in row for row in rows), rows  # still cut to the column
+    assert ".0." in rows[0] and ".1." in rows[1], rows  # each shows its own layer
