@@ -390,7 +390,7 @@ def _islands(d: Mapping[str, Any]) -> list[str]:
     kinds: dict[tuple[str, str, bool], list[Any]] = {}
     for island in d["islands"]:
         kinds.setdefault((island.side, island.what, island.lifted), []).append(island)
-    lines = [f"float32 islands ({len(d['islands'])} in {len(kinds)} kinds; lifted: run in float64 by this comparison):"]
+    lines = [f"float32 islands ({len(d['islands'])}; lifted: run in float64 by this comparison):"]
     for (side, what, lifted), found in sorted(kinds.items(), key=lambda kind: kind[0][2]):  # stable: unlifted first
         where = [i.module if i.module is not None else "(no module)" for i in found]
         times = sum(i.count for i in found)
