@@ -7,12 +7,13 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import linen
+from flax import linen, nnx
 
-from flax_ln.convert import KeyMap
+from flax_ln.convert import KeyMap, load_torch_state_dict
 from flax_ln.parity import Linen, compare_modules
 from flax_ln.parity.islands.island import Island
 
@@ -191,3 +192,55 @@ def test_cut_names_of_two_layers_stay_distinct(passing):
     assert len(rows) == 2 and rows[0] != rows[1], rows
     assert all(len(row) <= 44 and "..." in row for row in rows), rows  # still cut to the column
     assert ".0." in rows[0] and ".1." in rows[1], rows  # each shows its own layer
+
+
+# ---- item 5: a loader that rounds every weight to float16 on the way
+
+
+class TorchTwo(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class PortTwo(nnx.Module):
+    def __init__(self, rngs):
+        self.first, self.second = nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.second(jnp.tanh(self.first(x)))
+
+
+def _float16_loader(state):
+    """keras-hub's Mistral converter's way: each weight cast to float16 on the way into float32 variables."""
+    model = PortTwo(nnx.Rngs(0))
+    for module, key in ((model.first, "a"), (model.second, "b")):
+        module.kernel[...] = jnp.asarray(np.asarray(state[f"{key}.weight"]).T.astype(np.float16), jnp.float32)
+        module.bias[...] = jnp.asarray(np.asarray(state[f"{key}.bias"]).astype(np.float16), jnp.float32)
+    return model
+
+
+def test_a_loader_rounding_to_float16_is_a_key_map_with_the_rounding_written_and_named():
+    key_map = KeyMap.discover(_float16_loader, TorchTwo())
+    assert key_map.discovery.rounded == {
+        p: "float16" for p in ("first.kernel", "first.bias", "second.kernel", "second.bias")
+    }
+    assert "the loader rounds weights to float16" in str(key_map.discovery)
+    source = key_map.to_source()
+    assert "'round': 'float16'" in source, source
+    again = eval(source, {"KeyMap": KeyMap, "np": np})  # noqa: S307 - the map's own source, read back
+    assert again.to_source() == source
+    # loading through the map gives the port what its own loader gives
+    torch_model = TorchTwo()
+    state = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    mapped = load_torch_state_dict(PortTwo(nnx.Rngs(1)), state, weights=key_map)
+    own = _float16_loader(state)
+    for got, want in zip(jax.tree.leaves(nnx.state(mapped)), jax.tree.leaves(nnx.state(own)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    report = compare_modules(torch_model, PortTwo(nnx.Rngs(1)), _x(), weights=key_map, dtype="float32")
+    assert not report.passed, report  # float16's 11 bits: far outside float32's tolerance
+    assert "the loader rounds weights to float16" in str(report), report

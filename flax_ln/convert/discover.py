@@ -7,7 +7,10 @@ elements and reads back where each value landed:
 
 * three constant loads (every element 2, then 3, then 5, and 2 again) give each flax
   element's affine ``scale * torch + offset`` and show the elements no load changes (left at
-  init) and those that change between two equal loads (initialised at random each call);
+  init) and those that change between two equal loads (initialised at random each call); the load
+  of 5 is ``5 + 2**-7 + 2**-13`` where every probed tensor is float32 or float64, which a loader
+  rounding each value to float16 (bfloat16) gives back as ``5 + 2**-7`` (``5``): the rounding is
+  named, written as the rule's ``round``, and the digits kept within what that type holds exactly;
 * ``K`` digit loads, element ``g`` (its global id over the unique tensors) as ``digit + 2``
   in base ``b`` (digits never 0 or 1, so a variable left at zeros or ones is never id 0);
   ``b`` keeps every value and its image exact integers in the narrowest float seen;
@@ -82,6 +85,8 @@ class Discovery:
       ties: torch key -> the flax paths its one tensor fills, where it fills more than one.
       loads: how many times the loader ran.
       comments: rule index -> why the rule is there (for ``to_source(comments=...)``).
+      rounded: flax path -> the narrower float type the loader rounds its values to on the way (``"float16"``),
+        written as its rule's ``round`` (the affine dict's ``"round"`` key).
     """
 
     dropped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -90,9 +95,18 @@ class Discovery:
     ties: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     loads: int = 0
     comments: dict[int, str] = dataclasses.field(default_factory=dict)
+    rounded: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"discovered from {self.loads} loads of the loader"]
+        for narrow in sorted(set(self.rounded.values())):
+            paths = [p for p, n in self.rounded.items() if n == narrow]
+            shown = ", ".join(paths[:3]) + (f", ... ({len(paths)})" if len(paths) > 3 else "")
+            lines.append(
+                f"  the loader rounds weights to {narrow}: {shown} (written as the rules' round; the port gets "
+                f"what its own loader gives, so a comparison in a wider dtype shows the rounding: compare in "
+                f"{narrow}, or admit it)"
+            )
         lines += [f"  dropped by the loader: {k} ({why})" for k, why in self.dropped.items()]
         lines += [f"  left at init: {p} ({what})" for p, what in self.unfilled.items()]
         lines += [
@@ -125,6 +139,7 @@ class _Var:
     ids: Any = None
     problem: str | None = None
     random: bool = False  # a different value at each load: initialised at random, never read from torch
+    rounds: str | None = None  # the narrower float type the loader rounds its values to (float16), if any
     abstract: bool = False  # never filled: the loader left it a jax.ShapeDtypeStruct (no values)
 
 
@@ -248,11 +263,18 @@ def measure(
             if _all_nonzero(var.scale):
                 var.first = None  # needed only to report what a load leaves at init
     del three
-    five = probe.run(functools.partial(_constant, 5))
+    # load 5 carries bits float32 holds and float16 (and bfloat16) do not, where every probed tensor holds them: a
+    # loader that rounds each value to a narrower float (keras-hub's Mistral converter: float16) is seen, and named
+    wide = all(np.dtype(probe.dtypes[k]) in (np.dtype(np.float32), np.dtype(np.float64)) for k in probe.probed)
+    five_value = FIVE if wide else 5.0
+    five = probe.run(functools.partial(_constant, five_value))
     for path, var in variables.items():
         if var.random:
             continue
-        if not _affine_holds(var, five.read(path)):
+        value = five.read(path)
+        if not _affine_holds(var, value, five_value):
+            var.rounds = _rounding(var, value, five_value) if wide else None
+        if var.rounds is None and not _affine_holds(var, value, five_value):
             var.problem = (
                 "is not a gather: its values for constant loads 2, 3, 5 are not scale * torch + offset "
                 "(not a function of one torch element)"
@@ -264,6 +286,7 @@ def measure(
     digits = [v for v in variables.values() if v.scale is not None and not v.abstract]
     limit = min(
         [_EXACT.get(np.dtype(v.dtype).name, 2**24) for v in digits]
+        + [_EXACT[v.rounds] for v in digits if v.rounds is not None]  # the loader's own rounding keeps this many
         + [_EXACT.get(np.dtype(d).name, 2**53) for d in probe.dtypes.values() if is_floating(d)]
         + [_MAX_BASE]
     )
@@ -301,7 +324,7 @@ def measure(
     return _explain(probe, variables, allow_unfilled, allow_dropped)
 
 
-def _constant(c: int, g: np.ndarray) -> np.ndarray:
+def _constant(c: float, g: np.ndarray) -> np.ndarray:
     return np.full(g.shape, c)
 
 
@@ -346,19 +369,47 @@ def _all_nonzero(a: np.ndarray) -> bool:
     return bool(a.flat[0] != 0) if a.size and not any(a.strides) else bool((a != 0).all())
 
 
-def _affine_holds(var: _Var, v5: np.ndarray) -> bool:
-    """Whether the variable's values for constant load 5 are ``5 * scale + offset``, to 4 ulp of its dtype."""
+FIVE = 5 + 2**-7 + 2**-13  # exact in float32; float16 keeps 5 + 2**-7, bfloat16 keeps 5
+_NARROW = ("float16", "bfloat16")  # the rounding a loader may apply on the way, each told by load 5
+
+
+def _affine_holds(var: _Var, v5: np.ndarray, five: float = 5.0, rounds: str | None = None) -> bool:
+    """Whether the variable's values for constant load ``five`` are ``five * scale + offset``, to 4 ulp of its dtype;
+    with ``rounds`` (a float type), whether they are that value rounded to ``rounds`` (the loader casts the torch
+    value, or its image, to it on the way)."""
     tol = 4 * float(jnp.finfo(var.dtype).eps)  # the loader's cast and its own scale/offset arithmetic round
+    narrow = None if rounds is None else jnp.dtype(rounds)
     flat = v5.reshape(-1)
     scale, offset = _scalar_or_flat(var.scale), _scalar_or_flat(var.offset)
     for part in _chunks(flat.size):
         got = flat[part].astype(np.float64)
         s = scale if np.ndim(scale) == 0 else scale[part]
         o = offset if np.ndim(offset) == 0 else offset[part]
-        want = 5 * s + o
-        if not ((np.abs(got - want) <= tol * np.maximum(1.0, np.abs(got))) | (np.isnan(got) & np.isnan(want))).all():
+        wants = [five * s + o]
+        if narrow is not None:  # rounded before the affine, or after it
+            wants = [float(np.float64(five).astype(narrow)) * s + o, _rounded(five * s + o, narrow)]
+        ok = np.zeros(got.shape, bool)
+        for want in wants:
+            ok |= (np.abs(got - want) <= tol * np.maximum(1.0, np.abs(got))) | (np.isnan(got) & np.isnan(want))
+        if not ok.all():
             return False
     return True
+
+
+def _rounded(values: Any, dtype: np.dtype) -> np.ndarray:
+    return np.asarray(values, np.float64).astype(dtype).astype(np.float64)
+
+
+def _rounding(var: _Var, v5: np.ndarray, five: float) -> str | None:
+    """The narrower float type the loader rounds this variable's values to, seen in load ``five``, else ``None``."""
+    return next(
+        (
+            name
+            for name in _NARROW
+            if jnp.finfo(jnp.dtype(name)).bits < jnp.finfo(var.dtype).bits and _affine_holds(var, v5, five, name)
+        ),
+        None,
+    )
 
 
 def _reach(var: _Var) -> tuple[float, float]:
@@ -525,8 +576,10 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
             ties[key] = names
         one_layout = len(ts) == 1 or (isinstance(template, dict) and len(set(layouts_of)) == 1)  # written once
         rule: tuple = (re.escape(key), template, layouts_of[0] if one_layout else tuple(layouts_of))
-        if affine != (1.0, 0.0):
-            rule += ({"scale": affine[0], "offset": affine[1]},)
+        rounds = next((variables[p].rounds for p, _, _, _ in ts if variables[p].rounds is not None), None)
+        if affine != (1.0, 0.0) or rounds is not None:
+            spelled: dict[str, Any] = {"scale": affine[0], "offset": affine[1]} if affine != (1.0, 0.0) else {}
+            rule += ({**spelled, "round": rounds} if rounds is not None else spelled,)
         rules.append(rule)
     every_key = list(probe.originals)
     rules = fold_families(rules, every_key)
@@ -545,7 +598,8 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
             comments[i] = "a tie: one torch tensor copied into " + ", ".join(
                 rule[1] if isinstance(rule[1], tuple) else (rule[1],)
             )
-    discovery = Discovery(dropped, unfilled, offsets, ties, probe.loads, comments)
+    rounded = {p: v.rounds for p, v in variables.items() if v.rounds is not None}
+    discovery = Discovery(dropped, unfilled, offsets, ties, probe.loads, comments, rounded)
     return Measured(rules, constants, discovery)
 
 
