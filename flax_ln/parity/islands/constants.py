@@ -15,6 +15,7 @@ import numpy as np
 
 _DEPTH = 12  # how deep attributes and containers are followed from the port (keras-hub: model, ops, nodes, args)
 _LIMIT = 200_000  # objects visited at most: a bound on the walk of a very large model
+_ARRAYS = (np.ndarray, np.generic)
 
 
 def held_float32_arrays(port: Any) -> frozenset[int]:
@@ -30,14 +31,16 @@ def held_float32_arrays(port: Any) -> frozenset[int]:
         if id(obj) in seen or isinstance(obj, (str, bytes, int, float, complex, bool, type, types.ModuleType)):
             continue
         seen.add(id(obj))
-        dtype = getattr(obj, "dtype", None) if hasattr(obj, "shape") else None
-        if dtype is not None:
-            if isinstance(dtype, np.dtype) and dtype in narrow:
-                found.add(id(obj))
-            continue  # an array (NumPy's or JAX's): its own attributes are not the port's
-        if depth >= _DEPTH:
+        try:  # an object's own properties may raise anything: it is then only not followed
+            dtype = getattr(obj, "dtype", None) if isinstance(obj, _ARRAYS) or hasattr(obj, "shape") else None
+            if dtype is not None:
+                if isinstance(dtype, np.dtype) and dtype in narrow:
+                    found.add(id(obj))
+                continue  # an array (NumPy's or JAX's): its own attributes are not the port's
+            if depth < _DEPTH:
+                stack.extend((child, depth + 1) for child in _children(obj))
+        except Exception:  # noqa: BLE001, S112 - a value the walk cannot read holds no array it can name
             continue
-        stack.extend((child, depth + 1) for child in _children(obj))
     return frozenset(found)
 
 
