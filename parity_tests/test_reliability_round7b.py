@@ -13,7 +13,7 @@ import pytest
 import torch
 from flax import linen, nnx
 
-from flax_ln.convert import KeyMap, load_torch_state_dict
+from flax_ln.convert import ConversionError, KeyMap, load_torch_state_dict, to_torch_state_dict
 from flax_ln.parity import Linen, compare_modules
 from flax_ln.parity.islands.island import Island
 
@@ -244,3 +244,82 @@ def test_a_loader_rounding_to_float16_is_a_key_map_with_the_rounding_written_and
     report = compare_modules(torch_model, PortTwo(nnx.Rngs(1)), _x(), weights=key_map, dtype="float32")
     assert not report.passed, report  # float16's 11 bits: far outside float32's tolerance
     assert "the loader rounds weights to float16" in str(report), report
+
+
+# ---- item 6: a tensor read only in part
+
+
+class TorchOffsetPositions(torch.nn.Module):
+    """RoBERTa's way: a position table whose first ``offset`` rows (padding) a forward from ``first`` never reads."""
+
+    def __init__(self, first=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos, self.fc, self.first = torch.nn.Embedding(6, 8), torch.nn.Linear(8, 8), first
+
+    def forward(self, x):
+        return self.fc(x + self.pos(torch.arange(self.first, self.first + x.shape[1])))
+
+
+class PortPositions(nnx.Module):
+    """A port holding rows 2: of the table (keras-hub's RoBERTa converter reads ``position_embeddings[2:]``)."""
+
+    def __init__(self, rngs):
+        self.pos, self.fc = nnx.Embed(4, 8, rngs=rngs), nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(x + self.pos(jnp.arange(x.shape[1])))
+
+
+PART_MAP = KeyMap(
+    [
+        (r"pos\.weight", {"[0:2]": None, "[2:6]": "pos.embedding"}, None),
+        (r"fc\.weight", "fc.kernel", "a b -> b a"),
+        (r"fc\.bias", "fc.bias", None),
+    ]
+)
+
+
+def _positions():
+    return (np.random.default_rng(1).normal(size=(2, 4, 8)).astype(np.float32),)
+
+
+def test_a_slab_no_variable_reads_is_written_read_back_and_compared_as_dropped():
+    source = PART_MAP.to_source()
+    assert '"[0:2]": None' in source, source
+    assert eval(source, {"KeyMap": KeyMap, "np": np}).to_source() == source  # noqa: S307 - its own source
+    passing = compare_modules(TorchOffsetPositions(), PortPositions(nnx.Rngs(0)), _positions(), weights=PART_MAP)
+    assert passing.passed, passing  # rows 0:2 unread by torch's forward too: zero gradient, nothing to compare
+    # a torch forward that reads row 0 and 1 (positions from 0): the port cannot, and the report names the slab
+    failing = compare_modules(
+        TorchOffsetPositions(first=0), PortPositions(nnx.Rngs(0)), _positions(), weights=PART_MAP, dtype="float32"
+    )
+    assert not failing.passed
+    named = [r for r in failing.results if r.name == "pos.weight[0:2]"]
+    assert named and not named[0].passed, [r.name for r in failing.results]
+
+
+def _rows_2_loader(state):
+    """keras-hub's RoBERTa converter's way: rows 2: of the position table."""
+    model = PortPositions(nnx.Rngs(0))
+    model.pos.embedding[...] = jnp.asarray(state["pos.weight"][2:])
+    model.fc.kernel[...] = jnp.asarray(state["fc.weight"]).T
+    model.fc.bias[...] = jnp.asarray(state["fc.bias"])
+    return model
+
+
+def test_a_slab_read_is_discovered_only_where_the_unread_part_is_admitted():
+    with pytest.raises(ConversionError, match=r"only partly read; admit the unread part with allow_dropped="):
+        KeyMap.discover(_rows_2_loader, TorchOffsetPositions())
+    key_map = KeyMap.discover(_rows_2_loader, TorchOffsetPositions(), allow_dropped=[r"pos\.weight\[0:2\]"])
+    assert key_map.discovery.dropped == {"pos.weight": "[0:2]"}
+    assert key_map.to_source() == PART_MAP.to_source()  # the map written by hand above, found by probing
+
+
+def test_export_through_a_map_with_an_unread_slab_takes_that_slab_from_like():
+    torch_model = TorchOffsetPositions()
+    state = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    port = load_torch_state_dict(PortPositions(nnx.Rngs(0)), state, weights=PART_MAP)
+    np.testing.assert_array_equal(np.asarray(port.pos.embedding[...]), state["pos.weight"][2:])
+    back = to_torch_state_dict(port, weights=PART_MAP, like=torch_model.state_dict())
+    np.testing.assert_array_equal(np.asarray(back["pos.weight"]), state["pos.weight"])  # rows 0:2 from like=

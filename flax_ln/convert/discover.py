@@ -53,6 +53,7 @@ from flax_ln.convert.discover_layout import (
     regions,
     slab_of,
     uniform_value,
+    unread_slabs,
     value_summary,
 )
 from flax_ln.convert.errors import ConversionError
@@ -77,8 +78,8 @@ class Discovery:
     """What :meth:`~flax_ln.convert.KeyMap.discover` saw the loader do, beside the rules it wrote.
 
     Args:
-      dropped: torch key -> ``"all"``: a tensor the loader never read (one it reads only in part is an error naming
-        the variable it fills).
+      dropped: torch key -> ``"all"``: a tensor the loader never read; or the slabs of it the loader does not read
+        (``"[0:2]"``), where ``allow_dropped=`` admits them as ``key[0:2]`` (a slab read unadmitted is an error).
       unfilled: flax path -> what it holds, left at init (``"constant 0.0"``, ``"array (64,) -1.2..3.4"``).
       offsets: flax path (with its slice) -> ``(scale, offset)`` where the loader wrote ``scale * torch + offset``
         with other than ``(1, 0)``.
@@ -479,6 +480,7 @@ def _admitted(name: str, patterns: list[str]) -> bool:
 
 def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dropped) -> Measured:
     mismatched: list[tuple[str, str]] = []
+    dropped: dict[str, str] = {}
     unfilled_errors: list[tuple[str, str]] = []
     unfilled: dict[str, str] = {}
     constants: dict[str, Any] = {}
@@ -524,14 +526,37 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
             if problem:
                 unfilled_errors.append((path + region.index, problem))
         var.ids = var.scale = var.offset = None  # explained: free them
+    unread: dict[int, list[str]] = {}  # tensor -> the slabs of it no variable reads, admitted by allow_dropped=
     for tensor, ts in targets.items():
         split = [probe.slab_sizes.get((tensor, p + index)) for p, index, _, _ in ts]
         size = int(probe.starts[tensor + 1] - probe.starts[tensor])
         if any(split) and (not all(split) or sum(n or 0 for n in split) != size):
             key = probe.probed[tensor]
             read_part = sum(n or 0 for n in split)
+            left = None
+            if all(split):
+                read_slabs = [probe.slabs[(tensor, p + index)] for p, index, _, _ in ts]
+                left = unread_slabs(read_slabs, probe.shapes[key])
+            # a slab is admitted by a pattern written for it: one that takes key[slab] and not the key (".*" is no
+            # word on which part of a tensor a loader may leave unread)
+            for_slabs = [p for p in allow_dropped if not re.fullmatch(p, key)]
+            if left and all(_admitted(key + slab, for_slabs) for slab in left):
+                unread[tensor] = left
+                dropped[key] = ", ".join(left)
+                continue
+            admit = (
+                ""
+                if not left
+                else "; admit the unread part with allow_dropped=["
+                + ", ".join(repr(re.escape(key + s)) for s in left)
+                + "]"
+            )
             mismatched.append(
-                (key, f"the loader reads {read_part} of its {size} elements, in slabs: the tensor is only partly read")
+                (
+                    key,
+                    f"the loader reads {read_part} of its {size} elements, in slabs: the tensor is only partly "
+                    f"read{admit}",
+                )
             )
         layouts: dict[str, str] = {}
         for p, _, layout, _ in ts:
@@ -543,7 +568,7 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
                         "a key map copies one tensor into a variable through one layout",
                     )
                 )
-    dropped, rules, comments = {}, [], {}
+    rules, comments = [], {}
     for i, key in enumerate(probe.probed):
         if read[i] or probe.starts[i] == probe.starts[i + 1]:  # read, or no elements to read
             continue
@@ -570,8 +595,8 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         affine = ts[0][3]
         layouts_of = [None if t[2] == "identity" else t[2] for t in ts]
         template: Any = names[0] if len(ts) == 1 else tuple(names)
-        if any(slabs):  # a split: each variable a slab of the tensor
-            template = dict(zip(slabs, names))
+        if any(slabs):  # a split: each variable a slab of the tensor (a slab no variable reads: None)
+            template = {**dict.fromkeys(unread.get(i, [])), **dict(zip(slabs, names))}
         elif len(ts) > 1:
             ties[key] = names
         one_layout = len(ts) == 1 or (isinstance(template, dict) and len(set(layouts_of)) == 1)  # written once
@@ -584,7 +609,7 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
     every_key = list(probe.originals)
     rules = fold_families(rules, every_key)
     for why, drops in (
-        ("dropped by the loader", [k for k in probe.keys if k in dropped]),
+        ("dropped by the loader", [k for k in probe.keys if dropped.get(k) == "all"]),
         ("not a number: not probed", [k for k in probe.keys if k not in dropped and k not in probe.probed]),
     ):
         for rule in fold_families([(re.escape(k), None, None) for k in drops], every_key):  # one per family

@@ -269,6 +269,7 @@ class Rule:
     layouts: tuple[ArrayLayout, ...]
     affines: tuple[Affine, ...] = ()
     slabs: tuple[str | None, ...] = ()  # per template, the torch slab it takes (``"[0:64]"``); None: all of it
+    dropped: tuple[str, ...] = ()  # the torch slabs no variable takes (``{"[0:2]": None}``): unread, admitted
 
     def __post_init__(self):
         if len(self.affines) != len(self.templates):  # rules built without affines: none
@@ -318,7 +319,8 @@ def parse_rule(index: int, item: Any) -> Rule:
     """One rule, ``(regex, template, layout)`` or ``(regex, template, layout, affine)``, parsed (``ValueError``).
 
     A dict template, ``{torch slab: template}``, splits the torch tensor: each slab (``"[0:64]"``, the region
-    syntax on the torch side) fills its template's variable; its layout and affine are as a tuple template's."""
+    syntax on the torch side) fills its template's variable; its layout and affine are as a tuple template's. A
+    slab whose template is ``None`` is read by no variable (a loader that reads rows ``2:`` of a table): dropped."""
     if not (isinstance(item, tuple) and len(item) in (3, 4)):
         raise ValueError("a rule is a (regex, template, layout) triple or a (regex, template, layout, affine) tuple")
     pattern, template, layout, affine = item if len(item) == 4 else (*item, None)
@@ -336,11 +338,17 @@ def parse_rule(index: int, item: Any) -> Rule:
     layouts: tuple[ArrayLayout, ...]
     affines: tuple[Affine, ...]
     slabs: tuple[str | None, ...] = ()
+    dropped: tuple[str, ...] = ()
     if isinstance(template, Mapping):
-        if not template or not all(isinstance(t, str) for t in template.values()):
-            raise ValueError(f"a split rule's template is a non-empty {{torch slab: template}} dict, got {template!r}")
-        slabs = tuple(parse_slab(k) for k in template)
-        template = tuple(template.values())
+        kept = {k: t for k, t in template.items() if t is not None}
+        if not kept or not all(isinstance(t, str) for t in kept.values()):
+            raise ValueError(
+                "a split rule's template is a {torch slab: template} dict with at least one template (None: a slab "
+                f"no variable reads), got {template!r}"
+            )
+        dropped = tuple(parse_slab(k) for k, t in template.items() if t is None)
+        slabs = tuple(parse_slab(k) for k in kept)
+        template = tuple(kept.values())
         if layout is not None and not isinstance(layout, tuple):
             layout = (layout,) * len(template)  # one layout for every slab
     if isinstance(template, str):
@@ -370,10 +378,10 @@ def parse_rule(index: int, item: Any) -> Rule:
         if items is not None:
             check_suffix(items)
         check_template(pattern, t)
-    for slab in slabs:
+    for slab in (*slabs, *dropped):
         assert slab is not None  # parse_slab
         check_template(pattern, slab_items(slab))  # a slab may name the regex's groups
-    return Rule(index, pattern, tuple(templates), layouts, affines, slabs)
+    return Rule(index, pattern, tuple(templates), layouts, affines, slabs, dropped)
 
 
 def check_template(pattern: str, template: str) -> None:
@@ -448,7 +456,9 @@ def key_map_source(rules: Sequence, constants: Mapping[str, Any], comments: Mapp
             lines.append(f"        ({_raw(rule.pattern)}, None, None),")
             continue
         if rule.splits:
-            template = "{" + ", ".join(f"{_raw(slab)}: {_raw(t)}" for slab, t in zip(rule.slabs, rule.templates)) + "}"
+            items = [f"{_raw(slab)}: None" for slab in rule.dropped]
+            items += [f"{_raw(slab)}: {_raw(t)}" for slab, t in zip(rule.slabs, rule.templates)]
+            template = "{" + ", ".join(items) + "}"
             shown = [_layout_source(x) for x in rule.layouts]
             layout = shown[0] if len(set(shown)) == 1 else "(" + ", ".join(shown) + ")"
             if all(a.identity for a in rule.affines):
