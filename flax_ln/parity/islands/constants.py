@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-_DEPTH = 12  # how deep attributes and containers are followed from the port (keras-hub: model, ops, nodes, args)
+_DEPTH = 64  # how deep attributes and containers are followed (penzai nests its layers past 12 levels)
 _LIMIT = 200_000  # objects visited at most: a bound on the walk of a very large model
 _ARRAYS = (np.ndarray, np.generic)
 
