@@ -7,7 +7,10 @@ elements and reads back where each value landed:
 
 * three constant loads (every element 2, then 3, then 5, and 2 again) give each flax
   element's affine ``scale * torch + offset`` and show the elements no load changes (left at
-  init) and those that change between two equal loads (initialised at random each call);
+  init) and those that change between two equal loads (initialised at random each call); the load
+  of 5 is ``5 + 2**-7 + 2**-13`` where every probed tensor is float32 or float64, which a loader
+  rounding each value to float16 (bfloat16) gives back as ``5 + 2**-7`` (``5``): the rounding is
+  named, written as the rule's ``round``, and the digits kept within what that type holds exactly;
 * ``K`` digit loads, element ``g`` (its global id over the unique tensors) as ``digit + 2``
   in base ``b`` (digits never 0 or 1, so a variable left at zeros or ones is never id 0);
   ``b`` keeps every value and its image exact integers in the narrowest float seen;
@@ -36,7 +39,6 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from flax_ln.convert.assign import as_numpy, is_floating
@@ -44,13 +46,28 @@ from flax_ln.convert.discover_layout import (
     Region,
     compact,
     describe_part,
-    equal_or_nan,
     fold_families,
     layout_of,
     regions,
     slab_of,
     uniform_value,
+    unread_slabs,
     value_summary,
+)
+from flax_ln.convert.discover_values import (
+    CHUNK,
+    FIVE,
+    affine_holds,
+    agrees,
+    all_nonzero,
+    chunks,
+    constant,
+    decode,
+    digit,
+    largest_reach,
+    measured_affine,
+    rounding,
+    same,
 )
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.tensor_files import saved_names, write_streamed
@@ -66,7 +83,6 @@ VALUE_DEPENDENT = (
     "(the size of real weights), landed elsewhere; a loader that branches on its inputs' values has no key map: "
     "make its layout a function of the keys and shapes"
 )
-_CHUNK = 1 << 22  # elements made, decoded or checked at once: float64 temporaries of 32 MiB, whatever the size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +90,16 @@ class Discovery:
     """What :meth:`~flax_ln.convert.KeyMap.discover` saw the loader do, beside the rules it wrote.
 
     Args:
-      dropped: torch key -> ``"all"``: a tensor the loader never read (one it reads only in part is an error naming
-        the variable it fills).
+      dropped: torch key -> ``"all"``: a tensor the loader never read; or the slabs of it the loader does not read
+        (``"[0:2]"``), where ``allow_dropped=`` admits them as ``key[0:2]`` (a slab read unadmitted is an error).
       unfilled: flax path -> what it holds, left at init (``"constant 0.0"``, ``"array (64,) -1.2..3.4"``).
       offsets: flax path (with its slice) -> ``(scale, offset)`` where the loader wrote ``scale * torch + offset``
         with other than ``(1, 0)``.
       ties: torch key -> the flax paths its one tensor fills, where it fills more than one.
       loads: how many times the loader ran.
       comments: rule index -> why the rule is there (for ``to_source(comments=...)``).
+      rounded: flax path -> the narrower float type the loader rounds its values to on the way (``"float16"``),
+        written as its rule's ``round`` (the affine dict's ``"round"`` key).
     """
 
     dropped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -90,9 +108,18 @@ class Discovery:
     ties: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     loads: int = 0
     comments: dict[int, str] = dataclasses.field(default_factory=dict)
+    rounded: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"discovered from {self.loads} loads of the loader"]
+        for narrow in sorted(set(self.rounded.values())):
+            paths = [p for p, n in self.rounded.items() if n == narrow]
+            shown = ", ".join(paths[:3]) + (f", ... ({len(paths)})" if len(paths) > 3 else "")
+            lines.append(
+                f"  the loader rounds weights to {narrow}: {shown} (written as the rules' round; the port gets "
+                f"what its own loader gives, so a comparison in a wider dtype shows the rounding: compare in "
+                f"{narrow}, or admit it)"
+            )
         lines += [f"  dropped by the loader: {k} ({why})" for k, why in self.dropped.items()]
         lines += [f"  left at init: {p} ({what})" for p, what in self.unfilled.items()]
         lines += [
@@ -125,6 +152,7 @@ class _Var:
     ids: Any = None
     problem: str | None = None
     random: bool = False  # a different value at each load: initialised at random, never read from torch
+    rounds: str | None = None  # the narrower float type the loader rounds its values to (float16), if any
     abstract: bool = False  # never filled: the loader left it a jax.ShapeDtypeStruct (no values)
 
 
@@ -192,8 +220,8 @@ class _Probe:
             return
         i = self.probed.index(source)
         index = np.int32 if self.total < 2**31 else np.int64
-        for start in range(int(self.starts[i]), int(self.starts[i + 1]), _CHUNK):
-            stop = min(start + _CHUNK, int(self.starts[i + 1]))
+        for start in range(int(self.starts[i]), int(self.starts[i + 1]), CHUNK):
+            stop = min(start + CHUNK, int(self.starts[i + 1]))
             yield values(np.arange(start, stop, dtype=index)).astype(self.dtypes[key])
 
     def _array(self, key: str, values: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -223,10 +251,10 @@ def measure(
     probe = _Probe(loader, like, takes, kind)
     allow_unfilled, allow_dropped = list(allow_unfilled), list(allow_dropped)
     # Memory: one loaded model at a time, read a variable at a time and compared, decoded or checked a chunk at a
-    # time (float64 temporaries of _CHUNK elements); each variable's first value (its own dtype) until its affine is
+    # time (float64 temporaries of CHUNK elements); each variable's first value (its own dtype) until its affine is
     # known, kept only where some element is left at init; scale and offset as one number broadcast where uniform;
     # then the ids (int32 below 2**31 elements).
-    tree = probe.run(functools.partial(_constant, 2))
+    tree = probe.run(functools.partial(constant, 2))
     info = {p: spec for p, spec in tree.variables().items() if is_floating(spec[1])}
     variables = {
         p: _Var(shape, np.dtype(dtype), required, read_values(tree, p)) for p, (shape, dtype, required) in info.items()
@@ -235,40 +263,48 @@ def measure(
         if var.first is None:
             var.abstract = var.random = True  # skipped by every load below
     del tree
-    again = probe.run(functools.partial(_constant, 2))
+    again = probe.run(functools.partial(constant, 2))
     for path, var in variables.items():
-        if not var.abstract and not _same(var.first, again.read(path)):
+        if not var.abstract and not same(var.first, again.read(path)):
             var.random = True  # reported as left at init: no torch element explains a value that moves by itself
             var.scale = var.offset = compact(np.zeros(var.shape))
     del again
-    three = probe.run(functools.partial(_constant, 3))
+    three = probe.run(functools.partial(constant, 3))
     for path, var in variables.items():
         if not var.random:
-            var.scale, var.offset = _affine(var.first, three.read(path))
-            if _all_nonzero(var.scale):
+            var.scale, var.offset = measured_affine(var.first, three.read(path))
+            if all_nonzero(var.scale):
                 var.first = None  # needed only to report what a load leaves at init
     del three
-    five = probe.run(functools.partial(_constant, 5))
+    # load 5 carries bits float32 holds and float16 (and bfloat16) do not, where every probed tensor holds them: a
+    # loader that rounds each value to a narrower float (keras-hub's Mistral converter: float16) is seen, and named
+    wide = all(np.dtype(probe.dtypes[k]) in (np.dtype(np.float32), np.dtype(np.float64)) for k in probe.probed)
+    five_value = FIVE if wide else 5.0
+    five = probe.run(functools.partial(constant, five_value))
     for path, var in variables.items():
         if var.random:
             continue
-        if not _affine_holds(var, five.read(path)):
+        value = five.read(path)
+        if not affine_holds(var, value, five_value):
+            var.rounds = rounding(var, value, five_value) if wide else None
+        if var.rounds is None and not affine_holds(var, value, five_value):
             var.problem = (
                 "is not a gather: its values for constant loads 2, 3, 5 are not scale * torch + offset "
                 "(not a function of one torch element)"
             )
             var.scale = var.offset = None
-        if var.scale is None or _all_nonzero(var.scale):
+        if var.scale is None or all_nonzero(var.scale):
             var.first = None
     del five
     digits = [v for v in variables.values() if v.scale is not None and not v.abstract]
     limit = min(
         [_EXACT.get(np.dtype(v.dtype).name, 2**24) for v in digits]
+        + [_EXACT[v.rounds] for v in digits if v.rounds is not None]  # the loader's own rounding keeps this many
         + [_EXACT.get(np.dtype(d).name, 2**53) for d in probe.dtypes.values() if is_floating(d)]
         + [_MAX_BASE]
     )
-    reach = max([_reach(v)[0] for v in digits] + [1.0])
-    shift = max([_reach(v)[1] for v in digits] + [0.0])
+    reach = max([largest_reach(v)[0] for v in digits] + [1.0])
+    shift = max([largest_reach(v)[1] for v in digits] + [0.0])
     base = int((limit - shift) // reach) - 2  # the largest digit + 2, scaled and offset, stays exact
     if base < 2:
         raise ConversionError(
@@ -280,10 +316,10 @@ def measure(
     for var in digits:
         var.ids = np.zeros(var.shape, index_dtype)
     for k in range(k_loads):
-        loaded = probe.run(functools.partial(_digit, base**k, base))
+        loaded = probe.run(functools.partial(digit, base**k, base))
         for path, var in variables.items():
             if var.ids is not None:
-                _decode(var, loaded.read(path), base, base**k)
+                decode(var, loaded.read(path), base, base**k)
         del loaded
     # the check's values below 1, as real weights are, where every probed tensor is floating (a power-of-two scale
     # keeps them exact) and no variable is offset (1 + a small value would lose its digits): a loader whose layout
@@ -294,121 +330,11 @@ def measure(
     for path, var in variables.items():
         if var.ids is None:
             continue
-        if not _agrees(var, check.read(path), base, unit):
+        if not agrees(var, check.read(path), base, unit):
             var.problem = var.problem or (VALUE_DEPENDENT if scaled else NOT_ONE_ELEMENT)
             var.ids = None
     del check
     return _explain(probe, variables, allow_unfilled, allow_dropped)
-
-
-def _constant(c: int, g: np.ndarray) -> np.ndarray:
-    return np.full(g.shape, c)
-
-
-def _digit(place: int, base: int, g: np.ndarray) -> np.ndarray:
-    """Digit ``log_base(place)`` of each id, plus 2: never 0 or 1."""
-    return (g // place) % base + 2
-
-
-def _chunks(size: int) -> Iterator[slice]:
-    return (slice(start, start + _CHUNK) for start in range(0, size, _CHUNK))
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """``np.array_equal(a, b, equal_nan=True)``, a chunk at a time."""
-    a, b = a.reshape(-1), b.reshape(-1)
-    return a.shape == b.shape and all(np.array_equal(a[part], b[part], equal_nan=True) for part in _chunks(a.size))
-
-
-def _affine(v2: np.ndarray, v3: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(scale, offset)`` (float64, the variable's shape) from its values for constant loads 2 and 3, each one
-    number broadcast (no memory) where uniform; uniformity is found a chunk at a time, and only a variable whose
-    scale or offset varies gets full float64 arrays. An element NaN in either load (a loader that fills what it
-    does not read with NaN) has scale 0 and offset NaN: left at init, never filled from torch."""
-    a, b = v2.reshape(-1), v3.reshape(-1)
-    first: tuple[np.float64, np.float64] | None = None
-    for part in _chunks(a.size):
-        low = a[part].astype(np.float64)
-        scale = b[part].astype(np.float64) - low
-        scale[np.isnan(scale)] = 0  # NaN in either load: never filled
-        offset = low - 2 * scale
-        first = first or (scale[0], offset[0])
-        if not ((scale == first[0]).all() and equal_or_nan(offset, first[1]).all()):
-            scale = v3.astype(np.float64) - v2.astype(np.float64)
-            scale[np.isnan(scale)] = 0
-            return compact(scale), compact(v2.astype(np.float64) - 2 * scale)
-    if first is None:  # no elements
-        return np.zeros(v2.shape), np.zeros(v2.shape)
-    return np.broadcast_to(first[0], v2.shape), np.broadcast_to(first[1], v2.shape)
-
-
-def _all_nonzero(a: np.ndarray) -> bool:
-    return bool(a.flat[0] != 0) if a.size and not any(a.strides) else bool((a != 0).all())
-
-
-def _affine_holds(var: _Var, v5: np.ndarray) -> bool:
-    """Whether the variable's values for constant load 5 are ``5 * scale + offset``, to 4 ulp of its dtype."""
-    tol = 4 * float(jnp.finfo(var.dtype).eps)  # the loader's cast and its own scale/offset arithmetic round
-    flat = v5.reshape(-1)
-    scale, offset = _scalar_or_flat(var.scale), _scalar_or_flat(var.offset)
-    for part in _chunks(flat.size):
-        got = flat[part].astype(np.float64)
-        s = scale if np.ndim(scale) == 0 else scale[part]
-        o = offset if np.ndim(offset) == 0 else offset[part]
-        want = 5 * s + o
-        if not ((np.abs(got - want) <= tol * np.maximum(1.0, np.abs(got))) | (np.isnan(got) & np.isnan(want))).all():
-            return False
-    return True
-
-
-def _reach(var: _Var) -> tuple[float, float]:
-    """The largest ``|scale|`` of a variable, and the largest ``|offset|`` where its scale is not 0."""
-    scale, offset = var.scale, var.offset
-    if scale.size and not any(scale.strides) and not any(offset.strides):
-        s = float(scale.flat[0])
-        return abs(s), abs(float(offset.flat[0])) if s != 0 else 0.0
-    return float(np.abs(scale).max(initial=0)), float(np.abs(offset[scale != 0]).max(initial=0))
-
-
-def _scalar_or_flat(a: np.ndarray) -> Any:
-    """A broadcast number (all strides 0) as that number, else ``a`` flattened."""
-    return np.float64(a.flat[0]) if not any(a.strides) else a.reshape(-1)
-
-
-def _ratios(var: _Var, value: np.ndarray) -> Iterator[tuple[slice, Any, np.ndarray]]:
-    """``(part, filled, (value - offset) / scale)`` over the flat variable, a chunk at a time."""
-    value = value.reshape(-1)
-    scale, offset = _scalar_or_flat(var.scale), _scalar_or_flat(var.offset)
-    for start in range(0, value.size, _CHUNK):
-        part = slice(start, start + _CHUNK)
-        s = scale if np.ndim(scale) == 0 else scale[part]
-        o = offset if np.ndim(offset) == 0 else offset[part]
-        filled = s != 0
-        yield part, filled, (value[part].astype(np.float64) - o) / np.where(filled, s, 1)
-
-
-def _decode(var: _Var, value: np.ndarray, base: int, place: int) -> None:
-    assert var.ids is not None
-    ids = var.ids.reshape(-1)  # a view: ids is contiguous
-    for part, filled, ratio in _ratios(var, value):
-        digit = ratio - 2
-        exact = np.rint(digit)
-        if np.any(filled & ((np.abs(digit - exact) > 1e-6) | (exact < 0) | (exact >= base))):
-            var.problem = "not a function of one torch element: a probe value came back as no digit"
-            var.ids = None
-            return
-        ids[part] += np.where(filled, exact * place, 0).astype(ids.dtype)
-
-
-def _agrees(var: _Var, value: np.ndarray, base: int, unit: float = 1.0) -> bool:
-    """Whether the check load's ``value`` is ``((g * 7919 + 13) % base + 2) * unit`` of every decoded id ``g``."""
-    assert var.ids is not None
-    ids = var.ids.reshape(-1)
-    for part, filled, ratio in _ratios(var, value):
-        want = (ids[part].astype(np.int64) * 7919 + 13) % base + 2
-        if not np.all((np.rint(ratio / unit) == want) | ~filled):
-            return False
-    return True
 
 
 def _tensor_of(starts: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -417,7 +343,7 @@ def _tensor_of(starts: np.ndarray, ids: np.ndarray) -> np.ndarray:
     dtype = np.int16 if len(starts) < 2**15 else np.int32
     out = np.empty(ids.shape, dtype)
     flat, source = out.reshape(-1), ids.reshape(-1)  # views: both contiguous
-    for part in _chunks(source.size):
+    for part in chunks(source.size):
         flat[part] = np.searchsorted(starts, source[part], side="right") - 1
     return out
 
@@ -428,6 +354,7 @@ def _admitted(name: str, patterns: list[str]) -> bool:
 
 def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dropped) -> Measured:
     mismatched: list[tuple[str, str]] = []
+    dropped: dict[str, str] = {}
     unfilled_errors: list[tuple[str, str]] = []
     unfilled: dict[str, str] = {}
     constants: dict[str, Any] = {}
@@ -473,14 +400,37 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
             if problem:
                 unfilled_errors.append((path + region.index, problem))
         var.ids = var.scale = var.offset = None  # explained: free them
+    unread: dict[int, list[str]] = {}  # tensor -> the slabs of it no variable reads, admitted by allow_dropped=
     for tensor, ts in targets.items():
         split = [probe.slab_sizes.get((tensor, p + index)) for p, index, _, _ in ts]
         size = int(probe.starts[tensor + 1] - probe.starts[tensor])
         if any(split) and (not all(split) or sum(n or 0 for n in split) != size):
             key = probe.probed[tensor]
             read_part = sum(n or 0 for n in split)
+            left = None
+            if all(split):
+                read_slabs = [probe.slabs[(tensor, p + index)] for p, index, _, _ in ts]
+                left = unread_slabs(read_slabs, probe.shapes[key])
+            # a slab is admitted by a pattern written for it: one that takes key[slab] and not the key (".*" is no
+            # word on which part of a tensor a loader may leave unread)
+            for_slabs = [p for p in allow_dropped if not re.fullmatch(p, key)]
+            if left and all(_admitted(key + slab, for_slabs) for slab in left):
+                unread[tensor] = left
+                dropped[key] = ", ".join(left)
+                continue
+            admit = (
+                ""
+                if not left
+                else "; admit the unread part with allow_dropped=["
+                + ", ".join(repr(re.escape(key + s)) for s in left)
+                + "]"
+            )
             mismatched.append(
-                (key, f"the loader reads {read_part} of its {size} elements, in slabs: the tensor is only partly read")
+                (
+                    key,
+                    f"the loader reads {read_part} of its {size} elements, in slabs: the tensor is only partly "
+                    f"read{admit}",
+                )
             )
         layouts: dict[str, str] = {}
         for p, _, layout, _ in ts:
@@ -492,7 +442,7 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
                         "a key map copies one tensor into a variable through one layout",
                     )
                 )
-    dropped, rules, comments = {}, [], {}
+    rules, comments = [], {}
     for i, key in enumerate(probe.probed):
         if read[i] or probe.starts[i] == probe.starts[i + 1]:  # read, or no elements to read
             continue
@@ -519,19 +469,21 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
         affine = ts[0][3]
         layouts_of = [None if t[2] == "identity" else t[2] for t in ts]
         template: Any = names[0] if len(ts) == 1 else tuple(names)
-        if any(slabs):  # a split: each variable a slab of the tensor
-            template = dict(zip(slabs, names))
+        if any(slabs):  # a split: each variable a slab of the tensor (a slab no variable reads: None)
+            template = {**dict.fromkeys(unread.get(i, [])), **dict(zip(slabs, names))}
         elif len(ts) > 1:
             ties[key] = names
         one_layout = len(ts) == 1 or (isinstance(template, dict) and len(set(layouts_of)) == 1)  # written once
         rule: tuple = (re.escape(key), template, layouts_of[0] if one_layout else tuple(layouts_of))
-        if affine != (1.0, 0.0):
-            rule += ({"scale": affine[0], "offset": affine[1]},)
+        rounds = next((variables[p].rounds for p, _, _, _ in ts if variables[p].rounds is not None), None)
+        if affine != (1.0, 0.0) or rounds is not None:
+            spelled: dict[str, Any] = {"scale": affine[0], "offset": affine[1]} if affine != (1.0, 0.0) else {}
+            rule += ({**spelled, "round": rounds} if rounds is not None else spelled,)
         rules.append(rule)
     every_key = list(probe.originals)
     rules = fold_families(rules, every_key)
     for why, drops in (
-        ("dropped by the loader", [k for k in probe.keys if k in dropped]),
+        ("dropped by the loader", [k for k in probe.keys if dropped.get(k) == "all"]),
         ("not a number: not probed", [k for k in probe.keys if k not in dropped and k not in probe.probed]),
     ):
         for rule in fold_families([(re.escape(k), None, None) for k in drops], every_key):  # one per family
@@ -545,7 +497,8 @@ def _explain(probe: _Probe, variables: dict[str, _Var], allow_unfilled, allow_dr
             comments[i] = "a tie: one torch tensor copied into " + ", ".join(
                 rule[1] if isinstance(rule[1], tuple) else (rule[1],)
             )
-    discovery = Discovery(dropped, unfilled, offsets, ties, probe.loads, comments)
+    rounded = {p: v.rounds for p, v in variables.items() if v.rounds is not None}
+    discovery = Discovery(dropped, unfilled, offsets, ties, probe.loads, comments, rounded)
     return Measured(rules, constants, discovery)
 
 

@@ -89,6 +89,33 @@ def slab_of(ids: np.ndarray, shape: tuple[int, ...]) -> tuple[str, np.ndarray, t
     return "[" + ", ".join(items) + "]", inner.reshape(ids.shape).astype(ids.dtype), box
 
 
+def unread_slabs(read: Sequence[str], shape: tuple[int, ...]) -> list[str] | None:
+    """The slabs of a torch tensor of ``shape`` that none of the ``read`` slabs (:func:`slab_of`'s texts, all
+    ranges along one axis, the others whole) covers, as slab texts (``["[0:2]"]``); ``None`` where the read
+    slabs are not such ranges (an index, two cut axes): no slab rule says what is left."""
+    spans: list[tuple[int, int]] = []
+    axis: int | None = None
+    for text in read:
+        items = [i.strip() for i in text[1:-1].split(",")]
+        cut = [k for k, item in enumerate(items) if item != ":"]
+        if len(cut) != 1 or ":" not in items[cut[0]] or axis not in (None, cut[0]):
+            return None
+        axis = cut[0]
+        start, stop = items[axis].split(":")
+        spans.append((int(start or 0), int(stop) if stop else shape[axis]))
+    if axis is None:
+        return None
+    gaps: list[tuple[int, int]] = []
+    at = 0
+    for low, high in sorted(spans):
+        if low > at:
+            gaps.append((at, low))
+        at = max(at, high)
+    if at < shape[axis]:
+        gaps.append((at, shape[axis]))
+    return ["[" + ", ".join([":"] * axis + [f"{low}:{high}"]) + "]" for low, high in gaps]
+
+
 def _factors(profile: np.ndarray) -> list[tuple[int, int]] | None:
     """``profile`` (ids along one flax axis, less the first) as elementary axes ``(size, stride)``, outer first:
     runs of one stride, the axis split where the stride breaks. ``None`` when it is no such product."""

@@ -253,12 +253,15 @@ class KeyPlan:
         for keys copied into several flax variables; ``{}`` when there are none.
       unmatched_rules: the rules that matched no key.
       constants: canonical flax path -> the value of a flax-only constant (the variable's shape and dtype).
+      dropped_slabs: torch key -> the slabs of it no variable reads (a split rule's ``{slab: None}``), each as
+        ``(name, region)``: ``("pos.weight[0:2]", ((0, 2), (0, 64)))``; compared as dropped parameters.
     """
 
     targets: Mapping[str, tuple[Target, ...]]
     ties: Mapping[str, Tie]
     unmatched_rules: tuple[Rule, ...] = ()
     constants: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    dropped_slabs: Mapping[str, tuple[tuple[str, Region], ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def ignored(self) -> tuple[str, ...]:
@@ -410,6 +413,7 @@ def match_targets(
     used: set[int] = set()
     attempted: set[str] = set()  # variables a key tried to fill: reported once, under that key
     targets: dict[str, tuple[Target, ...]] = {}
+    dropped_slabs: dict[str, tuple[tuple[str, Region], ...]] = {}
     for key, (torch_shape, torch_dtype) in specs.items():
         found = key_map.matches(key)
         if not found:
@@ -466,8 +470,22 @@ def match_targets(
             resolved.append(
                 Target(key, rule, path, region, layout, tuple(torch_shape), tuple(shape), affine, variable_shape, slab)
             )
+        unread: list[tuple[str, Region]] = []
+        for slab_text in rule.dropped:
+            written_slab = match.expand(slab_text)
+            try:
+                region_read, _ = parse_region(slab_items(written_slab), tuple(torch_shape))
+            except ValueError as error:
+                mismatched.append(
+                    (key, f"{rule.label} {written_slab} -> None: the slab does not fit the tensor: {error}")
+                )
+                continue
+            unread.append((region_name(key, region_read, tuple(torch_shape)), region_read))
+        if unread:
+            dropped_slabs[key] = tuple(unread)
         if rule.splits and len(resolved) == len(rule.templates):
             by_slab = {t.slab: target_labels([t]) for t in resolved if t.slab is not None}
+            by_slab.update({region: "dropped (None)" for _, region in unread})
             gaps = tiling_problems(key, tuple(torch_shape), by_slab, strict)
             mismatched.extend((key, f"{rule.label}'s torch slabs: {why}") for why in gaps)
         targets[key] = tuple(resolved)
@@ -504,7 +522,8 @@ def match_targets(
         if len(names) > 1 and key not in alias_group and ts[0].slab is None:  # a split key is no tie
             ties_out[key] = Tie((key,), names)
     problems: dict[str, list] = {"unexpected": unexpected, "mismatched": mismatched, "unfilled": unfilled}
-    return KeyPlan(targets, ties_out, unmatched_rules, constants), {k: v for k, v in problems.items() if v}
+    plan = KeyPlan(targets, ties_out, unmatched_rules, constants, dropped_slabs)
+    return plan, {k: v for k, v in problems.items() if v}
 
 
 def _constants(

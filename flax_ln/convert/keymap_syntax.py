@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from flax_ln.convert.layouts import IDENTITY, ArrayLayout, Shape, parse_layout
@@ -35,36 +36,43 @@ class Affine:
     """A rule's value change on top of its layout: ``flax = scale * layout(torch) + offset``.
 
     Values are computed in float64 (the caller casts to the variable's dtype); gradients and tangents
-    only scale (an offset has no derivative).
+    only scale (an offset has no derivative). ``round``: a narrower float type (``"float16"``, ``"bfloat16"``)
+    each loaded value is rounded to, last, as a loader that casts on the way does (export and gradients are
+    unchanged by it: the values it gives are already that type's).
     """
 
     scale: float = 1.0
     offset: float = 0.0
+    round: str | None = None
 
     @property
     def identity(self) -> bool:
         """Whether it changes nothing."""
-        return self.scale == 1.0 and self.offset == 0.0
+        return self.scale == 1.0 and self.offset == 0.0 and self.round is None
 
     def __str__(self) -> str:
         return "identity" if self.identity else repr(self.as_dict())
 
-    def as_dict(self) -> dict[str, float] | None:
+    def as_dict(self) -> dict[str, float | str] | None:
         """The rule's spelling: ``None`` for the identity, else only the keys that differ from the default."""
         if self.identity:
             return None
-        out = {}
+        out: dict[str, float | str] = {}
         if self.scale != 1.0:
             out["scale"] = self.scale
         if self.offset != 0.0:
             out["offset"] = self.offset
+        if self.round is not None:
+            out["round"] = self.round
         return out
 
     def value_to_flax(self, array):
-        """A value after its layout, on the flax side: ``scale * array + offset`` (float64), or ``array``."""
+        """A value after its layout, on the flax side: ``scale * array + offset`` (float64; rounded to ``round``
+        when set), or ``array``."""
         if self.identity:
             return array
-        return np.asarray(array, np.float64) * self.scale + self.offset
+        out = np.asarray(array, np.float64) * self.scale + self.offset
+        return out if self.round is None else out.astype(ROUNDS[self.round]).astype(np.float64)
 
     def value_to_torch(self, array):
         """The inverse of :meth:`value_to_flax`: ``(array - offset) / scale`` (float64), or ``array``."""
@@ -80,6 +88,8 @@ class Affine:
 
 
 NO_AFFINE = Affine()
+ROUNDS = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+"""The float types a rule's ``round`` may name, each as the NumPy dtype values are rounded through."""
 
 
 def parse_affine(spec: Any) -> Affine:
@@ -90,9 +100,14 @@ def parse_affine(spec: Any) -> Affine:
         return spec
     if not isinstance(spec, Mapping):
         raise ValueError(f"the affine part must be None or a dict {{'scale': s, 'offset': o}}, got {spec!r}")
-    bad = sorted(map(str, set(spec) - {"scale", "offset"}))
+    bad = sorted(map(str, set(spec) - {"scale", "offset", "round"}))
     if bad:
-        raise ValueError(f"affine {dict(spec)!r} has unknown key(s) {bad}; it takes only 'scale' and 'offset'")
+        raise ValueError(f"affine {dict(spec)!r} has unknown key(s) {bad}; it takes only 'scale', 'offset' and 'round'")
+    rounds = spec.get("round")
+    if rounds is not None and rounds not in ROUNDS:
+        raise ValueError(
+            f"affine round must be one of {sorted(ROUNDS)} (the type values are rounded to), got {rounds!r}"
+        )
     values = {}
     for name, default in (("scale", 1.0), ("offset", 0.0)):
         value = spec.get(name, default)
@@ -103,7 +118,7 @@ def parse_affine(spec: Any) -> Affine:
         values[name] = float(value)
     if values["scale"] == 0.0:
         raise ValueError("affine scale must be nonzero (the map is inverted for export and gradients), got 0")
-    return Affine(**values)
+    return Affine(**values, round=rounds)
 
 
 def split_template(template: str) -> tuple[str, str | None]:
@@ -254,6 +269,7 @@ class Rule:
     layouts: tuple[ArrayLayout, ...]
     affines: tuple[Affine, ...] = ()
     slabs: tuple[str | None, ...] = ()  # per template, the torch slab it takes (``"[0:64]"``); None: all of it
+    dropped: tuple[str, ...] = ()  # the torch slabs no variable takes (``{"[0:2]": None}``): unread, admitted
 
     def __post_init__(self):
         if len(self.affines) != len(self.templates):  # rules built without affines: none
@@ -303,7 +319,8 @@ def parse_rule(index: int, item: Any) -> Rule:
     """One rule, ``(regex, template, layout)`` or ``(regex, template, layout, affine)``, parsed (``ValueError``).
 
     A dict template, ``{torch slab: template}``, splits the torch tensor: each slab (``"[0:64]"``, the region
-    syntax on the torch side) fills its template's variable; its layout and affine are as a tuple template's."""
+    syntax on the torch side) fills its template's variable; its layout and affine are as a tuple template's. A
+    slab whose template is ``None`` is read by no variable (a loader that reads rows ``2:`` of a table): dropped."""
     if not (isinstance(item, tuple) and len(item) in (3, 4)):
         raise ValueError("a rule is a (regex, template, layout) triple or a (regex, template, layout, affine) tuple")
     pattern, template, layout, affine = item if len(item) == 4 else (*item, None)
@@ -321,11 +338,17 @@ def parse_rule(index: int, item: Any) -> Rule:
     layouts: tuple[ArrayLayout, ...]
     affines: tuple[Affine, ...]
     slabs: tuple[str | None, ...] = ()
+    dropped: tuple[str, ...] = ()
     if isinstance(template, Mapping):
-        if not template or not all(isinstance(t, str) for t in template.values()):
-            raise ValueError(f"a split rule's template is a non-empty {{torch slab: template}} dict, got {template!r}")
-        slabs = tuple(parse_slab(k) for k in template)
-        template = tuple(template.values())
+        kept = {k: t for k, t in template.items() if t is not None}
+        if not kept or not all(isinstance(t, str) for t in kept.values()):
+            raise ValueError(
+                "a split rule's template is a {torch slab: template} dict with at least one template (None: a slab "
+                f"no variable reads), got {template!r}"
+            )
+        dropped = tuple(parse_slab(k) for k, t in template.items() if t is None)
+        slabs = tuple(parse_slab(k) for k in kept)
+        template = tuple(kept.values())
         if layout is not None and not isinstance(layout, tuple):
             layout = (layout,) * len(template)  # one layout for every slab
     if isinstance(template, str):
@@ -355,10 +378,10 @@ def parse_rule(index: int, item: Any) -> Rule:
         if items is not None:
             check_suffix(items)
         check_template(pattern, t)
-    for slab in slabs:
+    for slab in (*slabs, *dropped):
         assert slab is not None  # parse_slab
         check_template(pattern, slab_items(slab))  # a slab may name the regex's groups
-    return Rule(index, pattern, tuple(templates), layouts, affines, slabs)
+    return Rule(index, pattern, tuple(templates), layouts, affines, slabs, dropped)
 
 
 def check_template(pattern: str, template: str) -> None:
@@ -433,7 +456,9 @@ def key_map_source(rules: Sequence, constants: Mapping[str, Any], comments: Mapp
             lines.append(f"        ({_raw(rule.pattern)}, None, None),")
             continue
         if rule.splits:
-            template = "{" + ", ".join(f"{_raw(slab)}: {_raw(t)}" for slab, t in zip(rule.slabs, rule.templates)) + "}"
+            items = [f"{_raw(slab)}: None" for slab in rule.dropped]
+            items += [f"{_raw(slab)}: {_raw(t)}" for slab, t in zip(rule.slabs, rule.templates)]
+            template = "{" + ", ".join(items) + "}"
             shown = [_layout_source(x) for x in rule.layouts]
             layout = shown[0] if len(set(shown)) == 1 else "(" + ", ".join(shown) + ")"
             if all(a.identity for a in rule.affines):

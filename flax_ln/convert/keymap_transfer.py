@@ -251,6 +251,8 @@ def export_with_key_map(model: Any, key_map: KeyMap, like: Mapping[str, Any] | N
             continue
         if ts[0].slab is not None:  # a split key: the tensor reassembled from its slabs
             out[key] = assemble(ts, torch_value)
+            for _, region in plan.dropped_slabs.get(key, ()):  # a slab the port does not hold: like='s values
+                out[key][region_index(region)] = like_arrays[key][region_index(region)]
             continue
         copies = [torch_value(t) for t in ts]
         if not all(np.array_equal(copies[0], c) for c in copies[1:]):

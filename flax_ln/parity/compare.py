@@ -20,6 +20,7 @@ from flax_ln.parity.core.policy import Tolerance, numerics, parameter_dtype, tol
 from flax_ln.parity.core.progress import Progress
 from flax_ln.parity.core.spill import should_spill
 from flax_ln.parity.core.structure import Rebuild
+from flax_ln.parity.islands.jax import hold_constants_of
 from flax_ln.parity.islands.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
 from flax_ln.parity.judge import DROPPED_BUT_USED, add_lm_metrics, attribute_errors, judge, without_dropped
 from flax_ln.parity.localize.locate import check_torch_paths, localize
@@ -464,6 +465,7 @@ class Comparison:
                 if self.flax_factory is not None:
                     stage[0] = "building the flax side with flax_factory="
                 flax_module, flax_rebuild = self.flax_side_for(dtype)
+                flax_module = hold_constants_of(flax_module)  # what it holds before it runs
                 stage[0] = stages["flax load, compile and run"]
                 report, flax, zero_found = load_and_judge(
                     self.kind,

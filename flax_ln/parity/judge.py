@@ -171,13 +171,15 @@ def without_dropped(
     side: TorchSide, plan: KeyPlan | None, zero_evidence: Callable[[], set[str]]
 ) -> tuple[TorchSide, dict[str, bool]]:
     """``side`` without the gradients of the trainable torch parameters that the key map drops (an ignore rule
-    ``(regex, None, None)``, or ``allow_dropped=`` of :meth:`~flax_ln.convert.KeyMap.discover`) and that float64
+    ``(regex, None, None)``, a split rule's slab ``{slab: None}`` (compared as ``key[slab]``), or ``allow_dropped=``
+    of :meth:`~flax_ln.convert.KeyMap.discover`) and that float64
     shows are zero: the output does not depend on them, so nothing of them is compared; and each dropped parameter
     -> whether its gradient is not zero (``True``: it stays, and fails as missing on the flax side: a port that
     leaves out a parameter torch uses does not pass). float64's word: in a float64 run, torch's own gradients;
     else ``zero_evidence()``, asked only when some parameter is dropped."""
     ignored = plan.ignored if plan is not None else ()
-    dropped = [k for k in ignored if side.kinds.get(k) == "param grad"]
+    unread = [name for slabs in plan.dropped_slabs.values() for name, _ in slabs] if plan is not None else []
+    dropped = [k for k in (*ignored, *unread) if side.kinds.get(k) == "param grad"]  # whole tensors, and slabs
     if not dropped:
         return side, {}
     if side.dtype == "float64":

@@ -57,6 +57,7 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
 import flax_ln.parity.islands.jax_internals as internals
+from flax_ln.parity.islands.constants import held_float32_arrays, is_held
 from flax_ln.parity.islands.island import Island
 from flax_ln.parity.records.capture import WHOLE_MODEL
 
@@ -88,6 +89,7 @@ class Lifting:
     islands: list[Island] = dataclasses.field(default_factory=list)
     ports: list[nnx.Module] = dataclasses.field(default_factory=list)
     unsupported: str | None = None
+    held: frozenset[int] | None = None  # the float32 arrays the port held before its run (hold_constants_of)
     _roots: dict[int, tuple[nnx.Module, dict[int, tuple[str, nnx.Module]]]] = dataclasses.field(
         default_factory=dict, init=False, repr=False
     )  # id(root) -> (root, id(module) -> (path, module))
@@ -158,6 +160,35 @@ def name_modules_of(port: Any) -> Any:
     if session is not None and isinstance(port, nnx.Module) and not any(p is port for p in session.ports):
         session.ports.insert(0, port)
     return port
+
+
+def hold_constants_of(port: Any) -> Any:
+    """Note, in the active :func:`lift_float32` context (none: nothing), the float32 arrays ``port`` (any flax side:
+    an NNX, Linen, Equinox or Keras model, a function) holds now, before it runs: a float32 constant a trace then
+    captures is one of them (built at construction: a rebuild under lifting makes it float64, ``flax_factory=``),
+    or one the port's own code makes while it runs (said so, with where: no rebuild changes it). Returns ``port``."""
+    session = _active()
+    if session is not None:
+        session.held = held_float32_arrays(port)
+    return port
+
+
+def _constant_words(session: Lifting, value: Any, caller: FrameType | None) -> str:
+    """What a float32 constant a trace captured is, and what can lift it: by whether the port held it before."""
+    kind = f"a {value.dtype} constant {tuple(np.shape(value))}"
+    if session.held is None or is_held(value, session.held):
+        rounded = f"{kind} built before the comparison: its value is already rounded"
+        return f"{rounded} (build the port under lifting: flax_factory=)"
+    where = (
+        ""
+        if caller is None
+        else f" at {caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno} ({caller.f_code.co_name})"
+    )
+    return (
+        f"{kind} made in float32 by the port's own code during its call{where} (NumPy float32 or a float32 "
+        "global, not held by the model): the port itself computes it in float32, and no rebuild (flax_factory=) "
+        "changes that; compute it in float64 there, or admit the difference"
+    )
 
 
 def _modules(root: nnx.Module) -> dict[int, tuple[str, nnx.Module]]:
@@ -307,15 +338,14 @@ def _naming_new_const(new_const: Callable[..., Any]) -> Callable[..., Any]:
         session = _active()
         dtype = getattr(value, "dtype", None)
         weak = internals.is_weakly_typed(value) or getattr(kwargs.get("aval"), "weak_type", False)
-        captured = isinstance(dtype, np.dtype) and dtype in WIDER and not weak
-        if session is not None and captured and not _not_captured(sys._getframe(1)):  # a Python number is weak
+        # a Python number is weak; a weak float32 *array* was rounded to float32 before (keras-hub's Gemma:
+        # ops.cast(ops.sqrt(hidden_dim), "float32") made when the functional model was built)
+        array = isinstance(value, jax.Array)
+        captured = isinstance(dtype, np.dtype) and dtype in WIDER and (array or not weak)
+        if session is not None and captured and not _not_captured(sys._getframe(1)):
             _, drawing, caller = _call_site(sys._getframe(1))
             if not drawing and not _initialising(caller):
-                what = (
-                    f"a {dtype} constant {tuple(np.shape(value))} built before the comparison: its value is already "
-                    "rounded (build the port under lifting: flax_factory=)"
-                )
-                session.add(session.module_path(caller), what, lifted=False)
+                session.add(session.module_path(caller), _constant_words(session, value, caller), lifted=False)
         return new_const(trace, value, *args, **kwargs)
 
     return naming

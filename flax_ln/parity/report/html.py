@@ -270,7 +270,12 @@ def _header(by_kind: Mapping[str, Section]) -> str:
         )
     facts = {
         "verdict": f"{summary['within']}/{summary['compared']} tensors within tolerance",
-        "time": f"{summary['seconds']:.2f} s",
+        "time": f"{summary['seconds']:.2f} s"
+        + (
+            ""
+            if summary.get("check_seconds") is None
+            else f" (the float64 check's {summary['check_seconds']:.2f} s included)"
+        ),
         "tolerances": "; ".join(f"{kind}: {' | '.join(sorted(t))}" for kind, t in policy.items()) or "none",
     }
     env = by_kind["environment"].data if "environment" in by_kind else None

@@ -19,6 +19,7 @@ import numpy as np
 
 from flax_ln.parity.core.policy import TensorResult
 from flax_ln.parity.records.capture import WHOLE_MODEL
+from flax_ln.parity.report.names import distinct_cuts
 
 # The kinds of section, in the order a report yields them (each at most once, "train step" once
 # per step), and the data each holds:
@@ -139,18 +140,10 @@ def status(r: TensorResult) -> str:
     return "MISMATCH" if r.problem else "NONFINITE" if r.nonfinite else "FAIL"
 
 
-def _cut(name: str, width: int) -> str:
-    """``name`` in at most ``width`` characters: a longer one keeps its start and its end, ``...`` between."""
-    if len(name) <= width:
-        return name
-    head = (width - 3) // 2
-    return name[:head] + "..." + name[len(name) - (width - 3 - head) :]
-
-
-def _row(r: TensorResult) -> str:
+def _row(r: TensorResult, name: str) -> str:
     at = "" if r.max_error_index is None else str(r.max_error_index).replace(" ", "")
     return (
-        f"{_cut(r.name, 44):<44} {r.kind:<11} {str(r.shape).replace(' ', '')[:16]:<16} {fmt(r.max_abs_error):>9} "
+        f"{name:<44} {r.kind:<11} {str(r.shape).replace(' ', '')[:16]:<16} {fmt(r.max_abs_error):>9} "
         f"{at[:14]:<14} {fmt(r.relative_error):>9} {r.tolerance.rtol:>8.0e}  {status(r)}"
         + "".join(f"  [{note}]" for note in (r.problem, r.nonfinite) if note)
     )
@@ -161,7 +154,8 @@ def _title(d: Mapping[str, Any]) -> list[str]:
 
 
 def _tensors(d: Mapping[str, Any]) -> list[str]:
-    lines = [_row(r) for r in d["rows"]]
+    names = distinct_cuts([r.name for r in d["rows"]], 44)  # each row's name its own, however cut
+    lines = [_row(r, name) for r, name in zip(d["rows"], names, strict=True)]
     if d["hidden"]:
         lines.append(
             f"... {d['hidden']} more tensors: every one in report.results (report.to_json(); on the command line, "
@@ -182,9 +176,14 @@ def _summary(d: Mapping[str, Any]) -> list[str]:
         for k in d["kinds"]
     )
     passed = d.get("run_passed", d["passed"]) if d.get("checked") else d["passed"]  # this run's own verdict
+    check = d.get("check_seconds")  # report.seconds holds both runs: this run's own time is the rest
+    took = (
+        f"{d['seconds']:.1f}s"
+        if check is None
+        else f"{d['seconds'] - check:.1f}s, {d['seconds']:.1f}s with the float64 check"
+    )
     return [
-        f"summary: {d['within']}/{d['compared']} within tolerance ({kinds}) "
-        f"in {d['seconds']:.1f}s -> {'PASS' if passed else 'FAIL'}"
+        f"summary: {d['within']}/{d['compared']} within tolerance ({kinds}) in {took} -> {'PASS' if passed else 'FAIL'}"
     ]
 
 
@@ -386,13 +385,18 @@ def commonest(skipped: Mapping[str, str], n: int = 3) -> str:
 
 
 def _islands(d: Mapping[str, Any]) -> list[str]:
-    lines = [f"float32 islands ({len(d['islands'])}; lifted: run in float64 by this comparison):"]
+    """One line per kind of island (side, what, lifted), its modules counted when it recurs (a T5's cast in every
+    attention), those not lifted first: report.islands keeps one entry per module and kind."""
+    kinds: dict[tuple[str, str, bool], list[Any]] = {}
     for island in d["islands"]:
-        where = island.module if island.module is not None else "(no module)"
-        times = f", {island.count} times" if island.count > 1 else ""
-        lines.append(
-            f"  {island.side:<5} {where}: {island.what} ({'lifted' if island.lifted else 'NOT lifted'}{times})"
-        )
+        kinds.setdefault((island.side, island.what, island.lifted), []).append(island)
+    lines = [f"float32 islands ({len(d['islands'])}; lifted: run in float64 by this comparison):"]
+    for (side, what, lifted), found in sorted(kinds.items(), key=lambda kind: kind[0][2]):  # stable: unlifted first
+        where = [i.module if i.module is not None else "(no module)" for i in found]
+        times = sum(i.count for i in found)
+        place = where[0] if len(where) == 1 else f"{len(where)} modules ({_few(where)})"
+        many = (f", in {len(where)} modules" if len(where) > 1 else "") + (f", {times} times" if times > 1 else "")
+        lines.append(f"  {side:<5} {place}: {what} ({'lifted' if lifted else 'NOT lifted'}{many})")
     return lines
 
 

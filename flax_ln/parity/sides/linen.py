@@ -101,6 +101,7 @@ def capture_linen(
     calls: dict[str, PortCall] | None = None,
     traced: dict[str, str] | None = None,
     variables: Any = None,
+    unwrapped: dict[str, str] | None = None,
 ) -> Records:
     """Run ``call`` (one or more Linen ``apply``, eagerly) with the (inputs, outputs) of every submodule call
     recorded by name, through ``flax.linen.intercept_methods``; ``nn.remat`` is transparent meanwhile
@@ -112,6 +113,8 @@ def capture_linen(
     the first completed call with a floating output is kept. A call traced inside a transform (an ``nn.scan``
     body) holds no values: it is not recorded, and with ``traced`` its path is kept there with the reason, unless
     the layers of that scan are recorded (given the apply's ``variables``, see :class:`_Layers`). With
+    ``unwrapped``, the scope paths of the modules around a recorded call whose ``__call__`` flax never wrapped (so no
+    interceptor sees it) are kept there, with why (:func:`unwrapped_call`). With
     ``types``, each recorded name's module class is kept there; with ``calls``, each recorded call whole
     (:class:`~flax_ln.parity.records.replay.PortCall`).
     """
@@ -126,6 +129,12 @@ def capture_linen(
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
         path, scoped = layers.name(context.module, _traced(args, kwargs))
+        parent = context.module.parent
+        while unwrapped is not None and isinstance(parent, linen.Module):
+            why = unwrapped_call(parent)
+            if why is not None:
+                unwrapped.setdefault(_scope_path(parent), why)
+            parent = parent.parent
         try:
             return record(next_fun, args, kwargs, context, path)
         finally:
@@ -167,6 +176,21 @@ def capture_linen(
     return {names[key]: record for key, record in kept.items()}
 
 
+def unwrapped_call(module: linen.Module) -> str | None:
+    """Why ``module``'s calls are not seen by ``flax.linen.intercept_methods``, when its class's ``__call__`` is a
+    plain function set on the class after flax made it (``setattr(cls, "__call__", f)``: flax wraps the methods a
+    class body defines, once, when the class is made), else ``None``."""
+    call = next((vars(k)["__call__"] for k in type(module).__mro__ if "__call__" in vars(k)), None)
+    if call is None or getattr(call, "method_handler_wrapped", False):
+        return None
+    return (
+        f"not called during the flax apply as flax sees calls: {type(module).__name__}.__call__ is a plain function "
+        "set on the class after flax made it (setattr(cls, '__call__', f)), which flax never wrapped, so no Linen "
+        "interceptor sees its calls (its submodules' calls are seen); define __call__ in the class body, or in a "
+        "subclass, to have it recorded and run alone"
+    )
+
+
 def _linen_run(module: linen.Module, variables, method):
     def run(*args, **kwargs):
         return module.apply(variables, *args, method=method, **kwargs)
@@ -196,6 +220,7 @@ class LinenSide(TreeSide):
     module_types: dict[str, type] = dataclasses.field(default_factory=dict)  # by call name, from record()
     port_calls: dict[str, PortCall] = dataclasses.field(default_factory=dict)  # by call name, from record()
     traced: dict[str, str] = dataclasses.field(default_factory=dict)  # scope paths not recorded, and why
+    unwrapped: dict[str, str] = dataclasses.field(default_factory=dict)  # scope paths flax never wrapped, and why
 
     @classmethod
     def variables_of(cls, wrapper: Any) -> Any:
@@ -232,8 +257,10 @@ class LinenSide(TreeSide):
 
     def record(self, forward: Callable[[], Any]) -> Records:
         """And each recorded scope path's module class (for :meth:`type_layout`)."""
-        self.module_types, self.port_calls, self.traced = {}, {}, {}
-        return capture_linen(forward, self.module_types, self.port_calls, self.traced, self.tree.tree())
+        self.module_types, self.port_calls, self.traced, self.unwrapped = {}, {}, {}, {}
+        return capture_linen(
+            forward, self.module_types, self.port_calls, self.traced, self.tree.tree(), unwrapped=self.unwrapped
+        )
 
     def recorded_calls(self) -> Mapping[str, PortCall]:
         return self.port_calls
@@ -355,7 +382,7 @@ class LinenSide(TreeSide):
         for torch_path in torch_records:
             flax_path = pairs.flax_paths.get(torch_path, "")
             if torch_path in by_flax.values() and torch_path not in skipped:
-                why = self.traced.get(flax_path, "not called during the flax apply")
+                why = self.traced.get(flax_path, self.unwrapped.get(flax_path, "not called during the flax apply"))
                 yield torch_path, outputs.get(torch_path, why)
         for torch_path in torch_records:
             if torch_path not in pairs.modules:

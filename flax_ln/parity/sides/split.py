@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from flax_ln.convert import KeyPlan
+from flax_ln.convert.keymap_syntax import region_index
 from flax_ln.parity.core.policy import zero_gradient_names
 from flax_ln.parity.sides.torch import TorchSide
 
@@ -40,9 +41,11 @@ def as_split(
                 continue
             for t in split[k]:
                 out[t.torch_name] = np.ascontiguousarray(t.torch_part(v))
+            for name, region in plan.dropped_slabs.get(k, ()):  # read by no variable: a dropped parameter
+                out[name] = np.ascontiguousarray(np.asarray(v)[region_index(region)])
         return out
 
-    names = {k: [t.torch_name for t in split[k]] for k in cut_keys}
+    names = {k: [t.torch_name for t in split[k]] + [n for n, _ in plan.dropped_slabs.get(k, ())] for k in cut_keys}
     expected = cut(side.expected)
     kinds = {n: kind for k, kind in side.kinds.items() for n in names.get(k, [k])}
     param_names = [n for k in side.param_names for n in names.get(k, [k])]
