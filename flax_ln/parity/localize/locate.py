@@ -17,7 +17,6 @@ import numpy as np
 
 from flax_ln.parity.core.call import Call, run_forward
 from flax_ln.parity.core.policy import Tolerance, compare_tensors
-from flax_ln.parity.islands.jax_remat import eager_checkpoints
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import (
     NO_OUTPUT,
@@ -481,7 +480,7 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     model = flax.eager_model()
 
     def forward():
-        with jax.disable_jit(), eager_checkpoints():  # op by op: a scan (checkpointed too) runs layer by layer
+        with jax.disable_jit():  # eagerly, op by op: a scan over layers runs as a loop, one layer at a time
             return run_forward(call.forward[1], model, args, kwargs)
 
     ok, recorded = phase.run("recording the flax side's submodules", lambda: flax.record(forward))

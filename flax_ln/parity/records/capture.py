@@ -16,8 +16,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from flax_ln.convert.assign import as_numpy, is_floating
+from flax_ln.convert.trees import is_equinox_module
 
 WHOLE_MODEL = "(whole model)"  # the path under which the root module's own call is recorded
 
@@ -63,8 +65,11 @@ def is_array(value: Any) -> bool:
 def array_node(value: Any) -> bool:
     """A pytree node of JAX's registry other than a tuple, list, dict or array (a named-axis array, a dataclass
     wrapper registered with ``jax.tree_util``) whose leaves are all arrays: opened like a container, its arrays
-    recorded, compared and replaced one by one. Its own truth value, equality and ``shape`` are never asked."""
+    recorded, compared and replaced one by one. Its own truth value, equality and ``shape`` are never asked.
+    A module or a variable (NNX, Equinox), a pytree too, is not data: it stays whole."""
     if value is None or is_array(value) or isinstance(value, (tuple, list, dict, bool, int, float, str)):
+        return False
+    if isinstance(value, (nnx.Pytree, nnx.Variable)) or is_equinox_module(value):
         return False
     try:
         leaves = jax.tree_util.tree_leaves(value)

@@ -19,6 +19,7 @@ import numpy as np
 
 from flax_ln.convert import KeyMap, PytreeTree
 from flax_ln.convert.trees import EquinoxTree, is_equinox_module
+from flax_ln.parity.islands.jax_remat import eager_checkpoints
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
 from flax_ln.parity.records.pairing import Pairs, ParameterGroups, layer_groups
 from flax_ln.parity.records.replay import PortCall, Replayed, nudged, replays
@@ -264,7 +265,7 @@ def _recorded(
         for path, sub in _walk(module, ())
     }
     recorder = EquinoxRecording(stacked)
-    with recording(recorder):
+    with recording(recorder), eager_checkpoints():  # a checkpointed scan body runs on values: layer by layer
         jax.block_until_ready(forward())
         jax.effects_barrier()
     return recorder.records(), recorder.port_calls(), dict(recorder.traced)
