@@ -77,20 +77,33 @@ class NNXTree:
         }
 
     def lookup(self, path: str) -> str:
-        """See :meth:`VariableTree.lookup`."""
+        """See :meth:`VariableTree.lookup`. An attribute whose name holds dots (``setattr(self, "blocks.0", b)``)
+        is one step: a canonical path resolves as written, and a step that is missing is tried joined with the
+        steps after it (``blocks`` + ``0``), shortest first."""
+        if path in self._vars:
+            return path
         node: Any = self.model
         walked: list[str] = []
-        for step in path.split("."):
+        steps = path.split(".")
+        while steps:
             if isinstance(node, nnx.Variable):
                 raise KeyError(f"{'.'.join(walked)!r} is already a variable; the path cannot go on")
-            child = _child(node, step)
-            if child is _MISSING:
+            found = next(
+                (
+                    (k, child)
+                    for k in range(1, len(steps) + 1)
+                    if (child := _child(node, ".".join(steps[:k]))) is not _MISSING
+                ),
+                None,
+            )
+            if found is None:
                 where = ".".join(walked) or "the model"
-                close = difflib.get_close_matches(path, list(self._vars), n=1)
+                close = [c for c in difflib.get_close_matches(path, list(self._vars), n=2) if c != path]
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise KeyError(f"{where} ({type(node).__name__}) has no {step!r}{hint}")
-            node = child
-            walked.append(step)
+                raise KeyError(f"{where} ({type(node).__name__}) has no {steps[0]!r}{hint}")
+            k, node = found
+            walked.append(".".join(steps[:k]))
+            steps = steps[k:]
         if not isinstance(node, nnx.Variable):
             raise KeyError(f"it names a {type(node).__name__}, not a variable")
         if id(node) not in self._canonical:

@@ -460,21 +460,18 @@ def localize(
     one eager flax forward recorded, its submodules paired with torch's (``modules=`` as in
     :func:`pair_modules`), then each run alone. A flax side without modules leaves its note instead.
 
-    An error in any phase (recording, pairing, the first divergence, isolation) ends that phase with a note in
-    ``report.localization_note``; the verdict and the results are never lost. When the verdict failed on outputs
-    but no recorded module output differs in the eager run (the compiled run differs, the eager one does not), the
-    note says that the localisation did not reproduce the failure."""
+    An error in any phase (recording, pairing, the first divergence, isolation), or anywhere else in localising,
+    ends it with a note in ``report.localization_note``; the verdict and the results are never lost. When the
+    verdict failed on outputs but no recorded module output differs in the eager run (the compiled run differs),
+    the note says that the localisation did not reproduce the failure."""
     if flax.localization_note is not None:
         report.localization_note = flax.localization_note
         return
     if side.records is None:
         return
     phase = _Phase(report)
-    try:
-        _localize(report, side, flax, call, tolerance, modules, phase)
-    finally:
-        if phase.notes:
-            report.localization_note = "; ".join(phase.notes)
+    phase.run("localising", lambda: _localize(report, side, flax, call, tolerance, modules, phase))
+    report.localization_note = "; ".join(phase.notes) if phase.notes else report.localization_note
 
 
 def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> None:
@@ -504,12 +501,13 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     )
     if not ok:
         return
-    ok, again = phase.run(
+    ok, constants = phase.run(
         "telling the port's activations from its constants",
-        lambda: flax.record_nudged(lambda m: run_forward(call.forward[1], m, nudged(args), kwargs)),
+        lambda: constant_arguments(
+            flax.recorded_calls(), flax.record_nudged(lambda m: run_forward(call.forward[1], m, nudged(args), kwargs))
+        ),
     )
-    if ok and again:
-        pairs.constants = constant_arguments(flax.recorded_calls(), again)
+    pairs.constants = constants if ok else pairs.constants
     flax_records = {t: recorded[f] for t, f in pairs.flax_paths.items() if f in recorded}
     unrecorded = {p: why for p, why in flax.unrecorded().items() if p not in recorded}
     ok, found = phase.run(

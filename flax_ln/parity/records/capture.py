@@ -16,8 +16,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from flax_ln.convert.assign import as_numpy, is_floating
+from flax_ln.convert.trees import is_equinox_module
 
 WHOLE_MODEL = "(whole model)"  # the path under which the root module's own call is recorded
 
@@ -55,6 +57,27 @@ def plain_value(value: Any) -> Any:
     return Unsupported(type(value).__name__)
 
 
+def is_array(value: Any) -> bool:
+    """A NumPy, JAX (a tracer too) or torch array: a leaf, never opened, whose truth value is never asked."""
+    return isinstance(value, (np.ndarray, jax.Array)) or hasattr(value, "detach")
+
+
+def array_node(value: Any) -> bool:
+    """A pytree node of JAX's registry other than a tuple, list, dict or array (a named-axis array, a dataclass
+    wrapper registered with ``jax.tree_util``) whose leaves are all arrays: opened like a container, its arrays
+    recorded, compared and replaced one by one. Its own truth value, equality and ``shape`` are never asked.
+    A module or a variable (NNX, Equinox), a pytree too, is not data: it stays whole."""
+    if value is None or is_array(value) or isinstance(value, (tuple, list, dict, bool, int, float, str)):
+        return False
+    if isinstance(value, (nnx.Pytree, nnx.Variable)) or is_equinox_module(value):
+        return False
+    try:
+        leaves = jax.tree_util.tree_leaves(value)
+    except Exception:  # noqa: BLE001 - a node that cannot be flattened is no pytree of arrays
+        return False
+    return bool(leaves) and not (len(leaves) == 1 and leaves[0] is value) and all(is_array(x) for x in leaves)
+
+
 def _data_fields(value: Any) -> dict[str, Any]:
     """The fields of a dataclass instance that its constructor takes (``{}`` for anything else)."""
     if not dataclasses.is_dataclass(value) or isinstance(value, type):
@@ -70,6 +93,8 @@ def floating_leaves(tree: Any) -> list[np.ndarray]:
     if isinstance(tree, dict) or _data_fields(tree):
         items = tree if isinstance(tree, dict) else _data_fields(tree)
         return [leaf for item in items.values() for leaf in floating_leaves(item)]
+    if array_node(tree):
+        return [leaf for item in jax.tree_util.tree_leaves(tree) for leaf in floating_leaves(item)]
     if isinstance(tree, jax.core.Tracer):
         return []  # inside a jit/scan trace: no values to record
     if hasattr(tree, "detach"):  # a torch.Tensor: copied now, so that a later in-place op cannot change the record

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_ln.parity.core.call import is_float
-from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
+from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, array_node, is_array
 from flax_ln.parity.records.pairing import Pairs, exact_permutation, fingerprint
 
 
@@ -115,11 +115,12 @@ def function_code(function: Any) -> Any:
 
 
 def _is_floating_array(leaf) -> bool:
-    return hasattr(leaf, "dtype") and hasattr(leaf, "shape") and is_float(leaf)
+    return is_array(leaf) and is_float(leaf)
 
 
 def _is_leaf(x) -> bool:
-    return not isinstance(x, (tuple, list, dict)) or x is None
+    """Containers and pytree nodes of arrays (:func:`~flax_ln.parity.records.capture.array_node`) are opened."""
+    return x is None or not (isinstance(x, (tuple, list, dict)) or array_node(x))
 
 
 def _step(key) -> str:

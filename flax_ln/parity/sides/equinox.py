@@ -19,6 +19,7 @@ import numpy as np
 
 from flax_ln.convert import KeyMap, PytreeTree
 from flax_ln.convert.trees import EquinoxTree, is_equinox_module
+from flax_ln.parity.islands.jax_remat import eager_checkpoints
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
 from flax_ln.parity.records.pairing import Pairs, ParameterGroups, layer_groups
 from flax_ln.parity.records.replay import PortCall, Replayed, nudged, replays
@@ -63,6 +64,7 @@ class EquinoxSide(TreeSide):
     variable_noun: ClassVar[str] = "parameter"
     paths_named: ClassVar[str] = "Equinox attribute paths (dotted, as the key map names them)"
     port_calls: dict[str, tuple[PortCall, int, list[int]]] = dataclasses.field(default_factory=dict)  # record()
+    traced: dict[str, str] = dataclasses.field(default_factory=dict)  # record(): stacks called inside a trace
     isolates_from_calls: ClassVar[bool] = True
 
     @classmethod
@@ -152,8 +154,11 @@ class EquinoxSide(TreeSide):
         by dotted path, in call order, with the batch axes ``jax.vmap`` adds (nested ones too) and a scanned
         stack's layers one by one (``layers[3].attn``; see :mod:`~flax_ln.parity.sides.equinox_record`); under
         ``jit`` its values arrive when it runs."""
-        records, self.port_calls = _recorded(self.tree.tree(), forward)
+        records, self.port_calls, self.traced = _recorded(self.tree.tree(), forward)
         return records
+
+    def unrecorded(self) -> dict[str, str]:
+        return dict(self.traced)
 
     def recorded_calls(self) -> Mapping[str, PortCall]:
         return {name: call for name, (call, _, _) in self.port_calls.items()}
@@ -161,7 +166,7 @@ class EquinoxSide(TreeSide):
     def record_nudged(self, forward_of: Callable[[Any], Any]) -> Mapping[str, PortCall]:
         """On a copy of the filled module with its floating arrays nudged (the module is not changed)."""
         model = nudged(self.tree.tree())
-        _, calls = _recorded(model, lambda: forward_of(instrumented(model)))
+        _, calls, _ = _recorded(model, lambda: forward_of(instrumented(model)))
         return {name: call for name, (call, _, _) in calls.items()}
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
@@ -249,18 +254,21 @@ def mirrored_key_map(tree: EquinoxTree, torch_state: Mapping[str, Any]) -> KeyMa
     return KeyMap(rules)
 
 
-def _recorded(module: Any, forward: Callable[[], Any]) -> tuple[Records, dict[str, tuple[PortCall, int, list[int]]]]:
-    """``forward()`` run with the recorders of ``module``'s instrumented copy on: its records, and each call whole
-    (with the ``vmap`` levels it ran under); a scanned stack's layers told apart by ``module``'s stacked arrays."""
+def _recorded(
+    module: Any, forward: Callable[[], Any]
+) -> tuple[Records, dict[str, tuple[PortCall, int, list[int]]], dict[str, str]]:
+    """``forward()`` run with the recorders of ``module``'s instrumented copy on: its records, each call whole
+    (with the ``vmap`` levels it ran under), and the stacks called inside a trace (not recorded, with the reason);
+    a scanned stack's layers told apart by ``module``'s stacked arrays."""
     stacked = {
         path: [x for x in jax.tree_util.tree_leaves(sub) if isinstance(x, (jax.Array, np.ndarray))]
         for path, sub in _walk(module, ())
     }
     recorder = EquinoxRecording(stacked)
-    with recording(recorder):
+    with recording(recorder), eager_checkpoints():  # a checkpointed scan body runs on values: layer by layer
         jax.block_until_ready(forward())
         jax.effects_barrier()
-    return recorder.records(), recorder.port_calls()
+    return recorder.records(), recorder.port_calls(), dict(recorder.traced)
 
 
 def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:

@@ -56,6 +56,20 @@ def _is_key(leaf: Any) -> bool:
     return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
+def _traced(leaf: Any) -> bool:
+    """Whether ``leaf`` is traced: a tracer that is not a ``jax.vmap`` batch tracer over values (whose ``val`` and
+    ``batch_dim`` hold them)."""
+    while isinstance(leaf, jax.core.Tracer) and hasattr(leaf, "batch_dim"):
+        leaf = leaf.val
+    return isinstance(leaf, jax.core.Tracer)
+
+
+TRACED_STACK = (
+    "a stack of layers called inside a trace (a scan that was not unrolled, or a jax.checkpoint that could not run "
+    "eagerly in this JAX): its layers cannot be told apart, so none is recorded"
+)
+
+
 def _floating(leaf: Any) -> bool:
     return hasattr(leaf, "dtype") and hasattr(leaf, "shape") and jnp.issubdtype(leaf.dtype, jnp.floating)
 
@@ -101,6 +115,7 @@ class EquinoxRecording:
     def __init__(self, stacked: dict[str, list[Any]]):
         self.stacked = stacked
         self.entries: dict[str, _Entry] = {}
+        self.traced: dict[str, str] = {}  # the stacked submodules called inside a trace: not recorded, and why
         self.layers = StackLayers()
         self.clock = itertools.count()
 
@@ -115,6 +130,16 @@ class EquinoxRecording:
         whole = self.stacked.get(path)
         parts = [x for x in jax.tree_util.tree_leaves(inner) if isinstance(x, (jax.Array, np.ndarray))]
         return None if whole is None else self.layers.layer(path, whole, parts)
+
+    def traced_stack(self, path: str, inner: Any) -> bool:
+        """Whether ``inner`` (a call of the submodule at ``path``) is a stack of layers whose arrays are traced (a
+        scan that was not unrolled, a checkpoint that could not run eagerly): no layer can be told, so the call is
+        not recorded, and its path is kept in :attr:`traced` with the reason."""
+        whole = self.stacked.get(path) or []
+        if not any(np.ndim(w) for w in whole) or not any(_traced(x) for x in jax.tree_util.tree_leaves(inner)):
+            return False
+        self.traced.setdefault(path, TRACED_STACK)
+        return True
 
     def leave(self) -> None:
         """The end of a scanned layer's iteration."""
@@ -217,6 +242,8 @@ def _recorder() -> type:
             if not _RECORDINGS:
                 return self.inner(*args, **kwargs)
             recording = _RECORDINGS[-1]
+            if recording.traced_stack(self.path, self.inner):
+                return self.inner(*args, **kwargs)
             name, scoped = recording.name(self.path, self.inner)
             try:
                 started = recording.begin(name, self.inner, args, kwargs)
