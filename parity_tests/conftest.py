@@ -39,6 +39,8 @@ CEILING_FILES = {
     "test_linen.py",  # Linen's interception and lifted transforms
     "test_equinox.py",  # Equinox's filtered transforms and pytrees
     "test_localize_batched_and_scanned.py",  # scanned and checkpointed stacks, recorded through JAX's traces
+    "test_localize_remat.py",  # checkpoints run eagerly while localising (flax_ln.parity.islands.jax_remat)
+    "test_localize_pytrees.py",  # pytrees of arrays through records, nudges and replays
     "test_keras.py",  # Keras 3 on the JAX backend
 }
 

@@ -1,5 +1,5 @@
 """Rematerialisation run eagerly while localising (:func:`eager_checkpoints`), and the JAX internals it reaches,
-each looked up and signature-checked here, beside :mod:`flax_ln.parity.islands.jax_internals`.
+each looked up here and checked by one probe call, beside :mod:`flax_ln.parity.islands.jax_internals`.
 
 A function wrapped in ``jax.checkpoint`` / ``jax.remat`` (also by ``eqx.filter_checkpoint``, and when it was wrapped
 at definition time, so that no later patch of ``jax.checkpoint`` reaches it) traces its function on every call,
@@ -60,10 +60,12 @@ class _Kept:
 
 
 def _trace(original: Callable[..., Any]) -> Callable[..., Any]:
-    def trace(fun: Callable[..., Any], in_tree: Any, in_avals: Any, debug: Any) -> Any:
+    # JAX's tracer is a C++ cache with no readable signature: the first two parameters are the ones read here, and
+    # every other one JAX passes is forwarded as it came (the probe checks the whole path once)
+    def trace(fun: Callable[..., Any], in_tree: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(_on, "depth", 0):
             return _Kept(fun, in_tree), (), _ONE_LEAF
-        return original(fun, in_tree, in_avals, debug)
+        return original(fun, in_tree, *args, **kwargs)
 
     trace.cache_clear = getattr(original, "cache_clear", lambda: None)  # type: ignore[attr-defined]
     return trace
