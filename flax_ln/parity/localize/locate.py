@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_ln.parity.core.call import Call, run_forward
-from flax_ln.parity.core.policy import Tolerance, compare_tensors
+from flax_ln.parity.core.policy import Tolerance
+from flax_ln.parity.localize.activations import compare_activation, compare_activations, in_torch_layout
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import (
     NO_OUTPUT,
@@ -151,32 +152,6 @@ def _within_tolerance(r: TensorResult) -> bool:
     return r.relative_error <= r.tolerance.rtol or r.max_abs_error <= r.tolerance.atol
 
 
-def _in_torch_layout(label: str, flax_arrays: list, torch_arrays: list, pairs: Pairs, path: str):
-    """The pair's flax activations put into torch's layout, pairwise with torch's: (index, moved, torch's) for
-    each that fits, and the first reason one does not (``None`` when all fit)."""
-    fitted, reason = [], None
-    for i, (f, t) in enumerate(zip(flax_arrays, torch_arrays)):
-        moved = pairs.to_torch(path, f, t.shape, "output" if label == "output" else "input")
-        if isinstance(moved, str):
-            reason = reason or f"{label} {i}: {moved}"
-        elif moved.shape == t.shape:
-            fitted.append((i, moved, t))
-        else:
-            reason = reason or f"{label} {i}: flax's {moved.shape} in torch's layout is not torch's {t.shape}"
-    return fitted, reason
-
-
-def _compare_activations(
-    label: str, flax_arrays: list, torch_arrays: list, tolerance: Tolerance, pairs: Pairs, path: str
-) -> list[TensorResult]:
-    """Flax activations (put into torch's layout) against torch's, pairwise; pairs that do not fit are skipped,
-    the reason kept in ``pairs.skipped``."""
-    fitted, reason = _in_torch_layout(label, flax_arrays, torch_arrays, pairs, path)
-    if reason is not None:
-        pairs.skipped.setdefault(path, reason)
-    return [compare_tensors(f"{label} {i}", f"module {label}", f, t, tolerance) for i, f, t in fitted]
-
-
 def _input_errors(
     compared: Sequence[TensorResult], torch_records: Records, flax_records: Records, tolerance: Tolerance, pairs: Pairs
 ) -> list[TensorResult]:
@@ -184,8 +159,8 @@ def _input_errors(
     by :func:`first_divergence`); a pair whose inputs do not fit torch's is left out."""
     errors = []
     for path in (r.name for r in compared):
-        fitted, _ = _in_torch_layout("input", flax_records[path][0], torch_records[path][0], pairs, path)
-        inputs = [compare_tensors(f"input {i}", "module input", f, t, tolerance) for i, f, t in fitted]
+        fitted, _ = in_torch_layout("input", flax_records[path][0], torch_records[path][0], pairs, path)
+        inputs = [compare_activation(f"input {i}", "module input", f, t, tolerance) for i, f, t in fitted]
         if inputs:
             errors.append(dataclasses.replace(max(inputs, key=lambda r: r.excess), name=path))
     return errors
@@ -196,8 +171,8 @@ def _pair_output(pairs: Pairs, path: str, flax_record, torch_record, tolerance: 
     its outputs do not fit torch's; nothing is noted."""
     (f_ins, f_outs), (t_ins, t_outs) = flax_record, torch_record
     pairs.decide(path, f_ins, t_ins)
-    fitted, _ = _in_torch_layout("output", f_outs, t_outs, pairs, path)
-    results = [compare_tensors(f"output {i}", "module output", f, t, tolerance) for i, f, t in fitted]
+    fitted, _ = in_torch_layout("output", f_outs, t_outs, pairs, path)
+    results = [compare_activation(f"output {i}", "module output", f, t, tolerance) for i, f, t in fitted]
     return max(results, key=lambda r: r.excess) if results else None
 
 
@@ -306,7 +281,7 @@ def first_divergence(
         for f, t in zip(f_outs, t_record[1]):
             if pairs.known_permutation(path, f, np.shape(t)) is not None:
                 sources[fingerprint(t)] = (path, np.asarray(f), t)
-        outputs = _compare_activations("output", f_outs, t_record[1], tolerance, pairs, path)
+        outputs = compare_activations("output", f_outs, t_record[1], tolerance, pairs, path)
         if outputs:
             compared[path] = outputs
             errors.append(dataclasses.replace(max(outputs, key=lambda r: r.excess), name=path))
@@ -329,7 +304,7 @@ def _locate(
     """
 
     def inputs(path: str) -> list[TensorResult]:
-        return _compare_activations("input", flax_records[path][0], torch_records[path][0], tolerance, pairs, path)
+        return compare_activations("input", flax_records[path][0], torch_records[path][0], tolerance, pairs, path)
 
     def parent(path: str) -> str | None:
         above = [p for p in compared if p != path and (p == WHOLE_MODEL or path.startswith(p + "."))]
@@ -339,7 +314,7 @@ def _locate(
         return [p for p in compared if parent(p) == path]
 
     evidence_in = inputs(seen)
-    evidence_out = _compare_activations("output", flax_records[seen][1], torch_records[seen][1], tolerance, pairs, seen)
+    evidence_out = compare_activations("output", flax_records[seen][1], torch_records[seen][1], tolerance, pairs, seen)
 
     def found(module: str, between: tuple[str | None, str | None] | None) -> FirstDivergence:
         def flax_path(path: str | None) -> str | None:
@@ -405,7 +380,7 @@ def isolate(
         if isinstance(run, Replayed) and run.kept:  # floating arguments that kept the port's own value (a mask)
             kept[path] = run.kept
         try:
-            compared = _compare_activations("output", run, torch_records[path][1], tolerance, pairs, path)
+            compared = compare_activations("output", run, torch_records[path][1], tolerance, pairs, path)
         except Exception as err:  # noqa: BLE001 - one module that cannot be compared is skipped, the rest go on
             skipped[path] = f"its output could not be compared: {type(err).__name__}: {str(err)[:120]}"
             continue

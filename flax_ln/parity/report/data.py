@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -314,7 +315,7 @@ class ParityReport:
                         {
                             "kind": kind,
                             "count": len(rs),
-                            "worst": max([r.relative_error for r in rs if r.passed_by != "zero"] or [0.0]),
+                            "worst": worst_error(rs),
                             "zero": sum(r.passed_by == "zero" for r in rs),
                         }
                         for kind, rs in by_kind.items()
@@ -419,6 +420,14 @@ class ParityReport:
                 "skipped": self.module_skipped,
             },
         )
+
+
+def worst_error(results: list[TensorResult]) -> float:
+    """The worst relative error among ``results`` (those passed as a zero gradient aside), NaN when any is NaN (which
+    ``max`` would drop or keep by the order it meets them) or a tensor fails on NaN or Inf whatever its error over
+    the finite values: a summary never says less than a tensor it fails."""
+    errors = [math.nan if r.nonfinite and not r.passed else r.relative_error for r in results if r.passed_by != "zero"]
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors, default=0.0)
 
 
 def environment() -> dict[str, Any]:

@@ -1,0 +1,211 @@
+"""Localisation on the values that are not plain activations: additive masks at a dtype's most negative number, a 0/1
+mask against torch's additive one, a difference seen only in a gradient, a summary over a tensor that fails with NaN.
+
+Each port is small (one attention, a norm, a head) and each comparison is the default call: the run in the torch
+parameters' dtype (float32) and the float64 check beside it, both asserted.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+
+from flax_ln.convert import KeyMap
+from flax_ln.parity import ParityReport, Tolerance, compare_modules, compare_tensors
+
+VOCAB, WIDTH, PAD = 11, 8, 0
+IDS = np.array([[3, 4, 5, PAD, PAD], [1, 2, 3, 4, PAD]])  # padded: the mask has masked positions in every row
+
+
+def both_runs(report):
+    """The run in the torch parameters' dtype and the float64 check, each with its name for the assertions."""
+    assert report.float64_check is not None, str(report)
+    return [("float32", report), ("float64", report.float64_check)]
+
+
+# --- an additive mask at finfo.min ------------------------------------------------------------------------------------
+
+
+class TorchAttention(torch.nn.Module):
+    """Returns its masked scores beside its output, as T5's attention returns its position bias (mask included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / WIDTH**0.5 + mask  # (B, T, T)
+        return self.o(torch.softmax(scores, -1) @ self.v(x)), scores
+
+
+class TorchModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.attn = torch.nn.Embedding(VOCAB, WIDTH), TorchAttention()
+        self.norm, self.head = torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        mask = (ids == PAD)[:, None, :].to(x.dtype) * torch.finfo(x.dtype).min  # -1.8e308 in float64
+        return self.head(self.norm(x + self.attn(x, mask)[0]))
+
+
+class Attention(nnx.Module):
+    def __init__(self, rngs):
+        self.q, self.k, self.v, self.o = (nnx.Linear(WIDTH, WIDTH, rngs=rngs) for _ in range(4))
+
+    def __call__(self, x, mask):
+        scores = self.q(x) @ jnp.swapaxes(self.k(x), -1, -2) / WIDTH**0.5 + mask  # (B, T, T)
+        return self.o(jax.nn.softmax(scores, -1) @ self.v(x)), scores
+
+
+class Model(nnx.Module):
+    """The port builds its mask at float32's minimum whatever the dtype (-3.4e38 in the float64 check)."""
+
+    def __init__(self, eps=1e-5, rngs=None):
+        rngs = rngs or nnx.Rngs(0)
+        self.embed, self.attn = nnx.Embed(VOCAB, WIDTH, rngs=rngs), Attention(rngs)
+        self.norm, self.head = nnx.LayerNorm(WIDTH, epsilon=eps, rngs=rngs), nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        mask = (ids == PAD)[:, None, :].astype(x.dtype) * jnp.finfo(jnp.float32).min
+        return self.head(self.norm(x + self.attn(x, mask)[0]))
+
+
+KEY_MAP = KeyMap(
+    [
+        (r"embed\.weight", "embed.embedding", None),
+        (r"norm\.weight", "norm.scale", None),
+        (r"(attn\.\w|head)\.weight", r"\1.kernel", "o i -> i o"),
+        (r"(.*)\.bias", r"\1.bias", None),
+    ]
+)
+
+
+def mask_parity(eps=1e-5):
+    torch.manual_seed(0)
+    return compare_modules(
+        TorchModel().eval(), nnx.eval_shape(lambda: Model(eps)), (IDS,), weights=KEY_MAP, capture_modules=True
+    )
+
+
+def test_a_faithful_port_with_a_finfo_min_mask_blames_nothing():
+    """torch's mask holds float64's minimum in the float64 check and the port's float32's: both are masked, so the
+    attention's scores agree (not ``rel nan``), and no module is a first divergence or a culprit."""
+    report = mask_parity()
+    assert report.passed, str(report)
+    for dtype, run in both_runs(report):
+        assert run.first_divergence is None, (dtype, str(run))
+        assert run.isolation is not None and run.isolation.culprits == [], (dtype, str(run))
+        errors = {r.name: r.relative_error for r in [*run.module_errors, *run.isolation.results]}
+        assert errors and all(math.isfinite(e) for e in errors.values()), (dtype, errors)
+
+
+def test_a_planted_norm_eps_beside_a_finfo_min_mask_is_the_one_culprit():
+    report = mask_parity(eps=1e-1)
+    assert not report.passed
+    for dtype, run in both_runs(report):
+        fd = run.first_divergence
+        assert fd is not None and (fd.module, fd.flax_module) == ("norm", "norm"), (dtype, str(run))
+        assert (run.isolation.culprits, run.isolation.flax_culprits) == (["norm"], ["norm"]), (dtype, str(run))
+        assert "rel nan" not in str(run), (dtype, str(run))
+
+
+# --- the summary -----------------------------------------------------------------------------------------------------
+
+
+def test_the_summary_never_says_less_than_a_tensor_it_fails():
+    """An output with NaN at the same place on both sides fails (NaN is flagged) while its error over the finite
+    values is 0: the summary's worst is NaN, not the ``worst rel 0.00e+00`` a maximum of the errors would say."""
+    tolerance = Tolerance(rtol=1e-5)
+    fine = compare_tensors("output 0", "output", np.ones(3), np.ones(3), tolerance)
+    nan = np.array([1.0, np.nan, 1.0])
+    broken = compare_tensors("output 1", "output", nan, nan.copy(), tolerance)
+    assert not broken.passed and broken.relative_error == 0.0  # the premise: it fails, its finite values agree
+    report = ParityReport("two outputs", "float32", [fine, broken])
+    assert "output: 2 tensors, worst rel nan" in str(report), str(report)
+
+
+# --- torch's additive mask against the port's 0/1 mask (Keras) ------------------------------------------------------
+
+
+class TorchPlainAttention(TorchAttention):
+    def forward(self, x, mask):
+        return super().forward(x, mask)[0]
+
+
+class TorchMaskedModel(TorchModel):
+    def __init__(self):
+        super().__init__()
+        self.attn = TorchPlainAttention()
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        mask = (ids == PAD)[:, None, :].to(x.dtype) * torch.finfo(x.dtype).min  # additive, from the integer ids
+        return self.head(self.norm(x + self.attn(x, mask)))
+
+
+def keras_masked_model(keras, eps):
+    """The port's attention takes a 0/1 mask (1 where a key is kept) and selects with it; the model builds it from
+    the ids."""
+
+    class MaskedAttention(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.q, self.k, self.v, self.o = (keras.layers.Dense(WIDTH, name=n) for n in "qkvo")
+
+        def build(self, shape):
+            for dense in (self.q, self.k, self.v, self.o):
+                dense.build(shape)
+
+        def call(self, x, mask):
+            scores = keras.ops.matmul(self.q(x), keras.ops.swapaxes(self.k(x), -1, -2)) / WIDTH**0.5  # (B, T, T)
+            scores = keras.ops.where(mask > 0, scores, -1e30)
+            return self.o(keras.ops.matmul(keras.ops.softmax(scores, -1), self.v(x)))
+
+    class MaskedModel(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.embed = keras.layers.Embedding(VOCAB, WIDTH, name="embed")
+            self.attn = MaskedAttention(name="attn")
+            self.norm = keras.layers.LayerNormalization(epsilon=eps, name="norm")
+            self.head = keras.layers.Dense(VOCAB, name="head")
+
+        def call(self, ids):
+            x = self.embed(ids)
+            mask = keras.ops.cast(ids != PAD, x.dtype)[:, None, :]  # (B, 1, T): 1.0 kept, 0.0 masked
+            return self.head(self.norm(x + self.attn(x, mask)))
+
+    model = MaskedModel(name="net")
+    model(IDS)
+    return model
+
+
+KERAS_KEY_MAP = KeyMap(
+    [
+        (r"embed\.weight", "net/embed/embeddings", None),
+        (r"norm\.weight", "net/norm/gamma", None),
+        (r"norm\.bias", "net/norm/beta", None),
+        (r"attn\.(\w)\.weight", r"net/attn/\1/kernel", "o i -> i o"),
+        (r"attn\.(\w)\.bias", r"net/attn/\1/bias", None),
+        (r"head\.weight", "net/head/kernel", "o i -> i o"),
+        (r"head\.bias", "net/head/bias", None),
+    ]
+)
+
+
+def test_a_01_mask_built_from_ids_keeps_the_ports_value_beside_a_planted_norm_eps(keras):
+    """torch's attention is given an additive mask, the port's a 0/1 one, both built from the integer ids: run alone,
+    the port's attention keeps its own mask (listed in ``isolation.kept``) and agrees; only the norm is named."""
+    torch.manual_seed(0)
+    report = compare_modules(TorchMaskedModel().eval(), keras_masked_model(keras, 1e-1), (IDS,), weights=KERAS_KEY_MAP)
+    assert not report.passed
+    for dtype, run in both_runs(report):
+        fd = run.first_divergence
+        assert fd is not None and (fd.module, fd.flax_module) == ("norm", "net/norm"), (dtype, str(run))
+        assert (run.isolation.culprits, run.isolation.flax_culprits) == (["norm"], ["net/norm"]), (dtype, str(run))
+        assert run.isolation.kept == {"attn": ["mask"]}, (dtype, str(run))
