@@ -209,3 +209,48 @@ def test_a_01_mask_built_from_ids_keeps_the_ports_value_beside_a_planted_norm_ep
         assert fd is not None and (fd.module, fd.flax_module) == ("norm", "net/norm"), (dtype, str(run))
         assert (run.isolation.culprits, run.isolation.flax_culprits) == (["norm"], ["net/norm"]), (dtype, str(run))
         assert run.isolation.kept == {"attn": ["mask"]}, (dtype, str(run))
+
+
+# --- a difference seen only in a gradient ----------------------------------------------------------------------------
+
+
+class TorchMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.Linear(2 * WIDTH, 3)
+        with torch.no_grad():
+            self.fc2.bias.zero_()  # the value the port's dropped bias has: no output shows it
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class LinearWithoutBias(nnx.Linear):
+    """Holds a bias (loaded from torch's) and leaves it out of its computation: the planted bug."""
+
+    def __call__(self, x):
+        return x @ self.kernel[...]
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs=None):
+        rngs = rngs or nnx.Rngs(0)
+        self.fc1, self.fc2 = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs), LinearWithoutBias(2 * WIDTH, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jnp.tanh(self.fc1(x)))
+
+
+def test_a_zero_valued_dropped_bias_names_the_module_that_holds_it():
+    torch.manual_seed(0)
+    mlp_map = KeyMap([(r"(fc\d)\.weight", r"\1.kernel", "o i -> i o"), (r"(fc\d)\.bias", r"\1.bias", None)])
+    x = np.random.default_rng(0).normal(size=(4, WIDTH)).astype(np.float32)
+    report = compare_modules(TorchMLP().eval(), nnx.eval_shape(lambda: MLP()), (x,), weights=mlp_map)
+    assert not report.passed
+    for dtype, run in both_runs(report):
+        assert [r.name for r in run.results if not r.passed] == ["fc2.bias"], (dtype, str(run))  # the premise
+        assert run.first_divergence is None and run.isolation.culprits == [], (dtype, str(run))
+        assert run.gradient_only == {"fc2.bias": "fc2"}, (dtype, str(run))
+        assert "seen only in the gradient of `fc2.bias`: every module output agrees; its module fc2 <-> fc2" in str(
+            run
+        ), (dtype, str(run))

@@ -18,6 +18,7 @@ import numpy as np
 from flax_ln.parity.core.call import Call, run_forward
 from flax_ln.parity.core.policy import Tolerance
 from flax_ln.parity.localize.activations import compare_activation, compare_activations, in_torch_layout
+from flax_ln.parity.localize.gradient_only import gradient_only_modules
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import (
     NO_OUTPUT,
@@ -447,6 +448,7 @@ def localize(
     phase = _Phase(report)
     try:
         _localize(report, side, flax, call, tolerance, modules, phase)
+        report.gradient_only = gradient_only_modules(report)
     finally:
         if phase.notes:
             report.localization_note = "; ".join(phase.notes)

@@ -170,6 +170,7 @@ class ParityReport:
     # every recorded torch submodule, execution order -> the dotted path of its flax twin (None: unpaired)
     module_pairs: dict[str, str | None] = dataclasses.field(default_factory=dict)
     module_inputs: list[TensorResult] = dataclasses.field(default_factory=list)  # each pair's worst input error
+    gradient_only: dict[str, str] = dataclasses.field(default_factory=dict)  # parameter -> its torch module
     environment: dict[str, Any] | None = None  # what the comparison ran under (:func:`environment`)
 
     @property
@@ -256,6 +257,7 @@ class ParityReport:
             "module_pairs": self.module_pairs,
             "module_inputs": [r.to_json() for r in self.module_inputs],
             "module_skipped": self.module_skipped,
+            "gradient_only": self.gradient_only,
             "environment": self.environment,
         }
 
@@ -361,7 +363,8 @@ class ParityReport:
             sections.append(self.first_divergence.section())
         elif not self.passed and self.module_errors:
             failed_outputs = [r.name for r in failed if r.kind == "output"]
-            sections.append(Section("no first divergence", {"failed_outputs": failed_outputs}))
+            held = {p: (t, self.module_pairs.get(t)) for p, t in self.gradient_only.items()}
+            sections.append(Section("no first divergence", {"failed_outputs": failed_outputs, "gradient_only": held}))
         if self.isolation is not None:
             sections.append(self.isolation.section())
         if self.localization_note is not None:
@@ -537,6 +540,7 @@ def report_from_dict(d: dict[str, Any]) -> ParityReport:
         constants=d.get("constants", {}),
         discovery=d.get("discovery"),
         module_pairs=d.get("module_pairs", {}),
+        gradient_only=d.get("gradient_only", {}),
         module_inputs=[result_from_json(r) for r in d.get("module_inputs", [])],
         environment=d.get("environment"),
     )
