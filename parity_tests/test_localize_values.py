@@ -254,3 +254,86 @@ def test_a_zero_valued_dropped_bias_names_the_module_that_holds_it():
         assert "seen only in the gradient of `fc2.bias`: every module output agrees; its module fc2 <-> fc2" in str(
             run
         ), (dtype, str(run))
+
+
+# --- integer ids computed inside the model ---------------------------------------------------------------------------
+
+HEADS, REACH = 2, 2  # relative positions clipped to [-REACH, REACH]: 2 * REACH + 1 buckets
+
+
+class TorchBucketAttention(torch.nn.Module):
+    """A relative-position bias looked up by buckets the attention computes itself (as T5's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(WIDTH, 3 * WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+        self.rel_bias = torch.nn.Embedding(2 * REACH + 1, HEADS)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, HEADS, WIDTH // HEADS).transpose(1, 2) for y in self.qkv(x).split(WIDTH, -1))
+        pos = torch.arange(t)
+        buckets = torch.clamp(pos[None, :] - pos[:, None], -REACH, REACH) + REACH  # (T, T): key minus query
+        probs = torch.softmax(q @ k.transpose(-1, -2) + self.rel_bias(buckets).permute(2, 0, 1), -1)  # (B, n, T, T)
+        return self.o((probs @ v).transpose(1, 2).reshape(b, t, WIDTH))
+
+
+class TorchBucketModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.attn = torch.nn.Embedding(VOCAB, WIDTH), TorchBucketAttention()
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.head(x + self.attn(x))
+
+
+class BucketAttention(nnx.Module):
+    def __init__(self, rngs):
+        self.qkv, self.o = nnx.Linear(WIDTH, 3 * WIDTH, rngs=rngs), nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.rel_bias = nnx.Embed(2 * REACH + 1, HEADS, rngs=rngs)
+
+    def __call__(self, x):
+        b, t, _ = x.shape
+        q, k, v = (y.reshape(b, t, HEADS, WIDTH // HEADS) for y in jnp.split(self.qkv(x), 3, -1))  # (B, T, n, h)
+        pos = jnp.arange(t)
+        buckets = jnp.clip(pos[:, None] - pos[None, :], -REACH, REACH) + REACH  # the bug: query minus key
+        bias = jnp.transpose(self.rel_bias(buckets), (2, 0, 1))  # (n, T, T)
+        probs = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", q, k) + bias, -1)  # (B, n, T, T)
+        return self.o(jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, WIDTH))  # (B, T, n*h)
+
+
+class BucketModel(nnx.Module):
+    def __init__(self, rngs=None):
+        rngs = rngs or nnx.Rngs(0)
+        self.embed, self.attn = nnx.Embed(VOCAB, WIDTH, rngs=rngs), BucketAttention(rngs)
+        self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        return self.head(x + self.attn(x))
+
+
+def test_a_relative_position_bucket_bug_names_the_attention_that_computes_the_buckets():
+    """The buckets are compared exactly as the bias embedding's integer input: they differ, so the first divergence
+    is the attention's code before the embedding; run alone on torch's buckets the embedding agrees, and the
+    attention is the one culprit."""
+    torch.manual_seed(0)
+    bucket_map = KeyMap(
+        [
+            (r"(embed|attn\.rel_bias)\.weight", r"\1.embedding", None),
+            (r"(attn\.qkv|attn\.o|head)\.weight", r"\1.kernel", "o i -> i o"),
+            (r"(.*)\.bias", r"\1.bias", None),
+        ]
+    )
+    report = compare_modules(
+        TorchBucketModel().eval(), nnx.eval_shape(lambda: BucketModel()), (IDS,), weights=bucket_map
+    )
+    assert not report.passed
+    for dtype, run in both_runs(report):
+        fd = run.first_divergence
+        assert fd is not None and (fd.module, fd.flax_module) == ("attn", "attn"), (dtype, str(run))
+        assert fd.between == ("attn.qkv", "attn.rel_bias"), (dtype, str(run))
+        assert (run.isolation.culprits, run.isolation.flax_culprits) == (["attn"], ["attn"]), (dtype, str(run))
+        assert "integer input 0" in str(run), (dtype, str(run))

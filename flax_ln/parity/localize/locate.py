@@ -19,6 +19,7 @@ from flax_ln.parity.core.call import Call, run_forward
 from flax_ln.parity.core.policy import Tolerance
 from flax_ln.parity.localize.activations import compare_activation, compare_activations, in_torch_layout
 from flax_ln.parity.localize.gradient_only import gradient_only_modules
+from flax_ln.parity.localize.integers import integer_arguments, integer_inputs
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import (
     NO_OUTPUT,
@@ -162,6 +163,7 @@ def _input_errors(
     for path in (r.name for r in compared):
         fitted, _ = in_torch_layout("input", flax_records[path][0], torch_records[path][0], pairs, path)
         inputs = [compare_activation(f"input {i}", "module input", f, t, tolerance) for i, f, t in fitted]
+        inputs += integer_inputs(pairs, path, tolerance)
         if inputs:
             errors.append(dataclasses.replace(max(inputs, key=lambda r: r.excess), name=path))
     return errors
@@ -305,7 +307,8 @@ def _locate(
     """
 
     def inputs(path: str) -> list[TensorResult]:
-        return compare_activations("input", flax_records[path][0], torch_records[path][0], tolerance, pairs, path)
+        found = compare_activations("input", flax_records[path][0], torch_records[path][0], tolerance, pairs, path)
+        return found + integer_inputs(pairs, path, tolerance)
 
     def parent(path: str) -> str | None:
         above = [p for p in compared if p != path and (p == WHOLE_MODEL or path.startswith(p + "."))]
@@ -487,6 +490,7 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     )
     if ok and again:
         pairs.constants = constant_arguments(flax.recorded_calls(), again)
+    pairs.integers = integer_arguments(pairs, side.calls, flax.recorded_calls())
     flax_records = {t: recorded[f] for t, f in pairs.flax_paths.items() if f in recorded}
     unrecorded = {p: why for p, why in flax.unrecorded().items() if p not in recorded}
     ok, found = phase.run(
