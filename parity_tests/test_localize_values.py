@@ -337,3 +337,61 @@ def test_a_relative_position_bucket_bug_names_the_attention_that_computes_the_bu
         assert fd.between == ("attn.qkv", "attn.rel_bias"), (dtype, str(run))
         assert (run.isolation.culprits, run.isolation.flax_culprits) == (["attn"], ["attn"]), (dtype, str(run))
         assert "integer input 0" in str(run), (dtype, str(run))
+
+
+# --- an activation inside a layer ------------------------------------------------------------------------------------
+
+
+class TorchActModule(torch.nn.Module):
+    """``fc1``, then a parameter-free ``act`` module, then ``fc2``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.Tanh(), torch.nn.Linear(2 * WIDTH, 3)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TorchActInline(torch.nn.Module):
+    """``fc1``, the activation in the module's own code, ``fc2``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.Linear(2 * WIDTH, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def keras_dense_activation(keras, activation):
+    """``fc1`` a ``Dense`` applying its own activation, then ``fc2``."""
+    inputs = keras.Input((WIDTH,))
+    hidden = keras.layers.Dense(2 * WIDTH, activation=activation, name="fc1")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="fc2")(hidden), name="mlp")
+
+
+ACT_KEY_MAP = KeyMap([(r"(fc\d)\.weight", r"\1/kernel", "o i -> i o"), (r"(fc\d)\.bias", r"\1/bias", None)])
+X = np.random.default_rng(0).normal(size=(4, WIDTH)).astype(np.float32)
+
+
+def activation_named(report, torch_path, flax_path):
+    assert not report.passed
+    for dtype, run in both_runs(report):
+        fd = run.first_divergence
+        assert fd is not None and (fd.module, fd.flax_module) == (torch_path, flax_path), (dtype, str(run))
+        culprits = (run.isolation.culprits, run.isolation.flax_culprits)
+        assert culprits == ([torch_path], [flax_path]), (dtype, str(run))
+        assert "paired children run alone agree" not in str(run), (dtype, str(run))
+
+
+def test_an_activation_module_against_a_dense_with_its_activation_names_both(keras):
+    """(i) torch's ``act`` against Keras's ``Dense(activation="sigmoid")`` (the planted bug): the Dense's own output
+    (after its activation) is torch's ``act`` output, so ``act`` pairs with the Dense, ``fc1`` with its output before
+    the activation; ``act`` and the Dense are named."""
+    torch.manual_seed(0)
+    report = compare_modules(
+        TorchActModule().eval(), keras_dense_activation(keras, "sigmoid"), (X,), weights=ACT_KEY_MAP
+    )
+    activation_named(report, "act", "fc1")
+    assert report.module_pairs["fc1"] == "fc1 (before its activation)", report.module_pairs

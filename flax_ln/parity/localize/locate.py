@@ -19,6 +19,7 @@ from flax_ln.parity.core.call import Call, run_forward
 from flax_ln.parity.core.policy import Tolerance
 from flax_ln.parity.localize.activations import compare_activation, compare_activations, in_torch_layout
 from flax_ln.parity.localize.gradient_only import gradient_only_modules
+from flax_ln.parity.localize.inside import activation_pairs
 from flax_ln.parity.localize.integers import integer_arguments, integer_inputs
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import (
@@ -490,7 +491,16 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
     )
     if ok and again:
         pairs.constants = constant_arguments(flax.recorded_calls(), again)
-    pairs.integers = integer_arguments(pairs, side.calls, flax.recorded_calls())
+    torch_calls = side.calls
+    ok, inside = phase.run(
+        "pairing activations inside layers", lambda: activation_pairs(flax, pairs, torch_records, side.calls, recorded)
+    )
+    if ok:
+        torch_records, torch_calls = inside
+    _, integers = phase.run(
+        "pairing integer arguments", lambda: integer_arguments(pairs, torch_calls, flax.recorded_calls())
+    )
+    pairs.integers = integers or {}
     flax_records = {t: recorded[f] for t, f in pairs.flax_paths.items() if f in recorded}
     unrecorded = {p: why for p, why in flax.unrecorded().items() if p not in recorded}
     ok, found = phase.run(
@@ -523,7 +533,7 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
         ok, isolation = phase.run(
             "isolating each module",
             lambda: isolate(
-                torch_records, side.calls, flax, tolerance, pairs=pairs, flax_records=flax_records, forward=forward
+                torch_records, torch_calls, flax, tolerance, pairs=pairs, flax_records=flax_records, forward=forward
             ),
         )
         if ok:
