@@ -15,6 +15,7 @@ from flax import nnx
 
 from flax_ln.convert import KeyMap
 from flax_ln.parity import ParityReport, Tolerance, compare_modules, compare_tensors
+from flax_ln.parity.records.capture import WHOLE_MODEL
 
 VOCAB, WIDTH, PAD = 11, 8, 0
 IDS = np.array([[3, 4, 5, PAD, PAD], [1, 2, 3, 4, PAD]])  # padded: the mask has masked positions in every row
@@ -395,3 +396,16 @@ def test_an_activation_module_against_a_dense_with_its_activation_names_both(ker
     )
     activation_named(report, "act", "fc1")
     assert report.module_pairs["fc1"] == "fc1 (before its activation)", report.module_pairs
+
+
+def test_an_inline_activation_against_a_dense_with_its_activation_names_the_dense(keras):
+    """(iii) torch's tanh in the model's own code against Keras's ``Dense(activation="sigmoid")``: torch's side is
+    the model's own code between ``fc1`` and ``fc2``; the port's is the Dense, whose own output differs run alone."""
+    torch.manual_seed(0)
+    report = compare_modules(
+        TorchActInline().eval(), keras_dense_activation(keras, "sigmoid"), (X,), weights=ACT_KEY_MAP
+    )
+    activation_named(report, WHOLE_MODEL, "fc1")
+    for dtype, run in both_runs(report):
+        assert run.first_divergence.between == ("fc1", "fc2"), (dtype, str(run))
+        assert "in (whole model) <-> fc1, between fc1 and fc2: its own code" in str(run), (dtype, str(run))

@@ -19,7 +19,7 @@ from flax_ln.parity.core.call import Call, run_forward
 from flax_ln.parity.core.policy import Tolerance
 from flax_ln.parity.localize.activations import compare_activation, compare_activations, in_torch_layout
 from flax_ln.parity.localize.gradient_only import gradient_only_modules
-from flax_ln.parity.localize.inside import activation_pairs
+from flax_ln.parity.localize.inside import activation_pairs, activations_in_own_code, inside_module
 from flax_ln.parity.localize.integers import integer_arguments, integer_inputs
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import (
@@ -134,7 +134,7 @@ def _pairs_that_apply_as_much(
         found = candidates.get(torch_path)
         if not found or torch_path in (modules or {}) or torch_path == WHOLE_MODEL:
             continue
-        wrappers = [f for f in found if any(_inside(g, f) for g in found if g != f)]
+        wrappers = [f for f in found if any(inside_module(g, f) for g in found if g != f)]
         if wrappers:
             candidates[torch_path] = wrappers
             continue
@@ -394,19 +394,11 @@ def isolate(
         else:
             skipped[path] = pairs.skipped.get(path, "its outputs do not match torch's in number or shape")
     failing = [r.name for r in results if not _within_tolerance(r)]
-    culprits = [p for p in failing if not any(_inside(q, p) for q in failing if q != p)]
-    own_code = [p for p in culprits if any(_inside(r.name, p) for r in results)]
+    culprits = [p for p in failing if not any(inside_module(q, p) for q in failing if q != p)]
+    own_code = [p for p in culprits if any(inside_module(r.name, p) for r in results)]
     ran = {r.name for r in results}
     kept = {p: names for p, names in kept.items() if p in ran}
     return Isolation(results, skipped, culprits, [pairs.flax_paths[p] for p in culprits], own_code, kept)
-
-
-def _inside(child: str, parent: str) -> bool:
-    """Whether ``child`` is a module within ``parent``: a dotted (NNX, torch) or slashed (Keras) descendant, a layer
-    of a scanned stack (``layers[2]``), or a part of the module's own output (a Keras layer's ``(before its
-    activation)``)."""
-    parts = tuple(parent + sep for sep in (".", "/", "[", " ("))
-    return parent == WHOLE_MODEL and child != WHOLE_MODEL or child.startswith(parts)
 
 
 class _Phase:
@@ -538,12 +530,18 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
         )
         if ok:
             report.isolation = _unrecorded_culprits(isolation, unrecorded, pairs)
+            phase.run(
+                "looking for activations inside layers",
+                lambda: activations_in_own_code(
+                    report, flax, pairs, torch_records, torch_calls, recorded, tolerance, forward
+                ),
+            )
             _confirm_between(report)
 
 
 def _held_by(flax_path: str, unrecorded: Mapping[str, str]) -> list[str]:
     """The unrecorded flax modules inside ``flax_path``."""
-    return [p for p in unrecorded if _inside(p, flax_path)]
+    return [p for p in unrecorded if inside_module(p, flax_path)]
 
 
 def _not_recorded_within(fd: FirstDivergence | None, unrecorded: Mapping[str, str], pairs: Pairs, recorded: Records):
@@ -551,9 +549,9 @@ def _not_recorded_within(fd: FirstDivergence | None, unrecorded: Mapping[str, st
     them (a scan's body), so the first divergence names them; those inside a paired child are that child's."""
     if fd is None or fd.between is None:
         return fd
-    inside = [pairs.flax_paths.get(t) for t in pairs.flax_paths if t != fd.module and _inside(t, fd.module)]
+    inside = [pairs.flax_paths.get(t) for t in pairs.flax_paths if t != fd.module and inside_module(t, fd.module)]
     children = [c for c in inside if c in recorded]  # the recorded pairs: they could take the blame
-    held = [p for p in _held_by(fd.flax_module, unrecorded) if not any(p == c or _inside(p, c) for c in children)]
+    held = [p for p in _held_by(fd.flax_module, unrecorded) if not any(p == c or inside_module(p, c) for c in children)]
     return dataclasses.replace(fd, unrecorded=held)
 
 
