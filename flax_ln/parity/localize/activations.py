@@ -41,8 +41,10 @@ def mask_threshold(*arrays: Any) -> float:
 
 
 def _integral(x: Any) -> bool:
-    kind = np.dtype(getattr(x, "dtype", np.asarray(x).dtype)).kind
-    return kind in "iub"
+    try:
+        return np.dtype(getattr(x, "dtype", np.asarray(x).dtype)).kind in "iub"
+    except TypeError:  # a dtype NumPy does not know (a typed PRNG key)
+        return False
 
 
 def compare_activation(name: str, kind: str, flax: Any, torch: Any, tolerance: Tolerance) -> TensorResult:

@@ -121,7 +121,12 @@ def _is_floating_array(leaf) -> bool:
 
 
 def _is_integer_array(leaf) -> bool:
-    return hasattr(leaf, "dtype") and hasattr(leaf, "shape") and np.dtype(leaf.dtype).kind in "iu"
+    if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+        return False
+    try:
+        return np.dtype(leaf.dtype).kind in "iu"
+    except TypeError:  # a typed PRNG key (key<fry>): no NumPy dtype, and no id
+        return False
 
 
 def integer_leaves(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
