@@ -16,7 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_ln.parity.core.call import Call, run_forward
-from flax_ln.parity.core.policy import Tolerance, compare_tensors
+from flax_ln.parity.core.policy import Tolerance
+from flax_ln.parity.localize.activations import compare_activation, compare_activations, in_torch_layout
+from flax_ln.parity.localize.gradient_only import gradient_only_modules
+from flax_ln.parity.localize.inside import activation_pairs, activations_in_own_code, inside_module
+from flax_ln.parity.localize.integers import integer_arguments, integer_inputs
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import (
     NO_OUTPUT,
@@ -130,7 +134,7 @@ def _pairs_that_apply_as_much(
         found = candidates.get(torch_path)
         if not found or torch_path in (modules or {}) or torch_path == WHOLE_MODEL:
             continue
-        wrappers = [f for f in found if any(_inside(g, f) for g in found if g != f)]
+        wrappers = [f for f in found if any(inside_module(g, f) for g in found if g != f)]
         if wrappers:
             candidates[torch_path] = wrappers
             continue
@@ -151,32 +155,6 @@ def _within_tolerance(r: TensorResult) -> bool:
     return r.relative_error <= r.tolerance.rtol or r.max_abs_error <= r.tolerance.atol
 
 
-def _in_torch_layout(label: str, flax_arrays: list, torch_arrays: list, pairs: Pairs, path: str):
-    """The pair's flax activations put into torch's layout, pairwise with torch's: (index, moved, torch's) for
-    each that fits, and the first reason one does not (``None`` when all fit)."""
-    fitted, reason = [], None
-    for i, (f, t) in enumerate(zip(flax_arrays, torch_arrays)):
-        moved = pairs.to_torch(path, f, t.shape, "output" if label == "output" else "input")
-        if isinstance(moved, str):
-            reason = reason or f"{label} {i}: {moved}"
-        elif moved.shape == t.shape:
-            fitted.append((i, moved, t))
-        else:
-            reason = reason or f"{label} {i}: flax's {moved.shape} in torch's layout is not torch's {t.shape}"
-    return fitted, reason
-
-
-def _compare_activations(
-    label: str, flax_arrays: list, torch_arrays: list, tolerance: Tolerance, pairs: Pairs, path: str
-) -> list[TensorResult]:
-    """Flax activations (put into torch's layout) against torch's, pairwise; pairs that do not fit are skipped,
-    the reason kept in ``pairs.skipped``."""
-    fitted, reason = _in_torch_layout(label, flax_arrays, torch_arrays, pairs, path)
-    if reason is not None:
-        pairs.skipped.setdefault(path, reason)
-    return [compare_tensors(f"{label} {i}", f"module {label}", f, t, tolerance) for i, f, t in fitted]
-
-
 def _input_errors(
     compared: Sequence[TensorResult], torch_records: Records, flax_records: Records, tolerance: Tolerance, pairs: Pairs
 ) -> list[TensorResult]:
@@ -184,8 +162,9 @@ def _input_errors(
     by :func:`first_divergence`); a pair whose inputs do not fit torch's is left out."""
     errors = []
     for path in (r.name for r in compared):
-        fitted, _ = _in_torch_layout("input", flax_records[path][0], torch_records[path][0], pairs, path)
-        inputs = [compare_tensors(f"input {i}", "module input", f, t, tolerance) for i, f, t in fitted]
+        fitted, _ = in_torch_layout("input", flax_records[path][0], torch_records[path][0], pairs, path)
+        inputs = [compare_activation(f"input {i}", "module input", f, t, tolerance) for i, f, t in fitted]
+        inputs += integer_inputs(pairs, path, tolerance)
         if inputs:
             errors.append(dataclasses.replace(max(inputs, key=lambda r: r.excess), name=path))
     return errors
@@ -196,8 +175,8 @@ def _pair_output(pairs: Pairs, path: str, flax_record, torch_record, tolerance: 
     its outputs do not fit torch's; nothing is noted."""
     (f_ins, f_outs), (t_ins, t_outs) = flax_record, torch_record
     pairs.decide(path, f_ins, t_ins)
-    fitted, _ = _in_torch_layout("output", f_outs, t_outs, pairs, path)
-    results = [compare_tensors(f"output {i}", "module output", f, t, tolerance) for i, f, t in fitted]
+    fitted, _ = in_torch_layout("output", f_outs, t_outs, pairs, path)
+    results = [compare_activation(f"output {i}", "module output", f, t, tolerance) for i, f, t in fitted]
     return max(results, key=lambda r: r.excess) if results else None
 
 
@@ -306,7 +285,7 @@ def first_divergence(
         for f, t in zip(f_outs, t_record[1]):
             if pairs.known_permutation(path, f, np.shape(t)) is not None:
                 sources[fingerprint(t)] = (path, np.asarray(f), t)
-        outputs = _compare_activations("output", f_outs, t_record[1], tolerance, pairs, path)
+        outputs = compare_activations("output", f_outs, t_record[1], tolerance, pairs, path)
         if outputs:
             compared[path] = outputs
             errors.append(dataclasses.replace(max(outputs, key=lambda r: r.excess), name=path))
@@ -329,7 +308,8 @@ def _locate(
     """
 
     def inputs(path: str) -> list[TensorResult]:
-        return _compare_activations("input", flax_records[path][0], torch_records[path][0], tolerance, pairs, path)
+        found = compare_activations("input", flax_records[path][0], torch_records[path][0], tolerance, pairs, path)
+        return found + integer_inputs(pairs, path, tolerance)
 
     def parent(path: str) -> str | None:
         above = [p for p in compared if p != path and (p == WHOLE_MODEL or path.startswith(p + "."))]
@@ -339,7 +319,7 @@ def _locate(
         return [p for p in compared if parent(p) == path]
 
     evidence_in = inputs(seen)
-    evidence_out = _compare_activations("output", flax_records[seen][1], torch_records[seen][1], tolerance, pairs, seen)
+    evidence_out = compare_activations("output", flax_records[seen][1], torch_records[seen][1], tolerance, pairs, seen)
 
     def found(module: str, between: tuple[str | None, str | None] | None) -> FirstDivergence:
         def flax_path(path: str | None) -> str | None:
@@ -405,7 +385,7 @@ def isolate(
         if isinstance(run, Replayed) and run.kept:  # floating arguments that kept the port's own value (a mask)
             kept[path] = run.kept
         try:
-            compared = _compare_activations("output", run, torch_records[path][1], tolerance, pairs, path)
+            compared = compare_activations("output", run, torch_records[path][1], tolerance, pairs, path)
         except Exception as err:  # noqa: BLE001 - one module that cannot be compared is skipped, the rest go on
             skipped[path] = f"its output could not be compared: {type(err).__name__}: {str(err)[:120]}"
             continue
@@ -414,19 +394,11 @@ def isolate(
         else:
             skipped[path] = pairs.skipped.get(path, "its outputs do not match torch's in number or shape")
     failing = [r.name for r in results if not _within_tolerance(r)]
-    culprits = [p for p in failing if not any(_inside(q, p) for q in failing if q != p)]
-    own_code = [p for p in culprits if any(_inside(r.name, p) for r in results)]
+    culprits = [p for p in failing if not any(inside_module(q, p) for q in failing if q != p)]
+    own_code = [p for p in culprits if any(inside_module(r.name, p) for r in results)]
     ran = {r.name for r in results}
     kept = {p: names for p, names in kept.items() if p in ran}
     return Isolation(results, skipped, culprits, [pairs.flax_paths[p] for p in culprits], own_code, kept)
-
-
-def _inside(child: str, parent: str) -> bool:
-    """Whether ``child`` is a module within ``parent``: a dotted (NNX, torch) or slashed (Keras) descendant, a layer
-    of a scanned stack (``layers[2]``), or a part of the module's own output (a Keras layer's ``(before its
-    activation)``)."""
-    parts = tuple(parent + sep for sep in (".", "/", "[", " ("))
-    return parent == WHOLE_MODEL and child != WHOLE_MODEL or child.startswith(parts)
 
 
 class _Phase:
@@ -471,6 +443,8 @@ def localize(
         return
     phase = _Phase(report)
     phase.run("localising", lambda: _localize(report, side, flax, call, tolerance, modules, phase))
+    ok, gradient_only = phase.run("naming a difference seen only in a gradient", lambda: gradient_only_modules(report))
+    report.gradient_only = gradient_only if ok else report.gradient_only
     report.localization_note = "; ".join(phase.notes) if phase.notes else report.localization_note
 
 
@@ -508,6 +482,16 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
         ),
     )
     pairs.constants = constants if ok else pairs.constants
+    torch_calls = side.calls
+    ok, inside = phase.run(
+        "pairing activations inside layers", lambda: activation_pairs(flax, pairs, torch_records, side.calls, recorded)
+    )
+    if ok:
+        torch_records, torch_calls = inside
+    _, integers = phase.run(
+        "pairing integer arguments", lambda: integer_arguments(pairs, torch_calls, flax.recorded_calls())
+    )
+    pairs.integers = integers or {}
     flax_records = {t: recorded[f] for t, f in pairs.flax_paths.items() if f in recorded}
     unrecorded = {p: why for p, why in flax.unrecorded().items() if p not in recorded}
     ok, found = phase.run(
@@ -540,17 +524,23 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
         ok, isolation = phase.run(
             "isolating each module",
             lambda: isolate(
-                torch_records, side.calls, flax, tolerance, pairs=pairs, flax_records=flax_records, forward=forward
+                torch_records, torch_calls, flax, tolerance, pairs=pairs, flax_records=flax_records, forward=forward
             ),
         )
         if ok:
             report.isolation = _unrecorded_culprits(isolation, unrecorded, pairs)
+            phase.run(
+                "looking for activations inside layers",
+                lambda: activations_in_own_code(
+                    report, flax, pairs, torch_records, torch_calls, recorded, tolerance, forward
+                ),
+            )
             _confirm_between(report)
 
 
 def _held_by(flax_path: str, unrecorded: Mapping[str, str]) -> list[str]:
     """The unrecorded flax modules inside ``flax_path``."""
-    return [p for p in unrecorded if _inside(p, flax_path)]
+    return [p for p in unrecorded if inside_module(p, flax_path)]
 
 
 def _not_recorded_within(fd: FirstDivergence | None, unrecorded: Mapping[str, str], pairs: Pairs, recorded: Records):
@@ -558,9 +548,9 @@ def _not_recorded_within(fd: FirstDivergence | None, unrecorded: Mapping[str, st
     them (a scan's body), so the first divergence names them; those inside a paired child are that child's."""
     if fd is None or fd.between is None:
         return fd
-    inside = [pairs.flax_paths.get(t) for t in pairs.flax_paths if t != fd.module and _inside(t, fd.module)]
+    inside = [pairs.flax_paths.get(t) for t in pairs.flax_paths if t != fd.module and inside_module(t, fd.module)]
     children = [c for c in inside if c in recorded]  # the recorded pairs: they could take the blame
-    held = [p for p in _held_by(fd.flax_module, unrecorded) if not any(p == c or _inside(p, c) for c in children)]
+    held = [p for p in _held_by(fd.flax_module, unrecorded) if not any(p == c or inside_module(p, c) for c in children)]
     return dataclasses.replace(fd, unrecorded=held)
 
 

@@ -77,6 +77,7 @@ class Pairs:
     fed_by: dict[str, str] = dataclasses.field(default_factory=dict)  # torch path -> the pair its input came from
     constants: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # flax call -> arguments not activations
     holders: frozenset[str] | None = None  # the torch paths holding some state-dict key (None: not known)
+    integers: dict[str, list[tuple[Any, np.ndarray]]] = dataclasses.field(default_factory=dict)  # (flax's, torch's)
 
     def why_unpaired(self, torch_path: str) -> str:
         """Why ``torch_path`` has no flax twin: its reason in ``unpaired``, else, when pairs go by parameters,

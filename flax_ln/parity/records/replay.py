@@ -17,8 +17,10 @@ The rule for a recorded port call's arguments, leaf by leaf (containers opened):
   its shape fits;
 - a floating array found by neither (a mask built from ids, a rotary table) keeps the port's own value, and the
   isolated result names it (:attr:`Replayed.kept`);
-- everything else (integer and boolean arrays, numbers, bools, strings, ``None``, caches and other objects) is
-  passed exactly as recorded.
+- integer arrays take torch's integer arguments of the twin's call, in order, where the two calls have as many of
+  them, each of one shape (:attr:`Pairs.integers`: ids computed wrongly upstream are not this module's error);
+- everything else (boolean arrays, numbers, bools, strings, ``None``, caches and other objects, integers that do
+  not pair) is passed exactly as recorded.
 """
 
 from __future__ import annotations
@@ -118,6 +120,21 @@ def _is_floating_array(leaf) -> bool:
     return is_array(leaf) and is_float(leaf)
 
 
+def _is_integer_array(leaf) -> bool:
+    if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+        return False
+    try:
+        return np.dtype(leaf.dtype).kind in "iu"
+    except TypeError:  # a typed PRNG key (key<fry>): no NumPy dtype, and no id
+        return False
+
+
+def integer_leaves(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    """The integer array leaves of a call's ``(args, kwargs)`` (containers opened), in call order."""
+    leaves, _, _ = named_leaves(args, kwargs)
+    return [leaf for leaf in leaves if _is_integer_array(leaf)]
+
+
 def _is_leaf(x) -> bool:
     """Containers and pytree nodes of arrays (:func:`~flax_ln.parity.records.capture.array_node`) are opened."""
     return x is None or not (isinstance(x, (tuple, list, dict)) or array_node(x))
@@ -201,6 +218,18 @@ class Replay:
     kept: list[str]
 
 
+def _with_torch_integers(leaves: list[Any], integers: Sequence[tuple[Any, np.ndarray]]) -> list[Any]:
+    """``leaves`` with their integer arrays replaced by torch's (``integers``: the pair's, flax's and torch's in call
+    order; :attr:`Pairs.integers`), each in the port's dtype: a module run alone is given torch's ids."""
+    at = [i for i, leaf in enumerate(leaves) if _is_integer_array(leaf)]
+    if not integers or len(at) != len(integers):
+        return leaves
+    out = list(leaves)
+    for i, (_, torch_ids) in zip(at, integers):
+        out[i] = jnp.asarray(torch_ids, leaves[i].dtype)
+    return out
+
+
 def replay_arguments(
     pairs: Pairs,
     path: str,
@@ -216,13 +245,15 @@ def replay_arguments(
     the call is its caller's code). Or why the call cannot isolate the module: torch recorded floating inputs the
     port's call has no floating argument for, or none of the call's floating arguments could take torch's."""
     leaves, names, treedef = named_leaves(call.args, call.kwargs, call.positional)
+    leaves = _with_torch_integers(leaves, pairs.integers.get(path, []))
     floating = [i for i, leaf in enumerate(leaves) if _is_floating_array(leaf)]
     constant = [names[i] for i in floating if names[i] in constants]
     floats = [i for i in floating if names[i] not in constants]
     if not floats:
         if torch_inputs and not constant:
             return "the flax call has no floating argument to put torch's inputs in"
-        return Replay(list(call.args), dict(call.kwargs), constant)
+        f_args, f_kwargs = jax.tree_util.tree_unflatten(treedef, leaves)  # torch's integers in it, where they pair
+        return Replay(list(f_args), dict(f_kwargs), constant)
     out, kept, explained, pending = list(leaves), list(constant), set(), []
     for i in floats:
         for source in sources.before(call.start, leaves[i]) if sources is not None else ():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -169,6 +170,7 @@ class ParityReport:
     # every recorded torch submodule, execution order -> the dotted path of its flax twin (None: unpaired)
     module_pairs: dict[str, str | None] = dataclasses.field(default_factory=dict)
     module_inputs: list[TensorResult] = dataclasses.field(default_factory=list)  # each pair's worst input error
+    gradient_only: dict[str, str] = dataclasses.field(default_factory=dict)  # parameter -> its torch module
     environment: dict[str, Any] | None = None  # what the comparison ran under (:func:`environment`)
 
     @property
@@ -255,6 +257,7 @@ class ParityReport:
             "module_pairs": self.module_pairs,
             "module_inputs": [r.to_json() for r in self.module_inputs],
             "module_skipped": self.module_skipped,
+            "gradient_only": self.gradient_only,
             "environment": self.environment,
         }
 
@@ -315,7 +318,7 @@ class ParityReport:
                         {
                             "kind": kind,
                             "count": len(rs),
-                            "worst": max([r.relative_error for r in rs if r.passed_by != "zero"] or [0.0]),
+                            "worst": worst_error(rs),
                             "zero": sum(r.passed_by == "zero" for r in rs),
                         }
                         for kind, rs in by_kind.items()
@@ -361,7 +364,8 @@ class ParityReport:
             sections.append(self.first_divergence.section())
         elif not self.passed and self.module_errors:
             failed_outputs = [r.name for r in failed if r.kind == "output"]
-            sections.append(Section("no first divergence", {"failed_outputs": failed_outputs}))
+            held = {p: (t, self.module_pairs.get(t)) for p, t in self.gradient_only.items()}
+            sections.append(Section("no first divergence", {"failed_outputs": failed_outputs, "gradient_only": held}))
         if self.isolation is not None:
             sections.append(self.isolation.section())
         if self.localization_note is not None:
@@ -420,6 +424,14 @@ class ParityReport:
                 "skipped": self.module_skipped,
             },
         )
+
+
+def worst_error(results: list[TensorResult]) -> float:
+    """The worst relative error among ``results`` (those passed as a zero gradient aside), NaN when any is NaN (which
+    ``max`` would drop or keep by the order it meets them) or a tensor fails on NaN or Inf whatever its error over
+    the finite values: a summary never says less than a tensor it fails."""
+    errors = [math.nan if r.nonfinite and not r.passed else r.relative_error for r in results if r.passed_by != "zero"]
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors, default=0.0)
 
 
 def environment() -> dict[str, Any]:
@@ -529,6 +541,7 @@ def report_from_dict(d: dict[str, Any]) -> ParityReport:
         constants=d.get("constants", {}),
         discovery=d.get("discovery"),
         module_pairs=d.get("module_pairs", {}),
+        gradient_only=d.get("gradient_only", {}),
         module_inputs=[result_from_json(r) for r in d.get("module_inputs", [])],
         environment=d.get("environment"),
     )

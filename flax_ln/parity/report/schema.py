@@ -54,6 +54,7 @@ OPTIONAL_REPORT_FIELDS: dict[str, Any] = {
     "error": TEXT_OR_NONE,
     "module_pairs": dict,
     "module_inputs": list,
+    "gradient_only": dict,
     "environment": (dict, type(None)),
 }
 ISLAND_FIELDS: dict[str, Any] = {"side": str, "module": TEXT_OR_NONE, "what": str, "lifted": bool}

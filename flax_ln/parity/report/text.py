@@ -40,7 +40,8 @@ from flax_ln.parity.report.names import distinct_cuts
 #   "first divergence":    module, flax_module, by_parameters, inputs, outputs (TensorResult s, at seen_at),
 #                          between, flax_between (the paired children around a gap in module's own code), seen_at,
 #                          unrecorded (flax modules in that gap that ran without a record: inside a scan or vmap)
-#   "no first divergence": failed_outputs (the failing outputs; empty: the backward pass differs)
+#   "no first divergence": failed_outputs (the failing outputs; empty: the backward pass differs), gradient_only
+#                          (parameter -> (torch module, flax module): failing gradients while every output agrees)
 #   "isolation":           results, skipped, culprits, flax_culprits, own_code, kept, unrecorded (flax path -> why)
 #   "localization note":   note (why localisation did not run)
 #   "input casts":         casts (input name -> "float64 -> float32": floating inputs cast to the comparison's dtype)
@@ -309,6 +310,12 @@ def _first_divergence(d: Mapping[str, Any]) -> list[str]:
 
 
 def _no_first_divergence(d: Mapping[str, Any]) -> list[str]:
+    if d.get("gradient_only"):  # parameter -> (torch module, flax module or None)
+        return [
+            f"seen only in the gradient of `{p}`: every module output agrees; its module {t} <-> {f or '(unpaired)'} "
+            "holds a parameter whose value does not show in the forward pass (a zero bias left out of the port's code)"
+            for p, (t, f) in d["gradient_only"].items()
+        ]
     if d["failed_outputs"]:
         return [
             f"no submodule output diverges, yet {', '.join(d['failed_outputs'])} differ: the difference arises in "

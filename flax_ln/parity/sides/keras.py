@@ -23,7 +23,7 @@ from flax_ln.convert import KeyMap, PytreeTree
 from flax_ln.convert.trees import KerasTree, is_keras_layer
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, floating_leaves
 from flax_ln.parity.records.pairing import Pairs, ParameterGroups
-from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, replays
+from flax_ln.parity.records.replay import TRACED, PortCall, Replayed, nudged, replays
 from flax_ln.parity.sides.flax import Parts, Run, require_differentiable
 from flax_ln.parity.sides.tree import TreeSide
 
@@ -334,6 +334,30 @@ class KerasSide(TreeSide):
 
     def unrecorded(self) -> dict[str, str]:
         return dict(self.traced)
+
+    def recorded_calls(self) -> dict[str, PortCall]:
+        return dict(self.port_calls)
+
+    def record_nudged(self, forward_of: Callable[[Any], Any]) -> dict[str, PortCall]:
+        """Each layer's first call in one more eager forward over the trainable variables
+        :func:`~flax_ln.parity.records.replay.nudged` (the model's own variables are not changed): what tells a call's
+        activations from its constants (a mask built from ids keeps its value)."""
+        names = layer_paths(self._tree().model)
+        parts = self.parts()
+        run = parts.build(nudged(parts.params), parts.rest)
+        calls: dict[str, PortCall] = {}
+
+        def hook(layer, call, args, kwargs):
+            path = names.get(id(layer), (None,))[0]
+            if path is not None and path not in calls and not _traced(args, kwargs):
+                calls[path] = PortCall("__call__", list(args), dict(kwargs), _positional(layer))
+                if _activation(layer) is not None:  # the same call, as recorded under its output before activation
+                    calls[path + BEFORE_ACTIVATION] = calls[path]
+            return call(*args, **kwargs)
+
+        with intercept_layers(hook):
+            jax.block_until_ready(forward_of(run))
+        return calls
 
     def module_paths(self, groups: ParameterGroups, recorded: Records) -> dict[str, Any]:
         """Every layer by its path (a handle is the layer), and each layer that applies its own activation as its
