@@ -157,3 +157,35 @@ def _differs_alone(flax, pairs, torch_records, torch_calls, recorded, forward, t
         for table in (pairs.modules, pairs.flax_paths, pairs.type_layouts, pairs.decided, pairs.decided_outputs):
             table.pop(probe, None)
         pairs.skipped.pop(probe, None)
+
+
+def activation_modules_in_own_code(report: ParityReport, pairs: Pairs, torch_records: Records) -> None:
+    """A first divergence in a parent's own code between two paired children, where torch's code there is exactly one
+    module without parameters (its input is the first child's output, its output the second child's input: torch's
+    ``act`` between ``fc1`` and ``fc2``) and the port computes it inline: torch's side of the culprit and of the
+    first divergence is that module; the port's stays the parent's code between the children."""
+    fd, isolation = report.first_divergence, report.isolation
+    if fd is None or fd.between is None or None in fd.between or isolation is None or pairs.holders is None:
+        return
+    parent, (before, after) = fd.module, fd.between
+    if parent not in isolation.own_code or before not in torch_records or after not in torch_records:
+        return
+    if not torch_records[before][1]:
+        return
+    made = fingerprint(torch_records[before][1][0])
+    taken = {fingerprint(x) for x in torch_records[after][0]}
+    found = [
+        path
+        for path, (inputs, outputs) in torch_records.items()
+        if path not in pairs.modules
+        and path not in pairs.holders
+        and inside_module(path, parent)
+        and inputs
+        and fingerprint(inputs[0]) == made
+        and any(fingerprint(y) in taken for y in outputs)
+    ]
+    if len(found) != 1:
+        return
+    isolation.culprits[isolation.culprits.index(parent)] = found[0]
+    isolation.own_code.remove(parent)
+    report.first_divergence = dataclasses.replace(fd, module=found[0], between=None)

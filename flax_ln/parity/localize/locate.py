@@ -19,7 +19,12 @@ from flax_ln.parity.core.call import Call, run_forward
 from flax_ln.parity.core.policy import Tolerance
 from flax_ln.parity.localize.activations import compare_activation, compare_activations, in_torch_layout
 from flax_ln.parity.localize.gradient_only import gradient_only_modules
-from flax_ln.parity.localize.inside import activation_pairs, activations_in_own_code, inside_module
+from flax_ln.parity.localize.inside import (
+    activation_modules_in_own_code,
+    activation_pairs,
+    activations_in_own_code,
+    inside_module,
+)
 from flax_ln.parity.localize.integers import integer_arguments, integer_inputs
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records
 from flax_ln.parity.records.pairing import (
@@ -534,6 +539,10 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase) -> No
                 lambda: activations_in_own_code(
                     report, flax, pairs, torch_records, torch_calls, recorded, tolerance, forward
                 ),
+            )
+            phase.run(
+                "naming torch's activation modules",
+                lambda: activation_modules_in_own_code(report, pairs, torch_records),
             )
             _confirm_between(report)
 

@@ -292,7 +292,11 @@ def _first_divergence(d: Mapping[str, Any]) -> list[str]:
     ins = ", ".join(f"{r.name} rel {r.relative_error:.2e}" for r in d["inputs"]) or "none compared"
     named_apart = d["by_parameters"] or "[" in d.get("flax_module", "")  # a scanned layer (h[2]): both named
     where = f"{d['module']} <-> {d['flax_module']}" if named_apart else d["module"]
-    if d.get("between") is not None:
+    if d.get("between") is None and d.get("flax_between") is not None:  # torch's module, the port's inline code
+        before, after = d["flax_between"]
+        gap = f"between {before or 'its start'} and {after or 'its end'}"
+        where = f"{d['module']} <-> in {d['flax_module']}, {gap}: its own code"
+    elif d.get("between") is not None:
         before, after = d["between"]
         gap = f"between {before or 'its start'} and {after or 'its end'}"
         held = d.get("unrecorded") or []
@@ -369,8 +373,13 @@ def _isolation(d: Mapping[str, Any]) -> list[str]:
     def children(m: str) -> int:
         return sum(1 for p in ran if p != m and (m == WHOLE_MODEL or p.startswith(m + ".")))
 
+    flax_of = dict(zip(d["culprits"], d.get("flax_culprits") or d["culprits"]))
     named = ", ".join(
-        f"{m} (own output rel {fmt(by_name[m].relative_error)}"
+        (
+            f"{m} <-> the port's own code in {flax_of[m]} (torch's module, computed inline in the port"
+            if m not in by_name  # not run alone: the port has no module of its own for it
+            else f"{m} (own output rel {fmt(by_name[m].relative_error)}"
+        )
         + (f"; in its own code: its {children(m)} paired children run alone agree" if m in own else "")
         + ")"
         for m in d["culprits"]
