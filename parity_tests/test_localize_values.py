@@ -409,3 +409,26 @@ def test_an_inline_activation_against_a_dense_with_its_activation_names_the_dens
     for dtype, run in both_runs(report):
         assert run.first_divergence.between == ("fc1", "fc2"), (dtype, str(run))
         assert "in (whole model) <-> fc1, between fc1 and fc2: its own code" in str(run), (dtype, str(run))
+
+
+class InlineMLP(nnx.Module):
+    """``fc1``, the activation inline in the module's own code (sigmoid: the planted bug), ``fc2``."""
+
+    def __init__(self, rngs=None):
+        rngs = rngs or nnx.Rngs(0)
+        self.fc1, self.fc2 = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs), nnx.Linear(2 * WIDTH, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.sigmoid(self.fc1(x)))
+
+
+def test_an_activation_module_against_inline_code_names_act_and_the_parents_code():
+    """(ii) torch's ``act`` module against the port's inline activation: torch's side is ``act``, the port's the
+    model's own code between ``fc1`` and ``fc2``."""
+    torch.manual_seed(0)
+    mlp_map = KeyMap([(r"(fc\d)\.weight", r"\1.kernel", "o i -> i o"), (r"(fc\d)\.bias", r"\1.bias", None)])
+    report = compare_modules(TorchActModule().eval(), nnx.eval_shape(lambda: InlineMLP()), (X,), weights=mlp_map)
+    activation_named(report, "act", WHOLE_MODEL)
+    for dtype, run in both_runs(report):
+        assert run.first_divergence.flax_between == ("fc1", "fc2"), (dtype, str(run))
+        assert "act <-> in (whole model), between fc1 and fc2: its own code" in str(run), (dtype, str(run))
