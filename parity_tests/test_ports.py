@@ -254,9 +254,9 @@ def _named(report, torch_path, flax_path):
 def test_planted_tanh_gelu_in_one_vit_mlp(dtype):
     """tanh GELU instead of erf in layer 0: 7.0e-5 relative on these logits (measured; an output check at 1e-2
     never sees it), beyond the float64 policy and the float32 one (1e-5). The GELU is inline in the port's block
-    (no module of its own), so isolated mode names the block on both sides; the first divergence is the first
-    paired module after it, fc2, whose input already differs: the first divergence names the block's own code
-    between fc1 and fc2 (torch's mlp holds them, but the port has no module whose output is the mlp's)."""
+    (no module of its own), torch's in its parameter-free ``activation_fn`` module: the activation is named where
+    it lives on each side, torch's ``activation_fn`` and the port block's own code between fc1 and fc2 (the first
+    paired module after it, fc2, is fed the difference)."""
     with jax.enable_x64(dtype == "float64"):
         port = port_of("vit", dtype)
         port.layers[0].gelu_approximate = True
@@ -264,11 +264,12 @@ def test_planted_tanh_gelu_in_one_vit_mlp(dtype):
     assert not report.passed
     assert 1e-6 < report["output"].relative_error < 1e-3
     fd = report.first_divergence
-    assert (fd.module, fd.flax_module) == ("vit.layers.0", "layers.0"), str(report)
-    assert fd.between == ("vit.layers.0.mlp.fc1", "vit.layers.0.mlp.fc2"), str(report)
-    assert fd.flax_between == ("layers.0.fc1", "layers.0.fc2") and fd.seen_at == "vit.layers.0.mlp.fc2"
-    assert not fd.inputs[0].passed  # fc2 is fed the difference, it does not make it
-    assert (report.isolation.culprits, report.isolation.flax_culprits) == (["vit.layers.0"], ["layers.0"])
+    assert (fd.module, fd.flax_module) == ("vit.layers.0.mlp.activation_fn", "layers.0"), str(report)
+    assert fd.flax_between == ("layers.0.fc1", "layers.0.fc2"), str(report)
+    assert (report.isolation.culprits, report.isolation.flax_culprits) == (
+        ["vit.layers.0.mlp.activation_fn"],
+        ["layers.0"],
+    ), str(report)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -477,17 +478,18 @@ def test_linen_vit_passes_under_the_policy(dtype):
 
 
 def test_planted_tanh_gelu_in_the_linen_vit_is_named_on_both_sides(x64):
-    """tanh GELU in block 0's MLP, float64 policy: the GELU is inline in the MLP module, so isolated mode names the
-    MLP on both sides; the first divergence is the MLP's own code between fc1 and fc2 (seen at fc2, fed the
-    difference)."""
+    """tanh GELU in block 0's MLP, float64 policy: the GELU is inline in the port's MLP module and torch's own
+    parameter-free ``activation_fn`` module: named where it lives on each side, torch's ``activation_fn`` and the
+    port MLP's own code between fc1 and fc2."""
     report = linen_parity("float64", linen_vit("float64", tanh_gelu_blocks=(0,)))
     assert not report.passed
     fd = report.first_divergence
-    assert (fd.module, fd.flax_module) == ("vit.layers.0.mlp", "blocks_0.mlp"), str(report)
-    assert fd.between == ("vit.layers.0.mlp.fc1", "vit.layers.0.mlp.fc2") and fd.seen_at == "vit.layers.0.mlp.fc2"
-    assert not fd.inputs[0].passed
-    assert (report.isolation.culprits, report.isolation.flax_culprits) == (["vit.layers.0.mlp"], ["blocks_0.mlp"])
-    assert "in vit.layers.0.mlp <-> blocks_0.mlp, between vit.layers.0.mlp.fc1 and vit.layers.0.mlp.fc2" in str(report)
+    assert (fd.module, fd.flax_module) == ("vit.layers.0.mlp.activation_fn", "blocks_0.mlp"), str(report)
+    assert fd.flax_between == ("blocks_0.mlp.fc1", "blocks_0.mlp.fc2"), str(report)
+    assert (report.isolation.culprits, report.isolation.flax_culprits) == (
+        ["vit.layers.0.mlp.activation_fn"],
+        ["blocks_0.mlp"],
+    ), str(report)
     # q/k/v kernels are (d, heads, head_dim): their (B, T, n, h) outputs are compared through their rules' layouts
     assert "vit.layers.0.attention.q_proj" not in report.module_skipped
     assert "vit.layers.0.attention.q_proj" in {r.name for r in report.module_errors}
@@ -553,9 +555,10 @@ def test_planted_tanh_gelu_at_the_default_initialisation_fails_the_default_call(
     report = compare_modules(hf, flax, (x,), weights=weights, **options)
     assert report.dtype == "float32" and not report.passed and not report.float64_check.passed, str(report)
     assert report.float64_check["output"].relative_error > 1e-12, str(report)
-    # where the GELU is inline: the NNX port's block, the Linen ViT's MLP module (as in float64 above)
-    culprit = {"nnx": "vit.layers.0", "linen": "vit.layers.0.mlp"}[kind]
-    assert report.float64_check.isolation.culprits == [culprit], str(report)
+    # where the GELU lives: torch's activation_fn module; inline in the NNX port's block, the Linen ViT's MLP module
+    flax_culprit = {"nnx": "layers.0", "linen": "blocks_0.mlp"}[kind]
+    isolation = report.float64_check.isolation
+    assert (isolation.culprits, isolation.flax_culprits) == (["vit.layers.0.mlp.activation_fn"], [flax_culprit])
 
 
 @pytest.mark.parametrize("kind", ["linen", "function"])
