@@ -59,8 +59,8 @@ class Pairs:
     (``type_layouts``: channels-last convolutions); for mirrored pairs, none; else the axis permutation from one
     shape to the other: the only one, or, where several fit (square images, per-head norms), the one evidence gives
     (``decided`` for inputs, ``decided_outputs`` for outputs, see :meth:`decide` and
-    :mod:`~flax_ln.parity.records.layouts`), for the whole model's inputs the axis order the caller gave them;
-    never the identity only because the shapes are equal. Where nothing decides, the pair is skipped with that said
+    :mod:`~flax_ln.parity.records.layouts`), else the model inputs' own axis order where exactly one fits; never
+    the identity only because the shapes are equal. Where nothing decides, the pair is skipped with that said
     (``skipped``), so it is neither compared nor blamed.
     """
 
@@ -160,7 +160,7 @@ class Pairs:
             return array.transpose(self.type_layouts[path].to_torch(array.ndim))
         if not self.by_parameters:
             return array
-        inverse = [tuple(int(i) for i in np.argsort(o)) for o in self._given_orders(path, which)]  # flax -> torch
+        inverse = [tuple(int(i) for i in np.argsort(o)) for o in self.orders]  # flax -> torch
         perm = _permutation(array.shape, torch_shape, self._decided(path, which), inverse)
         if isinstance(perm, str) and regrouped(array.shape, torch_shape):
             return array.reshape(tuple(torch_shape))  # the batch axes merged, split, added or dropped
@@ -186,15 +186,10 @@ class Pairs:
             return array
         decided = self._decided(path, which)
         inverse = None if decided is None else tuple(int(i) for i in np.argsort(decided))
-        perm = _permutation(array.shape, flax_shape, inverse, self._given_orders(path, which))
+        perm = _permutation(array.shape, flax_shape, inverse, self.orders)
         if isinstance(perm, str) and regrouped(array.shape, flax_shape):
             return array.reshape(tuple(flax_shape))  # the batch axes merged, split, added or dropped
         return perm if isinstance(perm, str) else np.transpose(array, perm)
-
-    def _given_orders(self, path: str, which: str) -> list[tuple[int, ...]]:
-        """The axis orders the caller gave the model's inputs (``flax_inputs=``): evidence for the whole model's
-        inputs only, never a guess for an inner pair's."""
-        return self.orders if path == WHOLE_MODEL and which == "input" else []
 
     def known_permutation(self, path: str, flax_output, torch_shape) -> tuple[int, ...] | None:
         """The flax -> torch axis permutation of the pair's output where it is known without comparing values: torch's
@@ -519,8 +514,8 @@ def _permutation(
     """The unique ``p`` with ``source[p] == target``, else the reason there is none.
 
     Among several (repeated sizes): the one ``decided`` by evidence (:mod:`~flax_ln.parity.records.layouts`), else
-    the one of ``hints`` (the model inputs' own axis orders, as the caller gave them, for the whole model's inputs)
-    if exactly one is there; never the identity only because the shapes are equal.
+    the one of ``hints`` (the model inputs' own axis orders, as the caller gave them) if exactly one is there; never
+    the identity only because the shapes are equal.
     """
     source, target = tuple(source), tuple(target)
     found = set(axis_permutations(source, target))
