@@ -293,20 +293,14 @@ def first_divergence(
     paired children. Errors compound down the stack; :func:`isolate` does not let them.
     """
     errors, compared = [], {}
-    sources = {}  # where each earlier pair's outputs (and the model's inputs) went
-    if WHOLE_MODEL in torch_records and WHOLE_MODEL in flax_records:
-        sources = pairs.input_sources(flax_records[WHOLE_MODEL][0], torch_records[WHOLE_MODEL][0])
+    sources = pairs.input_sources(flax_records.get(WHOLE_MODEL), torch_records.get(WHOLE_MODEL))  # + pairs' outputs
     firsts: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}  # each earlier pair's first outputs
-
-    def agree(f: np.ndarray, t: np.ndarray) -> bool:
-        return compare_tensors("input", "module input", f, t, tolerance).passed
-
     for path, t_record in torch_records.items():
         if path not in flax_records or path not in pairs.modules:
             continue
         f_outs = flax_records[path][1]
         fed = firsts.get(pairs.fed_by.get(path, ""))
-        pairs.decide(path, flax_records[path][0], t_record[0], sources, fed=fed, agree=agree)
+        pairs.decide(path, flax_records[path][0], t_record[0], sources, fed=fed, tolerance=tolerance)
         pairs.decide(path, f_outs, t_record[1], sources, which="output")
         if f_outs and t_record[1]:
             firsts[path] = (path, np.asarray(f_outs[0]), t_record[1][0])

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from flax_ln.parity.core.policy import Tolerance, compare_tensors
+
 UNDECIDED = (
     "shapes {source} and {target} are {count} axis permutations apart and no structural fact decides which one "
     "(the module types, torch's own view/permute, the key map, an earlier pair's layout, the pair's inputs agreeing "
@@ -79,3 +81,9 @@ def agreeing_permutation(flax, torch, agree: Callable[[np.ndarray, np.ndarray], 
     within the comparison's tolerance); ``None`` where none or several do. Never used on a module's own output."""
     found = [p for p in axis_permutations(np.shape(flax), np.shape(torch)) if agree(np.transpose(flax, p), torch)]
     return found[0] if len(found) == 1 else None
+
+
+def inputs_agree(flax_input, torch_input, tolerance: Tolerance) -> bool:
+    """Whether a pair's input (put into torch's layout) agrees with torch's within ``tolerance``: the test
+    :func:`agreeing_permutation` asks of each layout that fits."""
+    return compare_tensors("input", "module input", flax_input, torch_input, tolerance).passed

@@ -8,6 +8,7 @@ here know nothing of NNX or Linen: a flax module is a dotted path and an opaque 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -20,8 +21,16 @@ from einops.parsing import ParsedExpression
 
 from flax_ln.convert import KeyPlan
 from flax_ln.convert.layouts import ArrayLayout, Permute, parse_layout
+from flax_ln.parity.core.policy import Tolerance
 from flax_ln.parity.records.capture import WHOLE_MODEL
-from flax_ln.parity.records.layouts import UNDECIDED, agreeing_permutation, axis_permutations, flow_permutation, places
+from flax_ln.parity.records.layouts import (
+    UNDECIDED,
+    agreeing_permutation,
+    axis_permutations,
+    flow_permutation,
+    inputs_agree,
+    places,
+)
 
 NO_HOLDER = "no flax module holds its parameters"  # why a torch module has no pair, when pairs go by parameters
 NO_PARAMETERS = (  # why a torch module without parameters (ReLU, a pool) has no pair, when pairs go by parameters
@@ -240,11 +249,13 @@ class Pairs:
             return None  # not known, or not an axis permutation (a mirrored pair's regrouped batch axes)
         return places(perm, shape, torch_shape)
 
-    def input_sources(self, flax_inputs: Sequence[Any], torch_inputs: Sequence[Any]) -> dict[bytes, tuple]:
-        """The model's inputs as sources of provenance for :meth:`decide`: each in the axis order the caller gave
-        (``flax_inputs=``), else the same array on both sides."""
+    def input_sources(self, flax_record: Any, torch_record: Any) -> dict[bytes, tuple]:
+        """The model's inputs (the whole model's records, ``None`` where not recorded) as sources of provenance for
+        :meth:`decide`: each in the axis order the caller gave (``flax_inputs=``), else the same on both sides."""
         found: dict[bytes, tuple] = {}
-        for i, (f, t) in enumerate(zip(flax_inputs, torch_inputs)):
+        if flax_record is None or torch_record is None:
+            return found
+        for i, (f, t) in enumerate(zip(flax_record[0], torch_record[0])):
             f, t = np.asarray(f), np.asarray(t)
             order = self.input_orders[i] if i < len(self.input_orders) else ()
             order = order if len(order) == t.ndim else tuple(range(t.ndim))
@@ -260,7 +271,7 @@ class Pairs:
         sources: Mapping[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
         which: str = "input",
         fed: tuple[str, np.ndarray, np.ndarray] | None = None,
-        agree: Callable[[np.ndarray, np.ndarray], bool] | None = None,
+        tolerance: Tolerance | None = None,
     ) -> None:
         """Where several axis permutations take the pair's flax ``which`` (its inputs, or its outputs) onto torch's
         shape, keep the one evidence gives (:mod:`~flax_ln.parity.records.layouts`), first that applies:
@@ -270,7 +281,7 @@ class Pairs:
         :func:`~flax_ln.parity.records.layouts.places` of the flax one in the torch one); with ``fed`` (the path,
         flax output and torch output of the earlier pair whose output torch's code made this array from without
         moving an axis: torch's op trace), that pair's layout where both shapes are its output's; for inputs only,
-        with ``agree``, the one permutation under which the inputs agree (their values come from upstream). A
+        with ``tolerance``, the one permutation under which the inputs agree (their values come from upstream). A
         module's own output never decides; where nothing does, nothing is kept."""
         table = self.decided if which == "input" else self.decided_outputs
         if not self.by_parameters or self._layout(path, which) is not None or path in self.type_layouts:
@@ -285,7 +296,8 @@ class Pairs:
                 kept = flow_permutation(*source, f, t)
             if kept is None and fed is not None and np.shape(f) == np.shape(fed[1]) and np.shape(t) == np.shape(fed[2]):
                 kept = self.known_permutation(fed[0], fed[1], np.shape(fed[2]))  # made without moving an axis
-            if kept is None and agree is not None and which == "input":
+            if kept is None and tolerance is not None and which == "input":
+                agree = functools.partial(inputs_agree, tolerance=tolerance)
                 kept = agreeing_permutation(np.asarray(f), np.asarray(t), agree)
             if kept in found:
                 table[path] = kept
