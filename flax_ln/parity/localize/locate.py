@@ -277,19 +277,20 @@ def first_divergence(
     paired children. Errors compound down the stack; :func:`isolate` does not let them.
     """
     errors, compared = [], {}
-    sources: dict[bytes, tuple[str, np.ndarray, np.ndarray]] = {}  # where each earlier pair's outputs went
+    sources = pairs.input_sources(flax_records.get(WHOLE_MODEL), torch_records.get(WHOLE_MODEL))  # + pairs' outputs
     firsts: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}  # each earlier pair's first outputs
     for path, t_record in torch_records.items():
         if path not in flax_records or path not in pairs.modules:
             continue
         f_outs = flax_records[path][1]
-        pairs.decide(path, flax_records[path][0], t_record[0], sources, fed=firsts.get(pairs.fed_by.get(path, "")))
+        fed = firsts.get(pairs.fed_by.get(path, ""))
+        pairs.decide(path, flax_records[path][0], t_record[0], sources, fed=fed, tolerance=tolerance)
         pairs.decide(path, f_outs, t_record[1], sources, which="output")
         if f_outs and t_record[1]:
             firsts[path] = (path, np.asarray(f_outs[0]), t_record[1][0])
         for f, t in zip(f_outs, t_record[1]):
-            if pairs.known_permutation(path, f, np.shape(t)) is not None:
-                sources[fingerprint(t)] = (path, np.asarray(f), t)
+            if (where := pairs.output_places(path, f, np.shape(t))) is not None:
+                sources[fingerprint(t)] = (np.asarray(f), np.asarray(t), where)
         outputs = compare_activations("output", f_outs, t_record[1], tolerance, pairs, path)
         if outputs:
             compared[path] = outputs

@@ -8,8 +8,8 @@ here know nothing of NNX or Linen: a flax module is a dotted path and an opaque 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -21,7 +21,16 @@ from einops.parsing import ParsedExpression
 
 from flax_ln.convert import KeyPlan
 from flax_ln.convert.layouts import ArrayLayout, Permute, parse_layout
+from flax_ln.parity.core.policy import Tolerance
 from flax_ln.parity.records.capture import WHOLE_MODEL
+from flax_ln.parity.records.layouts import (
+    UNDECIDED,
+    agreeing_permutation,
+    axis_permutations,
+    flow_permutation,
+    inputs_agree,
+    places,
+)
 
 NO_HOLDER = "no flax module holds its parameters"  # why a torch module has no pair, when pairs go by parameters
 NO_PARAMETERS = (  # why a torch module without parameters (ReLU, a pool) has no pair, when pairs go by parameters
@@ -57,9 +66,11 @@ class Pairs:
     output's ``n*h`` flax's ``n, h``; it wins over the key map, which may be the bug); the one the key map's einops
     layout of the pair's projection weight says (``derived``: ``"(n h) d -> d n h"``); the flax module type's
     (``type_layouts``: channels-last convolutions); for mirrored pairs, none; else the axis permutation from one
-    shape to the other: the only one, or, where several fit (square images), the one provenance gives (``decided``
-    for inputs, ``decided_outputs`` for outputs, see :meth:`decide`), else the inputs' own axis order; where
-    structure leaves several, the pair is skipped with that said (``skipped``).
+    shape to the other: the only one, or, where several fit (square images, per-head norms), the one evidence gives
+    (``decided`` for inputs, ``decided_outputs`` for outputs, see :meth:`decide` and
+    :mod:`~flax_ln.parity.records.layouts`), else the model inputs' own axis order where exactly one fits; never
+    the identity only because the shapes are equal. Where nothing decides, the pair is skipped with that said
+    (``skipped``), so it is neither compared nor blamed.
     """
 
     modules: dict[str, Any]
@@ -78,6 +89,7 @@ class Pairs:
     constants: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # flax call -> arguments not activations
     holders: frozenset[str] | None = None  # the torch paths holding some state-dict key (None: not known)
     integers: dict[str, list[tuple[Any, np.ndarray]]] = dataclasses.field(default_factory=dict)  # (flax's, torch's)
+    input_orders: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # every model input's, as given
 
     def why_unpaired(self, torch_path: str) -> str:
         """Why ``torch_path`` has no flax twin: its reason in ``unpaired``, else, when pairs go by parameters,
@@ -199,7 +211,8 @@ class Pairs:
             return None
         if code is not None:
             index = np.arange(code.size).reshape(tuple(torch_shape))
-            moves = [q for q in _candidates(tuple(torch_shape), shape) if np.array_equal(index.transpose(q), code)]
+            fits = axis_permutations(tuple(torch_shape), shape)
+            moves = [q for q in fits if np.array_equal(index.transpose(q), code)]
             return tuple(int(i) for i in np.argsort(moves[0])) if moves else None
         if self._layout(path, "output") is not None:
             return None
@@ -208,58 +221,90 @@ class Pairs:
             return tuple(int(i) for i in self.type_layouts[path].to_torch(ndim))
         if not self.by_parameters:
             return tuple(range(ndim))
-        found = _candidates(shape, tuple(torch_shape))
+        found = axis_permutations(shape, tuple(torch_shape))
         decided = self._decided(path, "output")
         if decided in found:
             return decided
         return found[0] if len(found) == 1 else None
+
+    def output_places(self, path: str, flax_output, torch_shape) -> np.ndarray | None:
+        """Where the pair's flax output stands in torch's, when its layout is known from structure: a flax-shaped
+        array of the torch output's flat positions (:func:`~flax_ln.parity.records.layouts.places`); ``None``
+        where the layout is not known."""
+        shape, torch_shape = tuple(np.shape(flax_output)), tuple(torch_shape)
+        code = self.code_layout(path, shape, torch_shape)
+        if isinstance(code, str):
+            return None
+        if code is not None:
+            return code
+        layout = self._layout(path, "output")
+        if layout is not None:
+            try:
+                iota = np.arange(int(np.prod(torch_shape))).reshape(torch_shape)
+                found = np.asarray(layout.to_flax(iota, shape))
+            except ValueError:
+                return None
+            return found if found.shape == shape else None
+        perm = self.known_permutation(path, flax_output, torch_shape)
+        if perm is None or len(perm) != len(torch_shape) or tuple(shape[i] for i in perm) != torch_shape:
+            return None  # not known, or not an axis permutation (a mirrored pair's regrouped batch axes)
+        return places(perm, shape, torch_shape)
+
+    def input_sources(self, flax_record: Any, torch_record: Any) -> dict[bytes, tuple]:
+        """The model's inputs (the whole model's records, ``None`` where not recorded) as sources of provenance for
+        :meth:`decide`: each in the axis order the caller gave (``flax_inputs=``), else the same on both sides."""
+        found: dict[bytes, tuple] = {}
+        if flax_record is None or torch_record is None:
+            return found
+        for i, (f, t) in enumerate(zip(flax_record[0], torch_record[0])):
+            f, t = np.asarray(f), np.asarray(t)
+            order = self.input_orders[i] if i < len(self.input_orders) else ()
+            order = order if len(order) == t.ndim else tuple(range(t.ndim))
+            if tuple(np.shape(t)[k] for k in order) == f.shape:  # flax's input is torch's transposed by ``order``
+                found[fingerprint(t)] = (f, t, places(tuple(int(k) for k in np.argsort(order)), f.shape, t.shape))
+        return found
 
     def decide(
         self,
         path: str,
         flax_inputs: Sequence[np.ndarray],
         torch_inputs: Sequence[np.ndarray],
-        sources: Mapping[bytes, tuple[str, np.ndarray, np.ndarray]] | None = None,
+        sources: Mapping[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
         which: str = "input",
         fed: tuple[str, np.ndarray, np.ndarray] | None = None,
+        tolerance: Tolerance | None = None,
     ) -> None:
         """Where several axis permutations take the pair's flax ``which`` (its inputs, or its outputs) onto torch's
-        shape, keep the one provenance gives: when torch's array is exactly an axis permutation of an earlier
-        pair's torch output (``sources``: the torch output fingerprint (:func:`fingerprint`) of each earlier pair ->
-        that pair's path, flax output and torch output; a child's, for a parent's output), flax's exactly one of
-        that pair's flax output, and that pair's own layout is known, the three compose into this pair's layout,
-        whatever the values' errors. Else, with ``fed`` (the path, flax output and torch output of the earlier pair
-        whose output torch's code made this array from without moving an axis: torch's op trace), that pair's
-        layout where both shapes are its output's. No value decides: where structure does not, nothing is kept."""
+        shape, keep the one evidence gives (:mod:`~flax_ln.parity.records.layouts`), first that applies:
+        provenance, when torch's array holds the values of an earlier pair's torch output (or of a model input)
+        and flax's those of that pair's flax output, each rearranged by its side's own code, and that pair's
+        layout is known (``sources``: the torch array's :func:`fingerprint` -> the flax array, the torch array and
+        :func:`~flax_ln.parity.records.layouts.places` of the flax one in the torch one); with ``fed`` (the path,
+        flax output and torch output of the earlier pair whose output torch's code made this array from without
+        moving an axis: torch's op trace), that pair's layout where both shapes are its output's; for inputs only,
+        with ``tolerance``, the one permutation under which the inputs agree (their values come from upstream). A
+        module's own output never decides; where nothing does, nothing is kept."""
         table = self.decided if which == "input" else self.decided_outputs
         if not self.by_parameters or self._layout(path, which) is not None or path in self.type_layouts:
             return
         for f, t in zip(flax_inputs, torch_inputs):
-            found = _candidates(np.shape(f), np.shape(t))
+            found = axis_permutations(np.shape(f), np.shape(t))
+            if len(found) == 1:  # the only layout the shapes allow: a square output of this pair follows it
+                table.setdefault(path, found[0])
             if len(found) < 2:
                 continue
             source = None if sources is None else sources.get(fingerprint(t))
-            if source is not None and source[0] != path:
-                flowed = self._by_flow(source, f, t)
-                if flowed in found:
-                    table[path] = flowed
-            elif fed is not None and np.shape(f) == np.shape(fed[1]) and np.shape(t) == np.shape(fed[2]):
-                # made from that output without moving an axis: its layout
-                kept = self.known_permutation(fed[0], fed[1], np.shape(fed[2]))
-                if kept in found:
-                    table[path] = kept
+            kept = None
+            if source is not None:
+                kept = flow_permutation(*source, f, t)
+            if kept is None and fed is not None and np.shape(f) == np.shape(fed[1]) and np.shape(t) == np.shape(fed[2]):
+                kept = self.known_permutation(fed[0], fed[1], np.shape(fed[2]))  # made without moving an axis
+            if kept is None and tolerance is not None and which == "input":
+                agree = functools.partial(inputs_agree, tolerance=tolerance)
+                kept = agreeing_permutation(np.asarray(f), np.asarray(t), agree)
+            if kept in found:
+                table[path] = kept
             return
-
-    def _by_flow(self, source: tuple[str, np.ndarray, np.ndarray], f: np.ndarray, t: np.ndarray):
-        """The flax -> torch permutation of ``f`` (flax's input) onto ``t`` (torch's) through the earlier pair
-        ``source`` whose outputs they are, each side up to an exact axis permutation; ``None`` when not known."""
-        path, f_out, t_out = source
-        at_source = self.known_permutation(path, f_out, np.shape(t_out))
-        torch_moved, flax_moved = exact_permutation(t_out, t), exact_permutation(f_out, f)
-        if at_source is None or torch_moved is None or flax_moved is None:
-            return None
-        # f = f_out.T(flax_moved), t = t_out.T(torch_moved) ~ f_out.T(at_source).T(torch_moved): f.T(p) ~ t
-        return tuple(int(i) for i in np.argsort(flax_moved)[np.asarray(at_source)[list(torch_moved)]])
 
 
 def fingerprint(array) -> bytes:
@@ -269,7 +314,7 @@ def fingerprint(array) -> bytes:
 
 def exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...] | None:
     """The one ``p`` with ``source.transpose(p)`` equal to ``target`` element for element, else ``None``."""
-    found = _candidates(np.shape(source), np.shape(target))
+    found = axis_permutations(np.shape(source), np.shape(target))
     exact = [p for p in found if np.array_equal(np.transpose(source, p), target)]
     return exact[0] if len(exact) == 1 else None
 
@@ -471,18 +516,11 @@ def complete_pairs(
     paired = {t: by_flax_path[f] for t, f in flax_paths.items() if f in by_flax_path}
     hints = [tuple(o) for o in orders if tuple(o) != tuple(range(len(o)))]
     pairs = Pairs(paired, flax_paths, layouts, {}, by_parameters, hints)
+    pairs.input_orders = [tuple(o) for o in orders]
     for torch_path, handle in paired.items():
         if (layout := type_layout(handle)) is not None:
             pairs.type_layouts[torch_path] = layout
     return pairs
-
-
-def _candidates(source: tuple, target: tuple) -> list[tuple[int, ...]]:
-    """Every ``p`` with ``source[p] == target``."""
-    source, target = tuple(source), tuple(target)
-    if len(source) != len(target):
-        return []
-    return [p for p in itertools.permutations(range(len(source))) if tuple(source[i] for i in p) == target]
 
 
 def _permutation(
@@ -490,22 +528,17 @@ def _permutation(
 ) -> tuple[int, ...] | str:
     """The unique ``p`` with ``source[p] == target``, else the reason there is none.
 
-    Among several (repeated sizes): the one ``decided`` by the pair's input values, else the one of ``hints``
-    (the inputs' own axis orders) if exactly one is there, else the identity if the shapes are equal and no
-    hint has this many axes.
+    Among several (repeated sizes): the one ``decided`` by evidence (:mod:`~flax_ln.parity.records.layouts`), else
+    the one of ``hints`` (the model inputs' own axis orders, as the caller gave them) if exactly one is there; never
+    the identity only because the shapes are equal.
     """
     source, target = tuple(source), tuple(target)
-    found = set(_candidates(source, target))
+    found = set(axis_permutations(source, target))
     if decided is not None and decided in found:
         return decided
     hinted = found & set(hints)
     if len(found) == 1 or len(hinted) == 1:
         return (found if len(found) == 1 else hinted).pop()
-    if source == target and not any(len(h) == len(source) for h in hints):
-        return tuple(range(len(source)))
     if not found:
         return f"shapes {source} and {target} are not one axis permutation apart"
-    return (
-        f"shapes {source} and {target} are {len(found)} axis permutations apart and the pair's inputs do not "
-        "decide; give the pair's layout in modules={torch_path: (flax_path, 'einops pattern')}"
-    )
+    return UNDECIDED.format(source=source, target=target, count=len(found))

@@ -9,14 +9,16 @@ The rule for a recorded port call's arguments, leaf by leaf (containers opened):
   a mask or a position table built from constants or integer inputs, an empty cache; told by
   :func:`constant_arguments` from a second run with those nudged) keeps the port's own value, named in
   :attr:`Replayed.kept`;
-- a floating array that is exactly the port output of a pair recorded before the call began (or an axis
-  permutation or reshape of it) takes that pair's torch output, put into the port's layout (*provenance*: a
-  cross-attention's keys and values take torch's encoder output, whatever name or slot they come in);
-- any other floating array takes the torch floating input it corresponds to (*correspondence*): the one of the
-  same keyword name, else the next one in order, positional and keyword, among those no provenance explained, when
-  its shape fits;
-- a floating array found by neither (a mask built from ids, a rotary table) keeps the port's own value, and the
-  isolated result names it (:attr:`Replayed.kept`);
+- every other floating array takes the value of one of the torch twin's *own* recorded arguments, through the
+  pair's layout, never another module's output. Which one: for an array that is exactly the port output of a pair
+  recorded before the call began (or an axis permutation or reshape of it), the twin's argument holding that pair's
+  torch output (*provenance* picks the slot: a cross-attention's keys and values take torch's encoder output,
+  whatever name or slot they come in); otherwise the one it corresponds to (*correspondence*): the one of the same
+  keyword name, else the next one in order, positional and keyword, among those no provenance explained, when its
+  shape fits;
+- an earlier pair's port output for which the twin recorded no argument skips the module, with the reason;
+- a floating array found by neither that no pair made (a mask built from ids, a rotary table) keeps the port's own
+  value, and the isolated result names it (:attr:`Replayed.kept`);
 - integer arrays take torch's integer arguments of the twin's call, in order, where the two calls have as many of
   them, each of one shape (:attr:`Pairs.integers`: ids computed wrongly upstream are not this module's error);
 - everything else (boolean arrays, numbers, bools, strings, ``None``, caches and other objects, integers that do
@@ -208,6 +210,26 @@ def _from_source(pairs: Pairs, source: tuple[str, np.ndarray, np.ndarray], leaf)
     return None
 
 
+def _twins_argument(pairs: Pairs, path: str, source, argument: np.ndarray, leaf) -> np.ndarray | None:
+    """The twin's own recorded torch ``argument`` (it holds the values of ``source``'s torch output) in the layout of
+    the port's ``leaf`` (which holds ``source``'s port output): through the pair's own input layout, else through
+    the source pair's layout and the port's own rearrangement of its output; ``None`` where neither fits."""
+    taken = pairs.to_flax(path, argument, np.shape(leaf))
+    if not isinstance(taken, str) and np.shape(taken) == np.shape(leaf):
+        return np.asarray(taken)
+    _, _, t_out = source
+    t_out = np.asarray(t_out)
+    if argument.shape == t_out.shape and np.array_equal(argument, t_out):
+        as_output = argument
+    elif (perm := exact_permutation(argument, t_out)) is not None:
+        as_output = np.transpose(argument, perm)
+    elif argument.size == t_out.size and np.array_equal(argument.reshape(-1), t_out.reshape(-1)):
+        as_output = argument.reshape(t_out.shape)
+    else:
+        return None
+    return _from_source(pairs, (source[0], source[1], as_output), leaf)
+
+
 @dataclasses.dataclass
 class Replay:
     """A recorded port call with torch's values in it: what to call the module with, and the floating arguments
@@ -255,9 +277,15 @@ def replay_arguments(
         f_args, f_kwargs = jax.tree_util.tree_unflatten(treedef, leaves)  # torch's integers in it, where they pair
         return Replay(list(f_args), dict(f_kwargs), constant)
     out, kept, explained, pending = list(leaves), list(constant), set(), []
+    own = {fingerprint(x): x for _, x in torch_inputs}  # the twin's own recorded torch arguments, by their values
+    made_by: dict[int, str] = {}  # the leaves that are an earlier pair's port output: that pair
     for i in floats:
-        for source in sources.before(call.start, leaves[i]) if sources is not None else ():
-            moved = _from_source(pairs, source, leaves[i])
+        found = sources.before(call.start, leaves[i]) if sources is not None else []
+        if found:
+            made_by[i] = found[0][0]
+        for source in found:
+            twins = own.get(fingerprint(source[2]))  # the twin's argument that stands for that pair's output
+            moved = None if twins is None else _twins_argument(pairs, path, source, twins, leaves[i])
             if moved is not None:
                 out[i] = moved
                 explained.add(fingerprint(source[2]))
@@ -277,6 +305,11 @@ def replay_arguments(
             fit = taken if isinstance(taken, str) else f"torch's {np.shape(taken)} is not {np.shape(leaves[i])}"
             why = why or fit
         else:
+            if i in made_by:  # an activation torch's twin has no argument for: nothing of torch's to run it on
+                return (
+                    f"{names[i]}: the port passes {made_by[i]}'s output there, and torch's call recorded no argument "
+                    "for it (torch's twin takes it in another form or not at all), so the module is not run alone"
+                )
             kept.append(names[i])
     if len(kept) == len(floats) + len(constant):
         if not torch_inputs:
