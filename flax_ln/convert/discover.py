@@ -43,31 +43,29 @@ import numpy as np
 
 from flax_ln.convert.assign import as_numpy, is_floating
 from flax_ln.convert.discover_layout import (
-    Region,
-    compact,
-    describe_part,
-    fold_families,
-    layout_of,
-    regions,
-    slab_of,
-    uniform_value,
-    unread_slabs,
-    value_summary,
-)
-from flax_ln.convert.discover_values import (
     CHUNK,
     FIVE,
+    Region,
     affine_holds,
     agrees,
     all_nonzero,
     chunks,
+    compact,
     constant,
     decode,
+    describe_part,
     digit,
+    fold_families,
     largest_reach,
+    layout_of,
     measured_affine,
+    regions,
     rounding,
     same,
+    slab_of,
+    uniform_value,
+    unread_slabs,
+    value_summary,
 )
 from flax_ln.convert.errors import ConversionError
 from flax_ln.convert.tensor_files import saved_names, write_streamed
