@@ -108,4 +108,7 @@ def assign(var: nnx.Variable, new: np.ndarray, *, owned: bool = False) -> None:
         copy = host_buffer(np.shape(new), old.dtype)
         copy_into(copy, np.asarray(new))
         new = copy
-    var.set_value(jax.device_put(new, getattr(old, "sharding", None), may_alias=True))
+    # An array left where JAX put it by default (uncommitted) stays so: an eager op on committed and uncommitted
+    # arrays is a program of its own, so localisation's op-by-op runs would compile each op again.
+    sharding = None if isinstance(old, jax.Array) and not old.committed else getattr(old, "sharding", None)
+    var.set_value(jax.device_put(new, sharding, may_alias=True))

@@ -23,7 +23,7 @@ from flax_ln.parity.core.structure import Rebuild
 from flax_ln.parity.islands.jax import hold_constants_of
 from flax_ln.parity.islands.lifting import Found, check_island_mode, flax_lifted, torch_lifted, torch_model_for
 from flax_ln.parity.judge import DROPPED_BUT_USED, add_lm_metrics, attribute_errors, judge, without_dropped
-from flax_ln.parity.localize.locate import check_torch_paths, localize
+from flax_ln.parity.localize.locate import Carried, check_torch_paths, localize
 from flax_ln.parity.report.data import ParityReport, environment
 from flax_ln.parity.sides.flax import FlaxSide, Function, Linen
 from flax_ln.parity.sides.kinds import built_by_flax_factory, check_factories, flax_side_kind
@@ -211,7 +211,7 @@ def compare_modules(
         model unchanged on error), parameter gradients come back under ``named_parameters()``'s
         names through each layout's inverse (tied copies summed), ``jvp`` parameter tangents go
         into the flax layout through it, ``report.ties`` lists the ties, and localisation pairs
-        modules by their parameters (:func:`~flax_ln.parity.localize.locate.pair_modules`). Distinct
+        modules by their parameters (:func:`~flax_ln.parity.localize.pair.pair_modules`). Distinct
         torch parameters that fill one flax variable (``report.shared``,
         :meth:`~flax_ln.convert.KeyPlan.shared`) fail: the port holds one variable where torch
         keeps two (equal at initialisation, apart after training), said in a failing result under
@@ -297,15 +297,18 @@ def compare_modules(
     float64_check, zero, plan = None, None, None
     checked = not explicit and dtype != "float64"  # the default: the float64 check, islands lifted, beside it
     label = name or type(torch_module).__name__
+    carried = Carried()  # what the float64 check's localisation found that the run's may reuse
     with Progress(comparison.phases * (1 + checked), label=label, quiet=quiet) as progress:
         if checked:
             check_started = time.perf_counter()
             try:
-                float64_check, zero, plan = comparison.run("float64", None, None, True, progress, "float64 check: ")
+                float64_check, zero, plan = comparison.run(
+                    "float64", None, None, True, progress, "float64 check: ", carried
+                )
             except Exception as err:  # noqa: BLE001 - a float64 check that cannot run is a finding; float32 stands
                 float64_check = ParityReport(label, "float64", [], error=describe_failure(err))
             stamp(float64_check, check_started)
-        report, _, _ = comparison.run(dtype, zero, plan, progress=progress)
+        report, _, _ = comparison.run(dtype, zero, plan, progress=progress, carried=carried)
     report.float64_check = float64_check
     report.discovery = getattr(weights, "discovery", None)
     return stamp(report, started)
@@ -362,16 +365,18 @@ class Comparison:
         want_zero: bool = False,
         progress: Progress | None = None,
         prefix: str = "",
+        carried: Carried | None = None,
     ) -> tuple[ParityReport, set[str], Any]:
         """The comparison in ``dtype`` (floating inputs cast to its parameter dtype; in float64 on float64
         copies, islands lifted or kept): the report, the gradients float64 shows are zero, and the key map's
         plan. ``zero``: those gradients from a float64 check already run, else a float64 run of the torch side
         says, when asked; ``plan``: that check's plan (the same variables and keys), not built again;
         ``want_zero``: in float64, find those gradients even when no gradient of this run needs them (for a run
-        in another dtype to come). ``progress``: the bar its phases advance, each shown after ``prefix``."""
+        in another dtype to come). ``progress``: the bar its phases advance, each shown after ``prefix``. ``carried``:
+        what a localisation of another run of this comparison found, reused where it holds (and filled)."""
         stage = ["building the float64 copies" if dtype == "float64" else "preparing the inputs"]
         try:
-            return self._run(dtype, zero, plan, want_zero, progress, prefix, stage)
+            return self._run(dtype, zero, plan, want_zero, progress, prefix, stage, carried)
         except Exception as err:
             if dtype == "float64":  # say where it came from: a port that runs in float32 may not be x64-safe
                 note_failure(err, f"compare_modules: raised in the float64 run (x64 on), {stage[0]}")
@@ -386,6 +391,7 @@ class Comparison:
         progress: Progress | None,
         prefix: str,
         stage: list[str],  # the stage running now, in words, kept up to date for an error's note
+        carried: Carried | None,
     ) -> tuple[ParityReport, set[str], Any]:
         bar = progress or Progress(0, label="", quiet=True)
         shown = 0
@@ -502,7 +508,7 @@ class Comparison:
                         "and every tensor's result stand"
                     )
                 with flax_lifted(dtype, self.islands, found):
-                    localize(report, side, flax, call, tolerances["output"], self.modules)
+                    localize(report, side, flax, call, tolerances["output"], self.modules, carried)
         bar.advance(self.phases - shown + 1)  # past the last phase, and a localisation not needed
         report.input_casts = casts
         report.islands = found.islands

@@ -1,7 +1,7 @@
 """Torch submodules paired with flax submodules (:class:`Pairs`), whatever the kind of flax side, and activations
 moved between the two layouts of a pair. Imports no torch.
 
-How pairs are found from a flax side's module tree is :func:`flax_ln.parity.localize.locate.pair_modules`; the pieces
+How pairs are found from a flax side's module tree is :func:`flax_ln.parity.localize.pair.pair_modules`; the pieces
 here know nothing of NNX or Linen: a flax module is a dotted path and an opaque handle.
 """
 
@@ -12,6 +12,7 @@ import functools
 import hashlib
 import math
 import re
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -308,8 +309,58 @@ class Pairs:
 
 
 def fingerprint(array) -> bytes:
-    """The same for two arrays holding the same values in any layout (any axis order or reshape)."""
-    return hashlib.blake2b(np.sort(np.asarray(array).ravel()).tobytes(), digest_size=16).digest()
+    """The same for two arrays holding the same values, bit for bit, in any layout (any axis order or reshape).
+
+    A hash of the multiset of the values' bit patterns (:func:`_multiset_digest`: one pass, no sort). Localisation
+    asks it of the same recorded arrays many times (pairing, the first divergence, isolation's provenance): a
+    NumPy array's is kept while the array lives (records are not changed after they are taken)."""
+    if not isinstance(array, np.ndarray):
+        return _multiset_digest(np.asarray(array))
+    key = id(array)
+    held = _FINGERPRINTS.get(key)
+    if held is not None and held[0]() is array:
+        return held[1]
+    digest = _multiset_digest(array)
+    _FINGERPRINTS[key] = (weakref.ref(array, lambda _, key=key: _FINGERPRINTS.pop(key, None)), digest)
+    return digest
+
+
+def _multiset_digest(array: np.ndarray) -> bytes:
+    """The dtype, the size and two sums of the values' bit patterns, each value through its own 32-bit mixing
+    function first (:data:`_MIXES`; an 8-byte value's two words mixed together): equal for equal multisets whatever
+    their order, and two different multisets agree with a chance of about 2**-64. No sort: a few passes of 32-bit
+    integer arithmetic. A dtype whose items are not 1, 2, 4 or 8 bytes is sorted instead."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    itemsize = flat.dtype.itemsize
+    if itemsize not in (1, 2, 4, 8) or flat.dtype.hasobject:
+        return hashlib.blake2b(np.sort(flat).tobytes(), digest_size=16).digest()
+    words = flat.view(np.uint32).reshape(-1, 2) if itemsize == 8 else flat.view(f"u{itemsize}")  # (n, 2) or (n,)
+    sums = []
+    for first, second in _MIXES:
+        if itemsize == 8:
+            mixed = _mix(words[:, 1].copy(), first, second)
+            mixed ^= words[:, 0]
+            mixed = _mix(mixed, second, first)
+        else:
+            mixed = _mix(words.astype(np.uint32), first, second)  # a copy, mixed in place
+        sums.append(int(mixed.sum(dtype=np.uint64)))  # < 2**64 for fewer than 2**32 values: no wrap
+    header = f"{flat.dtype.str}:{flat.size}:{sums[0]:x}:{sums[1]:x}".encode()
+    return hashlib.blake2b(header, digest_size=16).digest()
+
+
+_MIXES = ((0x9E3779B9, 0x85EBCA6B), (0x7FEB352D, 0x846CA68B))  # odd multipliers of two 32-bit mixing functions
+
+
+def _mix(words: np.ndarray, first: int, second: int) -> np.ndarray:
+    """``words`` (uint32, changed in place) through a bijective mix: multiply by an odd number, xor-shift, twice."""
+    words *= np.uint32(first)
+    words ^= words >> np.uint32(16)
+    words *= np.uint32(second)
+    words ^= words >> np.uint32(15)
+    return words
+
+
+_FINGERPRINTS: dict[int, tuple[weakref.ref, bytes]] = {}  # id of a live array -> (a reference to it, its fingerprint)
 
 
 def exact_permutation(source: np.ndarray, target: np.ndarray) -> tuple[int, ...] | None:
@@ -464,7 +515,7 @@ def pairs_by_parameters(
     flax_groups: ParameterGroups, plan: KeyPlan, torch_keys: Sequence[str], modules: Mapping[str, Any] | None
 ) -> dict[str, list[str]]:
     """torch path -> the flax paths of the submodules whose parameters map exactly onto its own (see
-    :func:`~flax_ln.parity.localize.locate.pair_modules`), the likeliest first: where several modules on a side hold the
+    :func:`~flax_ln.parity.localize.pair.pair_modules`), the likeliest first: where several modules on a side hold the
     same parameters (a wrapper and its only child), the k-th innermost torch module lists the k-th innermost flax
     module first. ``flax_groups``: each flax module's filled variables -> the modules' paths; a torch module that
     ``modules=`` removes (``None``) takes no part."""

@@ -344,13 +344,25 @@ def replays(
 
 
 def nudged(tree: Any) -> Any:
-    """``tree`` with every floating array leaf moved by about 1.6% of its size plus 1.6% (no value stays), the rest
-    as it is: the second run of :func:`constant_arguments`."""
+    """``tree`` with every floating array leaf ``x`` moved to ``x + (|x| + 1) / 64``, the rest as it is: the second run
+    of :func:`constant_arguments`. No finite value stays (an affine nudge would keep its fixed point). Computed in
+    NumPy and put back where the leaf was: no XLA compile for each shape of parameter."""
 
     def move(x):
-        if _is_floating_array(x):
-            return x * (1 + 2**-6) + 2**-6
-        return x
+        if not _is_floating_array(x):
+            return x
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, (np.ndarray, jax.Array)):
+            return x + (abs(x) + 1) * 2**-6
+        values = np.asarray(x)
+        with np.errstate(over="ignore"):  # a value near its dtype's largest moves to inf: it moved
+            moved = np.abs(values)  # one new array, then in place: a large model's parameters are not copied again
+            moved += 1
+            moved *= 2**-6
+            moved += values
+        if not isinstance(x, jax.Array):
+            return moved
+        # placed, and committed, as the leaf was (an eager op's program depends on it); JAX may use the buffer
+        return jax.device_put(moved, x.sharding if x.committed else None, may_alias=True)
 
     return jax.tree.map(move, tree)
 
@@ -377,6 +389,18 @@ def constant_arguments(calls: Mapping[str, PortCall], again: Mapping[str, PortCa
         }
         if same:
             found[name] = same
+    return found
+
+
+def call_signature(calls: Mapping[str, PortCall]) -> dict[str, tuple]:
+    """By call name, each recorded call's method and its floating arguments' names and shapes: two
+    runs of a port (in float64 and in float32) with the same signature made the same calls, so the arguments
+    :func:`constant_arguments` found constant in one are the constant ones of the other."""
+    found = {}
+    for name, call in calls.items():
+        leaves, names, _ = named_leaves(call.args, call.kwargs, call.positional)
+        floating = tuple((n, np.shape(x)) for n, x in zip(names, leaves) if _is_floating_array(x))
+        found[name] = (call.method, floating)
     return found
 
 
