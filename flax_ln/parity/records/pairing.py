@@ -321,8 +321,12 @@ def fingerprint(array) -> bytes:
     if held is not None and held[0]() is array:
         return held[1]
     digest = _multiset_digest(array)
-    _FINGERPRINTS[key] = (weakref.ref(array, lambda _, key=key: _FINGERPRINTS.pop(key, None)), digest)
+    _FINGERPRINTS[key] = (weakref.ref(array, functools.partial(_forget_fingerprint, key)), digest)
     return digest
+
+
+def _forget_fingerprint(key: int, _: weakref.ref) -> None:
+    _FINGERPRINTS.pop(key, None)
 
 
 def _multiset_digest(array: np.ndarray) -> bytes:
