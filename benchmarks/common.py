@@ -215,3 +215,95 @@ class PeakAnonymous(threading.Thread):
                 for line in f:
                     if line.startswith("RssAnon:"):
                         self.peak_kib = max(self.peak_kib, int(line.split()[1]))  # "RssAnon:  123 kB"
+
+
+class PhaseClock:
+    """Times the engine's phases, each given as ``(name, module, attribute)`` and wrapped where the engine looks it
+    up (``"Class.method"``: the class's and every subclass's own definition, so each side kind's override; a name in
+    ``entries`` is a context manager, timed to its entry), per run of ``Comparison.run`` (``"float64"``,
+    ``"float32"``): ``seconds[run][phase]``, with ``"whole run"``; and ``compiles[run][phase]``, XLA's compiles
+    counted to the innermost phase running. A phase that calls itself (an override calling its base) counts once."""
+
+    def __init__(self, phases: list[tuple[str, str, str]], entries: frozenset[str] = frozenset()) -> None:
+        import functools
+        import importlib
+
+        self.seconds: dict[str, dict[str, float]] = {}
+        self.compiles: dict[str, dict[str, int]] = {}
+        self.run, self.stack = "outside a run", ["outside a phase"]
+
+        @contextlib.contextmanager
+        def phase_of(phase: str):
+            started = time.perf_counter()
+            self.stack.append(phase)
+            try:
+                yield
+            finally:
+                self.stack.pop()
+                run = self.seconds.setdefault(self.run, {})
+                run[phase] = run.get(phase, 0.0) + time.perf_counter() - started
+
+        def timed(phase: str, fn):
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                if self.stack[-1] == phase:
+                    return fn(*args, **kwargs)
+                with phase_of(phase):
+                    return fn(*args, **kwargs)
+
+            return call
+
+        def timed_entry(phase: str, fn):
+            @contextlib.contextmanager
+            def scope(*args, **kwargs):
+                with contextlib.ExitStack() as held:
+                    with phase_of(phase):
+                        value = held.enter_context(fn(*args, **kwargs))
+                    yield value
+
+            return scope
+
+        def compiling(fn):
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                counts = self.compiles.setdefault(self.run, {})
+                counts[self.stack[-1]] = counts.get(self.stack[-1], 0) + 1
+                return fn(*args, **kwargs)
+
+            return call
+
+        def per_run(fn):
+            @functools.wraps(fn)
+            def call(comparison, dtype, *args, **kwargs):
+                self.run = dtype
+                try:
+                    return timed("whole run", fn)(comparison, dtype, *args, **kwargs)
+                finally:
+                    self.run = "outside a run"
+
+            return call
+
+        def wrap(owner: Any, name: str, phase: str) -> None:
+            raw = owner.__dict__[name]
+            if isinstance(raw, classmethod):
+                setattr(owner, name, classmethod(timed(phase, raw.__func__)))
+            else:
+                setattr(owner, name, (timed_entry if name in entries else timed)(phase, raw))
+
+        compare = importlib.import_module("flax_ln.parity.compare")
+        compare.Comparison.run = per_run(compare.Comparison.run)
+        compiler = importlib.import_module("jax._src.compiler")
+        compiler.backend_compile_and_load = compiling(compiler.backend_compile_and_load)
+        for phase, module_name, attribute in phases:
+            owner = importlib.import_module(module_name)
+            if "." not in attribute:
+                wrap(owner, attribute, phase)
+                continue
+            class_name, name = attribute.split(".")
+            for cls in _with_subclasses(getattr(owner, class_name)):
+                if name in cls.__dict__:
+                    wrap(cls, name, phase)
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _with_subclasses(sub))]

@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import PeakAnonymous
+from common import PeakAnonymous, PhaseClock
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"gpt2": "gpt2", "gpt2-medium": None, "gpt2-xl": "gpt2_xl"}
@@ -148,7 +148,7 @@ def measure_engine(model: str, dtype: str, seq: int, profile: bool = False) -> d
     import torch._dynamo  # noqa: F401
 
     import_s = time.perf_counter() - t_import
-    clock = PhaseClock() if profile else None
+    clock = PhaseClock(PHASES, entries=frozenset({"torch_model_for"})) if profile else None
     before = _peak_gib()
     sampler = PeakAnonymous()
     sampler.start()
@@ -183,71 +183,6 @@ PHASES = [
     ("  of it XLA's compile", "jax._src.compiler", "backend_compile_and_load"),
     ("judging the results", "flax_ln.parity.compare", "judge"),
 ]
-
-
-class PhaseClock:
-    """Times :data:`PHASES` by wrapping each function where the engine looks it up (a context manager: its entry),
-    per run of ``Comparison.run`` (``"float64"``, ``"float32"``): ``seconds[run][phase]``, and ``"whole run"``."""
-
-    def __init__(self) -> None:
-        import contextlib
-        import functools
-        import importlib
-
-        self.seconds: dict[str, dict[str, float]] = {}
-        self.run = "outside a run"
-
-        def add(phase: str, started: float) -> None:
-            run = self.seconds.setdefault(self.run, {})
-            run[phase] = run.get(phase, 0.0) + time.perf_counter() - started
-
-        def timed(phase: str, fn):
-            @functools.wraps(fn)
-            def call(*args, **kwargs):
-                started = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    add(phase, started)
-
-            return call
-
-        def timed_entry(phase: str, fn):
-            @contextlib.contextmanager
-            def scope(*args, **kwargs):
-                started = time.perf_counter()
-                with fn(*args, **kwargs) as value:
-                    add(phase, started)
-                    yield value
-
-            return scope
-
-        def timed_run(fn):
-            @functools.wraps(fn)
-            def call(comparison, dtype, *args, **kwargs):
-                self.run, started = dtype, time.perf_counter()
-                try:
-                    return fn(comparison, dtype, *args, **kwargs)
-                finally:
-                    add("whole run", started)
-                    self.run = "outside a run"
-
-            return call
-
-        compare = importlib.import_module("flax_ln.parity.compare")
-        compare.Comparison.run = timed_run(compare.Comparison.run)
-        for phase, module_name, attribute in PHASES:
-            owner = importlib.import_module(module_name)
-            *classes, name = attribute.split(".")
-            for class_name in classes:
-                owner = getattr(owner, class_name)
-            raw = owner.__dict__[name]
-            if isinstance(raw, classmethod):
-                setattr(owner, name, classmethod(timed(phase, raw.__func__)))
-            elif name == "torch_model_for":
-                setattr(owner, name, timed_entry(phase, raw))
-            else:
-                setattr(owner, name, timed(phase, raw))
 
 
 def _in_subprocess(part: str, args: argparse.Namespace, dtype: str | None = None, profile: bool = False) -> dict:

@@ -41,6 +41,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import PhaseClock
 from flax import nnx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,7 +159,7 @@ def measure(case: str, planted: bool, profile: bool) -> dict:
 
     jax.config.update("jax_enable_compilation_cache", False)  # a first call compiles everything it needs
     torch_model, flax_side, inputs, options = CASES[case][0](planted)
-    clock = _LocalisationClock() if profile else None
+    clock = PhaseClock(PHASES) if profile else None
     started = time.perf_counter()
     report = compare_modules(torch_model, flax_side, inputs, quiet=True, **options)
     seconds = time.perf_counter() - started
@@ -186,73 +187,6 @@ PHASES = [
     ("  isolation", "flax_ln.parity.localize.locate", "isolate"),
     ("  activations inside layers", "flax_ln.parity.localize.locate", "activations_in_own_code"),
 ]
-
-
-class _LocalisationClock:
-    """Wraps each function of :data:`PHASES` (and XLA's compile) to add up its seconds per run of the engine
-    (``"float64"``: the check, ``"float32"``: the run); the innermost phase running takes a compile's count."""
-
-    def __init__(self) -> None:
-        import functools
-        import importlib
-
-        self.seconds: dict[str, dict[str, float]] = {}
-        self.compiles: dict[str, dict[str, int]] = {}
-        self.run, self.stack = "outside a run", ["outside a phase"]
-
-        def timed(phase: str, fn):
-            @functools.wraps(fn)
-            def call(*args, **kwargs):
-                if self.stack[-1] == phase:  # an override calling its base: counted once
-                    return fn(*args, **kwargs)
-                started = time.perf_counter()
-                self.stack.append(phase)
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self.stack.pop()
-                    run = self.seconds.setdefault(self.run, {})
-                    run[phase] = run.get(phase, 0.0) + time.perf_counter() - started
-
-            return call
-
-        def compiling(fn):
-            @functools.wraps(fn)
-            def call(*args, **kwargs):
-                counts = self.compiles.setdefault(self.run, {})
-                counts[self.stack[-1]] = counts.get(self.stack[-1], 0) + 1
-                return fn(*args, **kwargs)
-
-            return call
-
-        def per_run(fn):
-            @functools.wraps(fn)
-            def call(comparison, dtype, *args, **kwargs):
-                self.run = dtype
-                try:
-                    return timed("whole run", fn)(comparison, dtype, *args, **kwargs)
-                finally:
-                    self.run = "outside a run"
-
-            return call
-
-        compare = importlib.import_module("flax_ln.parity.compare")
-        compare.Comparison.run = per_run(compare.Comparison.run)
-        compiler = importlib.import_module("jax._src.compiler")
-        compiler.backend_compile_and_load = compiling(compiler.backend_compile_and_load)
-        for phase, module_name, attribute in PHASES:
-            owner = importlib.import_module(module_name)
-            if "." not in attribute:
-                setattr(owner, attribute, timed(phase, getattr(owner, attribute)))
-                continue
-            class_name, name = attribute.split(".")
-            for cls in _with_subclasses(getattr(owner, class_name)):  # each side kind's own method
-                if name in cls.__dict__:
-                    setattr(cls, name, timed(phase, cls.__dict__[name]))
-
-
-def _with_subclasses(cls: type) -> list[type]:
-    return [cls, *(c for sub in cls.__subclasses__() for c in _with_subclasses(sub))]
 
 
 # --- the driver: fresh processes, best of the repeats, the ratio ----------------------------------------------------
