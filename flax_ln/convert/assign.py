@@ -108,7 +108,13 @@ def assign(var: nnx.Variable, new: np.ndarray, *, owned: bool = False) -> None:
         copy = host_buffer(np.shape(new), old.dtype)
         copy_into(copy, np.asarray(new))
         new = copy
-    # An array left where JAX put it by default (uncommitted) stays so: an eager op on committed and uncommitted
-    # arrays is a program of its own, so localisation's op-by-op runs would compile each op again.
-    sharding = None if isinstance(old, jax.Array) and not old.committed else getattr(old, "sharding", None)
-    var.set_value(jax.device_put(new, sharding, may_alias=True))
+    var.set_value(placed_like(new, old))
+
+
+def placed_like(values: np.ndarray, like: Any) -> jax.Array:
+    """``values`` placed with ``like``'s sharding (a ``jax.Array``, or a ``ShapeDtypeStruct`` that names one; none:
+    the default device), and uncommitted where ``like`` is an uncommitted array: an eager op on a committed and an
+    uncommitted array is a program of its own, so localisation's op-by-op runs would compile each op again. JAX on
+    the CPU may use the NumPy buffer in place (``may_alias``)."""
+    sharding = None if isinstance(like, jax.Array) and not like.committed else getattr(like, "sharding", None)
+    return jax.device_put(values, sharding, may_alias=True)

@@ -278,13 +278,11 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase, carri
     kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in side.kwargs.items()}
     model = flax.eager_model()
 
-    def forward():
-        with jax.disable_jit():  # eagerly, op by op: a scan over layers runs as a loop, one layer at a time
-            return run_forward(call.forward[1], model, args, kwargs)
+    def forward():  # a scan over layers runs as a loop, one layer at a time
+        return eagerly(run_forward, call.forward[1], model, args, kwargs)
 
-    def nudged_forward(nudged_model):
-        with jax.disable_jit():  # as the recorded run: the same calls, and XLA's programs for its ops made once
-            return run_forward(call.forward[1], nudged_model, nudged(args), kwargs)
+    def nudged_forward(nudged_model):  # the same calls as the recorded run, on the programs it compiled
+        return eagerly(run_forward, call.forward[1], nudged_model, nudged(args), kwargs)
 
     ok, recorded = phase.run("recording the flax side's submodules", lambda: flax.record(forward))
     if not ok:
@@ -384,8 +382,8 @@ def _localize(report, side, flax, call, tolerance, modules, phase: _Phase, carri
 
 
 def eagerly(step: Callable[..., Any], *args, **kwargs) -> Any:
-    """``step(*args, **kwargs)`` op by op, as the recorded run: the ops of a module run alone are those the recorded
-    run compiled, not a program of their own."""
+    """``step(*args, **kwargs)`` op by op, under ``jax.disable_jit()``: localisation's recorded run, its nudged run
+    and each module run alone, so that all three make the same small programs, each compiled once."""
     with jax.disable_jit():
         return step(*args, **kwargs)
 

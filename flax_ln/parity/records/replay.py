@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_ln.convert.assign import placed_like
 from flax_ln.parity.core.call import is_float
 from flax_ln.parity.records.capture import WHOLE_MODEL, Calls, Records, array_node, is_array
 from flax_ln.parity.records.pairing import Pairs, exact_permutation, fingerprint
@@ -361,8 +362,7 @@ def nudged(tree: Any) -> Any:
             moved += values
         if not isinstance(x, jax.Array):
             return moved
-        # placed, and committed, as the leaf was (an eager op's program depends on it); JAX may use the buffer
-        return jax.device_put(moved, x.sharding if x.committed else None, may_alias=True)
+        return placed_like(moved, x)
 
     return jax.tree.map(move, tree)
 
